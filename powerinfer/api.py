@@ -1,0 +1,230 @@
+"""The Python API, in the spirit of llama-cpp-python's ``Llama``: ``from powerinfer import LLM``.
+
+Runs in: the user's process, which becomes the coordinator.
+
+    llm = LLM("model.gguf")
+    llm.tokenize("Hello")                          # -> [ids]
+    llm.logits(ids)                                # -> float32 [len(ids), vocab]
+    for chunk in llm.generate("The capital of France is", max_tokens=16, temperature=0):
+        print(chunk.text, end="")
+    for chunk in llm.chat([{"role": "user", "content": "Hi"}]):
+        ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from powerinfer.chat import ChatMessage, ChatTemplate
+from powerinfer.config import ModelConfig, config_from_gguf
+from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    token: int  # -1 for the final chunk that only carries finish_reason
+    text: str  # text completed by this token (may be "" while a UTF-8 sequence or stop string is pending)
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    prompt_tokens: int = 0  # tokens actually computed (a reused cached prefix is not counted)
+    prompt_s: float = 0.0
+    generated_tokens: int = 0
+    generate_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def generate_tps(self) -> float:
+        return self.generated_tokens / self.generate_s if self.generate_s > 0 else 0.0
+
+
+class LLM:
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        n_shards: int = 1,
+        progress: bool = False,
+    ) -> None:
+        t0 = time.perf_counter()
+        if n_threads is not None:
+            if n_threads < 1:
+                raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
+            torch.set_num_threads(n_threads)
+        self.path = Path(model_path)
+        self.file = GGUFFile(self.path)
+        self.config: ModelConfig = config_from_gguf(self.file)
+        if n_ctx == 0:
+            n_ctx = self.config.context_length
+        if n_ctx < 0:
+            raise InvalidArgumentError(f"context size must be positive, got {n_ctx}")
+        if n_ctx > self.config.context_length:
+            log.warning("context %d exceeds the %d the model was trained with", n_ctx, self.config.context_length)
+        self.tokenizer = GGUFTokenizer.from_metadata(self.file.metadata)
+        self.chat_template = ChatTemplate.for_model(self.file.metadata, self.tokenizer)
+        executor = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress)
+        self.engine = Engine(self.file, self.config, executor, n_ctx=n_ctx, n_batch=n_batch)
+        self.n_ctx = n_ctx
+        self.timings = Timings(load_s=time.perf_counter() - t0)
+        log.info("loaded %s (%s) in %.2fs", self.config.name, self.config.arch, self.timings.load_s)
+
+    # -- tokens --------------------------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special=skip_special)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Float32 logits [len(token_ids), vocab] at every position, computed from an empty cache."""
+        self.engine.rewind(0)
+        return self.engine.eval(token_ids, all_logits=True).numpy()
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _prefill(self, ids: list[int]) -> torch.Tensor:
+        """Evaluate ids, reusing the cached common prefix; -> logits [1, vocab] of the last token."""
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty")
+        keep = min(self.engine.common_prefix(ids), len(ids) - 1)
+        self.engine.rewind(keep)
+        t0 = time.perf_counter()
+        logits = self.engine.eval(ids[keep:])
+        self.timings.prompt_tokens = len(ids) - keep
+        self.timings.prompt_s = time.perf_counter() - t0
+        return logits
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        *,
+        sampling: SamplingParams | None = None,
+        stop: Sequence[str] = (),
+        special: bool = False,
+        **overrides: Any,
+    ) -> Iterator[GenerationChunk]:
+        """Stream the continuation of prompt (text, or token ids used as they are).
+
+        max_tokens = -1 generates until an end-of-generation token or the context is full.
+        ``overrides`` are SamplingParams fields (temperature=0, top_k=..., seed=...).
+        """
+        params = replace(sampling or SamplingParams(), **overrides)
+        if max_tokens == 0 or max_tokens < -1:
+            raise InvalidArgumentError(f"max_tokens must be positive or -1, got {max_tokens}")
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidArgumentError("stop sequences must be non-empty strings")
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=True, special=special)
+        return self._generate(ids, max_tokens, params, tuple(stop))
+
+    def _generate(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: tuple[str, ...]) -> Iterator[GenerationChunk]:
+        sampler = Sampler(params)
+        logits = self._prefill(ids)
+        history = list(ids)
+        decoder = StreamDecoder(self.tokenizer)
+        pending = ""  # text held back because it could be the start of a stop string
+        self.timings.generated_tokens, t0 = 0, time.perf_counter()
+        eog = self.tokenizer.eog_ids
+        finish = "length"
+        while True:
+            token = sampler(logits[-1].numpy(), history)
+            self.timings.generated_tokens += 1
+            if token in eog:
+                finish = "stop"
+                break
+            history.append(token)
+            pending += decoder.push(token)
+            cut = _find_stop(pending, stop)
+            if cut is not None:
+                pending = pending[:cut]
+                finish = "stop"
+                break
+            safe = len(pending) - _held_back(pending, stop)
+            if safe:
+                yield GenerationChunk(token, pending[:safe])
+                pending = pending[safe:]
+            else:
+                yield GenerationChunk(token, "")
+            done = self.timings.generated_tokens >= max_tokens > 0
+            if done or len(self.engine.tokens) + 1 >= self.n_ctx:
+                break
+            logits = self.engine.eval([token])
+        self.timings.generate_s = time.perf_counter() - t0
+        if finish == "length":
+            pending += decoder.flush()
+        yield GenerationChunk(-1, pending, finish)
+
+    def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any) -> tuple[str, str]:
+        """Non-streaming generate: (text, finish_reason)."""
+        parts, finish = [], "length"
+        for chunk in self.generate(prompt, max_tokens, **kwargs):
+            parts.append(chunk.text)
+            finish = chunk.finish_reason or finish
+        return "".join(parts), finish
+
+    def render_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], max_tokens: int = -1, **kwargs: Any) -> Iterator[GenerationChunk]:
+        """Stream the assistant's reply to messages, rendered with the model's chat template."""
+        text = self.render_chat(messages)
+        # The template already writes BOS when the model wants it; don't add a second one.
+        ids = self.tokenize(text, add_bos=not self._template_has_bos(text), special=True)
+        return self.generate(ids, max_tokens, **kwargs)
+
+    def _template_has_bos(self, text: str) -> bool:
+        bos = self.tokenizer.bos_id
+        return bos is not None and text.startswith(self.tokenizer.decode([bos], skip_special=False))
+
+    def close(self) -> None:
+        self.engine.executor.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

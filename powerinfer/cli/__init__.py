@@ -1,0 +1,1 @@
+"""Command-line entry points (`powerinfer ...`). Runs in the user's process (the coordinator)."""

@@ -1,0 +1,158 @@
+"""`powerinfer` command: one-shot generation (llama.cpp-style flags) and subcommands.
+
+Runs in: the user's process (the coordinator).
+
+    powerinfer -m smollm2 -p "The capital of France is" -n 32 --temp 0
+    powerinfer fetch gemma3-270m
+    powerinfer bench -m smollm2 --threads 1,2
+
+Expected errors (bad flags, missing or malformed files) print one ``error:`` line on stderr and
+exit with status 1; only genuine bugs show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from powerinfer.errors import PowerInferError
+
+log = logging.getLogger("powerinfer")
+
+SUBCOMMANDS = ("fetch", "bench")
+
+
+class CLIError(PowerInferError):
+    """A bad command-line argument."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse prints usage and exits 2; keep that, but as one line like our other errors.
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens; 0 = the model's (default 4096)")
+    p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
+
+
+def build_generate_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="powerinfer",
+        description="Generate text from a GGUF model. Subcommands: " + ", ".join(SUBCOMMANDS) + " (powerinfer SUB --help).",
+    )
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", default=None, help="prompt text")
+    src.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    p.add_argument("-n", "--n-predict", type=int, default=-1, help="tokens to generate; -1 = until end of text or context (default -1)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling; 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling; 1.0 = off (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling; 0 = off (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty; 1.0 = off (default 1.0)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back; -1 = context (default 64)")
+    p.add_argument("--seed", type=int, default=-1, help="random seed; -1 = random (default -1)")
+    return p
+
+
+def configure_logging(level: str, verbose: bool) -> None:
+    logging.basicConfig(level="DEBUG" if verbose else level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa: F821 - imported lazily
+    from powerinfer.api import LLM
+    from powerinfer.fetch import resolve_model
+
+    if args.ctx_size < 0:
+        raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
+    return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, progress=progress and sys.stderr.isatty())
+
+
+def run_generate(argv: Sequence[str]) -> int:
+    from powerinfer.sampling import SamplingParams
+
+    args = build_generate_parser().parse_args(argv)
+    configure_logging(args.log_level, args.verbose)
+    if args.n_predict == 0 or args.n_predict < -1:
+        raise CLIError(f"--n-predict must be positive or -1, got {args.n_predict}")
+    prompt = args.prompt
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                prompt = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CLIError(f"cannot read prompt file {args.file}: {e}") from None
+    if not prompt:
+        raise CLIError("no prompt: give -p TEXT or -f FILE")
+    params = SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        seed=args.seed,
+    )
+    llm = load_llm(args)
+    out = sys.stdout
+    out.write(prompt)
+    out.flush()
+    for chunk in llm.generate(prompt, args.n_predict, sampling=params):
+        if chunk.text:
+            out.write(chunk.text)
+            out.flush()
+    out.write("\n")
+    t = llm.timings
+    print(
+        f"\nload: {t.load_s * 1000:.0f} ms | prompt: {t.prompt_tokens} tokens, {t.prompt_tps:.1f} tokens/s"
+        f" | generated: {t.generated_tokens} tokens, {t.generate_tps:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "fetch":
+            from powerinfer.fetch import add_fetch_subcommand, run_fetch
+
+            p = _Parser(prog="powerinfer")
+            add_fetch_subcommand(p.add_subparsers(dest="command"))
+            return run_fetch(p.parse_args(argv))
+        if argv and argv[0] == "bench":
+            from powerinfer.cli.bench import run_bench
+
+            return run_bench(argv[1:])
+        return run_generate(argv)
+    except PowerInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Model configuration built from a GGUF file's own metadata (never from flags).
+
+Runs in: the coordinator and every worker process.
+
+Each supported architecture maps its ``{arch}.*`` keys onto one frozen :class:`ModelConfig`.
+Settings llama.cpp hard-codes because converted files lack them (Gemma 3's sliding-window
+pattern and local rope base, its query scale) are hard-coded here too, with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.gguf_file import GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+
+RopeStyle = Literal["norm", "neox"]
+Activation = Literal["silu", "gelu_tanh"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    name: str
+    n_layers: int
+    d_model: int
+    n_ff: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # per-head width of q and k
+    v_head_dim: int  # per-head width of v
+    vocab_size: int
+    context_length: int  # the training context; the runtime context (-c) may be smaller
+    norm_eps: float
+    rope_dim: int  # leading dims of each head that are rotated
+    rope_base: float  # for global-attention layers
+    rope_base_local: float  # for sliding-window layers
+    rope_scale: float  # position multiplier (1 / linear scaling factor) on global layers
+    rope_style: RopeStyle
+    activation: Activation
+    qkv_bias: bool
+    qk_norm: bool
+    post_norms: bool  # Gemma's extra norms after attention and after the FFN
+    embed_scale: float  # embeddings are multiplied by this (Gemma: sqrt(d_model))
+    attn_scale: float  # softmax(q.k * attn_scale)
+    sliding_window: int  # 0: none
+    global_layers: tuple[bool, ...]  # per layer: True = full attention, False = sliding window
+    tied_embeddings: bool
+    final_logit_softcap: float  # 0: none
+
+    @property
+    def gqa_group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """(base, position scale) that layer ``layer`` rotates with."""
+        if self.global_layers[layer]:
+            return self.rope_base, self.rope_scale
+        return self.rope_base_local, 1.0
+
+
+def _int(f: GGUFFile, key: str, default: int | None = None) -> int:
+    if key not in f.metadata and default is not None:
+        return default
+    value = f.require(key, int)
+    if value <= 0:
+        raise ModelFileError(f"{f.path}: metadata {key!r} must be positive, got {value}")
+    return int(value)
+
+
+def _float(f: GGUFFile, key: str, default: float) -> float:
+    if key not in f.metadata:
+        return default
+    value = f.require(key, (int, float))
+    if not math.isfinite(value):
+        raise ModelFileError(f"{f.path}: metadata {key!r} is not finite")
+    return float(value)
+
+
+def _per_layer(f: GGUFFile, key: str, n_layers: int, default: int | None = None) -> int:
+    """Head counts may be stored per layer (an array); we support only uniform ones."""
+    value = f.metadata.get(key)
+    if isinstance(value, np.ndarray):
+        if value.size != n_layers or len(set(value.tolist())) != 1:
+            raise UnsupportedModelError(f"{f.path}: per-layer {key} {value.tolist()} is not supported")
+        value = int(value[0])
+        if value <= 0:
+            raise ModelFileError(f"{f.path}: metadata {key!r} must be positive")
+        return value
+    return _int(f, key, default)
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    arch = f.require("general.architecture", str)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{f.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    n_layers = _int(f, f"{arch}.block_count")
+    d_model = _int(f, f"{arch}.embedding_length")
+    n_ff = _per_layer(f, f"{arch}.feed_forward_length", n_layers)
+    n_heads = _per_layer(f, f"{arch}.attention.head_count", n_layers)
+    n_kv_heads = _per_layer(f, f"{arch}.attention.head_count_kv", n_layers, default=n_heads)
+    if n_heads % n_kv_heads:
+        raise ModelFileError(f"{f.path}: {n_heads} heads is not a multiple of {n_kv_heads} kv heads")
+    head_dim = _int(f, f"{arch}.attention.key_length", d_model // n_heads)
+    v_head_dim = _int(f, f"{arch}.attention.value_length", head_dim)
+    rope_dim = _int(f, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ModelFileError(f"{f.path}: rope dimension {rope_dim} does not fit head size {head_dim}")
+    tokens = f.get("tokenizer.ggml.tokens")
+    vocab_size = _int(f, f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    embd = f.tensor("token_embd.weight")
+    if embd.shape != (vocab_size, d_model):
+        raise ModelFileError(f"{f.path}: token_embd.weight has shape {list(embd.shape)}, expected [{vocab_size}, {d_model}]")
+    rope_base = _float(f, f"{arch}.rope.freq_base", 10000.0)
+    rope_scale = 1.0
+    if f.get(f"{arch}.rope.scaling.type", "none") == "linear":
+        rope_scale = 1.0 / _float(f, f"{arch}.rope.scaling.factor", 1.0)
+    elif f.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
+        raise UnsupportedModelError(f"{f.path}: rope scaling {f.get(f'{arch}.rope.scaling.type')!r} is not supported")
+    norm_eps = _float(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    sliding_window = 0
+    global_layers = tuple(True for _ in range(n_layers))
+    rope_base_local = rope_base
+    if arch == "gemma3":
+        # llama.cpp hard-codes these for Gemma 3 (the GGUF lacks them): every 6th layer (5, 11, 17,
+        # ...) attends globally, the others use a sliding window with rope base 10000; queries are
+        # scaled by 1/sqrt(head_dim) (the 27B model aside, which we do not special-case).
+        sliding_window = _int(f, f"{arch}.attention.sliding_window", 512)
+        global_layers = tuple(i % 6 == 5 for i in range(n_layers))
+        rope_base_local = 10000.0
+    return ModelConfig(
+        arch=arch,
+        name=str(f.get("general.name", f.path.stem)),
+        n_layers=n_layers,
+        d_model=d_model,
+        n_ff=n_ff,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        vocab_size=vocab_size,
+        context_length=_int(f, f"{arch}.context_length", 2048),
+        norm_eps=norm_eps,
+        rope_dim=rope_dim,
+        rope_base=rope_base,
+        rope_base_local=rope_base_local,
+        rope_scale=rope_scale,
+        # llama's converter permutes q/k rows so ggml's adjacent-pair rope matches HF; qwen2 and
+        # gemma are stored unpermuted and rotate halves (GPT-NeoX style).
+        rope_style="norm" if arch == "llama" else "neox",
+        activation="gelu_tanh" if arch == "gemma3" else "silu",
+        qkv_bias=arch == "qwen2",
+        qk_norm=arch == "gemma3",
+        post_norms=arch == "gemma3",
+        embed_scale=math.sqrt(d_model) if arch == "gemma3" else 1.0,
+        attn_scale=1.0 / math.sqrt(head_dim),
+        sliding_window=sliding_window,
+        global_layers=global_layers,
+        tied_embeddings="output.weight" not in f.tensors,
+        final_logit_softcap=_float(f, f"{arch}.final_logit_softcapping", 0.0),
+    )

@@ -1,0 +1,117 @@
+"""Worker-side layer operations over one shard: a range of attention heads, a set of FFN neurons.
+
+Runs in: a CPU worker process (or in the coordinator's process for the in-process executor).
+
+Both operations return *partial sums* in model space [T, d_model]: the attention shard's slice of
+the output projection, the FFN shard's slice of the down projection. The coordinator adds the
+partials of all shards, so splitting a layer across workers changes only float summation order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from powerinfer.config import ModelConfig
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, rms_norm
+from powerinfer.model.sharding import HeadRange
+from powerinfer.model.weights import layer_bias, layer_tensor, load_linear, load_vector
+from powerinfer.quants import PackedLinear
+
+
+class AttentionShard:
+    """kv heads [kv_start, kv_stop) of one layer, their query heads, and their KV cache."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, heads: HeadRange, n_ctx: int, ropes: dict[tuple[float, float], RopeTable]) -> None:
+        self.cfg, self.layer, self.heads = cfg, layer, heads
+        D, Dv = cfg.head_dim, cfg.v_head_dim
+        q_rows = slice(heads.q_start * D, heads.q_stop * D)
+        k_rows = slice(heads.kv_start * D, heads.kv_stop * D)
+        v_rows = slice(heads.kv_start * Dv, heads.kv_stop * Dv)
+        self.n_q, self.n_k = heads.q_stop * D - heads.q_start * D, heads.n_kv * D
+        # q, k and v rows of this shard fused into one matmul: [T, d] -> [T, (Hq + Hkv) * D + Hkv * Dv]
+        self.qkv: PackedLinear = load_linear(
+            f,
+            [(layer_tensor(layer, "attn_q"), q_rows), (layer_tensor(layer, "attn_k"), k_rows), (layer_tensor(layer, "attn_v"), v_rows)],
+        )
+        self.bias: torch.Tensor | None = None
+        if cfg.qkv_bias:
+            self.bias = torch.cat(
+                [
+                    load_vector(f, layer_bias(layer, "attn_q"))[q_rows],
+                    load_vector(f, layer_bias(layer, "attn_k"))[k_rows],
+                    load_vector(f, layer_bias(layer, "attn_v"))[v_rows],
+                ]
+            )
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = load_vector(f, layer_tensor(layer, "attn_q_norm"), D)
+            self.k_norm = load_vector(f, layer_tensor(layer, "attn_k_norm"), D)
+        # Columns of the output projection that read this shard's heads: [T, Hq * Dv] -> [T, d]
+        self.out: PackedLinear = load_linear(
+            f, [(layer_tensor(layer, "attn_output"), None)], cols=(heads.q_start * Dv, heads.q_stop * Dv)
+        )
+        key = cfg.layer_rope(layer)
+        if key not in ropes:
+            ropes[key] = RopeTable(cfg.rope_dim, key[0], key[1], cfg.rope_style)
+        self.rope = ropes[key]
+        self.window = 0 if cfg.global_layers[layer] else cfg.sliding_window
+        # KV cache indexed by absolute position: [n_ctx, Hkv_local, D]. Positions past the current
+        # length hold stale values that no mask ever lets a query see.
+        self.k_cache = torch.zeros(n_ctx, heads.n_kv, D)
+        self.v_cache = torch.zeros(n_ctx, heads.n_kv, Dv)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.out.nbytes + self.k_cache.nbytes + self.v_cache.nbytes
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, d] (already normed), positions [T] consecutive -> partial output [T, d]."""
+        cfg, T = self.cfg, x.shape[0]
+        qkv = self.qkv(x)
+        if self.bias is not None:
+            qkv = qkv + self.bias
+        q = qkv[:, : self.n_q].reshape(T, -1, cfg.head_dim)
+        k = qkv[:, self.n_q : self.n_q + self.n_k].reshape(T, -1, cfg.head_dim)
+        v = qkv[:, self.n_q + self.n_k :].reshape(T, -1, cfg.v_head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        q = self.rope.apply(q, positions)
+        k = self.rope.apply(k, positions)
+        start, stop = int(positions[0]), int(positions[-1]) + 1
+        self.k_cache[start:stop] = k
+        self.v_cache[start:stop] = v
+        # Sliding-window layers need only the last `window` keys; skip the rest of the cache.
+        lo = max(0, start - self.window + 1) if self.window else 0
+        mask = attention_mask(positions - lo, stop - lo, self.window)
+        out = attend(q, self.k_cache[lo:stop], self.v_cache[lo:stop], mask, cfg.attn_scale)
+        return self.out(out)
+
+
+class FFNShard:
+    """A set of FFN neurons of one layer: their gate/up rows and their down-projection columns."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray) -> None:
+        self.cfg, self.layer = cfg, layer
+        self.neurons = neurons
+        self.n = len(neurons)
+        if self.n == 0 or neurons[-1] - neurons[0] + 1 != self.n:
+            raise ValueError("an FFN shard is a non-empty contiguous neuron range")
+        start, stop = int(neurons[0]), int(neurons[-1]) + 1
+        # gate and up rows are neuron-major already: [T, d] -> [T, 2n]
+        rows = slice(start, stop)
+        self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows), (layer_tensor(layer, "ffn_up"), rows)])
+        # down [d, n_ff]: this shard's columns, [T, n] -> [T, d]
+        self.down: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop))
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] (already normed) -> partial output [T, d]."""
+        gu = self.gate_up(x)  # [T, 2n]
+        h = activation(gu[:, : self.n], self.cfg.activation) * gu[:, self.n :]
+        return self.down(h)

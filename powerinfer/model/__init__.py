@@ -1,0 +1,1 @@
+"""Model definition pieces shared by every process: tensor ops, weight access, layer sharding."""

@@ -1,0 +1,103 @@
+"""Token sampling: penalties, top-k, top-p, min-p, temperature, seeded draws (llama.cpp's order).
+
+Runs in: the coordinator process.
+
+The chain follows llama.cpp's default sampler: repetition/frequency/presence penalties over the
+last ``repeat_last_n`` tokens, then top-k, top-p, min-p, temperature and a seeded draw.
+``temperature <= 0`` is greedy (argmax after penalties), which is what the reference fixtures use.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from powerinfer.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40  # <= 0: disabled
+    top_p: float = 0.95  # 1.0: disabled
+    min_p: float = 0.05  # 0.0: disabled
+    repeat_penalty: float = 1.0  # 1.0: disabled
+    repeat_last_n: int = 64  # 0: disabled, -1: whole context
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int = -1  # -1: random
+
+    def __post_init__(self) -> None:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}"),
+            (self.repeat_last_n >= -1, f"repeat_last_n must be >= -1, got {self.repeat_last_n}"),
+            (math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (self.seed >= -1, f"seed must be >= -1, got {self.seed}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidArgumentError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+class Sampler:
+    """Stateful only in its random generator, so a seeded request is reproducible."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        seed = params.seed if params.seed >= 0 else random.SystemRandom().randrange(2**32)
+        self.rng = np.random.default_rng(seed)
+
+    def apply_penalties(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        p = self.params
+        if p.repeat_last_n == 0 or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0 and p.presence_penalty == 0):
+            return logits
+        window = history if p.repeat_last_n == -1 else history[-p.repeat_last_n :]
+        if not window:
+            return logits
+        counts = Counter(window)
+        ids = np.fromiter(counts.keys(), dtype=np.int64)
+        n = np.fromiter(counts.values(), dtype=np.float32)
+        out = logits.copy()
+        sel = out[ids]
+        # llama.cpp: divide positive logits, multiply negative ones, then OpenAI-style penalties.
+        sel = np.where(sel > 0, sel / p.repeat_penalty, sel * p.repeat_penalty)
+        out[ids] = sel - n * p.frequency_penalty - p.presence_penalty
+        return out
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """logits float32 [vocab] -> chosen token id."""
+        p = self.params
+        logits = self.apply_penalties(np.asarray(logits, dtype=np.float32), history)
+        if p.greedy:
+            return int(np.argmax(logits))
+        # Candidate set sorted by logit, descending. top-k first keeps the sort small.
+        k = p.top_k if 0 < p.top_k < logits.size else logits.size
+        idx = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(logits.size)
+        idx = idx[np.argsort(-logits[idx], kind="stable")]
+        cand = logits[idx].astype(np.float64)
+        probs = np.exp(cand - cand[0])
+        probs /= probs.sum()
+        keep = probs.size
+        if p.top_p < 1.0:
+            # smallest prefix whose mass reaches top_p (at least one token)
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
+        idx, cand = idx[:keep], cand[:keep]
+        scaled = (cand - cand[0]) / p.temperature
+        w = np.exp(scaled)
+        w /= w.sum()
+        return int(idx[self.rng.choice(keep, p=w)])
