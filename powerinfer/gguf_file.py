@@ -212,7 +212,7 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
         version = cur.scalar("<I", "version")
         if version not in SUPPORTED_VERSIONS:
-            if version & 0xFFFF == 0 and version >> 16 in SUPPORTED_VERSIONS:
+            if int.from_bytes(version.to_bytes(4, "little"), "big") in SUPPORTED_VERSIONS:
                 raise ModelFileError(f"{self.path}: big-endian GGUF files are not supported")
             raise ModelFileError(f"{self.path}: unsupported GGUF version {version} (supported: 2, 3)")
         n_tensors = cur.scalar("<Q", "tensor count")

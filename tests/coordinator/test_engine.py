@@ -1,0 +1,100 @@
+"""Engine + in-process executor on synthetic models against the independent numpy forward pass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.config import config_from_gguf
+from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.errors import ContextOverflowError, InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from tests.reference_forward import reference_logits
+
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
+
+
+def build(path: Path, n_shards: int = 1, n_ctx: int = 64, n_batch: int = 512) -> Engine:
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    return Engine(f, cfg, InProcessExecutor(f, cfg, n_ctx, n_shards=n_shards), n_ctx=n_ctx, n_batch=n_batch)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+# bf16 activations and bf16 weights (float files) or int kernels: relative logit error bound.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0])
+def test_matches_reference_forward(make_model: Callable[..., Path], arch: str, qtype: QT) -> None:
+    path = make_model(arch=arch, qtype=qtype, n_layers=2)
+    eng = build(path)
+    ours = eng.eval(IDS, all_logits=True).numpy()
+    ref = reference_logits(eng.f, eng.cfg, IDS)
+    assert ours.shape == (len(IDS), eng.cfg.vocab_size)
+    # int8 requantization of Q8_0 adds the most error; F32/Q4_0 stay within bf16 rounding.
+    assert rel_err(ours, ref) < 0.03
+    assert np.mean(ours.argmax(-1) == ref.argmax(-1)) >= 0.9
+
+
+def test_gemma3_sliding_window_is_applied(make_model: Callable[..., Path]) -> None:
+    # window 8 in the synthetic gemma3: with 20 tokens, local layers must ignore far keys.
+    path = make_model(arch="gemma3", n_layers=6, qtype=QT.F32)
+    eng = build(path)
+    assert eng.cfg.global_layers == (False, False, False, False, False, True)
+    ours = eng.eval(IDS, all_logits=True).numpy()
+    ref = reference_logits(eng.f, eng.cfg, IDS)
+    assert rel_err(ours, ref) < 0.03
+
+
+@pytest.mark.parametrize("n_shards", [2, 3, 5])
+def test_shards_sum_to_unsharded(make_model: Callable[..., Path], n_shards: int) -> None:
+    # 5 shards: more workers than kv heads (2) and a neuron count (160) they do not divide.
+    path = make_model(arch="llama", qtype=QT.Q8_0)
+    one = build(path).eval(IDS, all_logits=True).numpy()
+    many = build(path, n_shards=n_shards).eval(IDS, all_logits=True).numpy()
+    assert rel_err(many, one) < 0.01
+    assert (many.argmax(-1) == one.argmax(-1)).all()
+
+
+def test_incremental_decode_equals_full_pass(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="qwen2", qtype=QT.F32)
+    full = build(path).eval(IDS, all_logits=True).numpy()
+    eng = build(path, n_batch=3)  # prefill in chunks of 3, then one token at a time
+    prefix = eng.eval(IDS[:10], all_logits=True).numpy()
+    steps = [eng.eval([t]).numpy()[0] for t in IDS[10:]]
+    inc = np.concatenate([prefix, np.stack(steps)])
+    assert rel_err(inc, full) < 1e-3
+
+
+def test_rewind_recomputes_same_logits(make_model: Callable[..., Path]) -> None:
+    eng = build(make_model(arch="llama", qtype=QT.F32))
+    first = eng.eval(IDS[:8]).numpy()
+    eng.eval(IDS[8:12])
+    eng.rewind(7)
+    again = eng.eval(IDS[7:8]).numpy()
+    np.testing.assert_allclose(again, first, rtol=1e-4, atol=1e-4)
+
+
+def test_context_overflow_is_a_clear_error(make_model: Callable[..., Path]) -> None:
+    eng = build(make_model(), n_ctx=8)
+    with pytest.raises(ContextOverflowError, match="context of 8"):
+        eng.eval(IDS[:9])
+    eng.eval(IDS[:8])  # exactly full still works
+    with pytest.raises(ContextOverflowError):
+        eng.eval([1])
+
+
+def test_bad_token_ids_rejected(make_model: Callable[..., Path]) -> None:
+    eng = build(make_model())
+    with pytest.raises(InvalidArgumentError, match="outside the vocabulary"):
+        eng.eval([1, 999999])
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        eng.eval([])
+    assert eng.tokens == []
