@@ -1,0 +1,184 @@
+"""Chat templates: render a conversation into the prompt text the model was trained on.
+
+Runs in: the coordinator process.
+
+The template comes from the GGUF file (``tokenizer.chat_template``, Jinja2 as on the HF hub) and
+is untrusted input: CVE-2024-34359 was code execution through exactly this field in
+llama-cpp-python. It therefore runs in jinja2's immutable sandbox, where any unsafe attribute
+access fails at once, and every failure (syntax, sandbox, undefined value, ``raise_exception``)
+becomes a one-line ChatTemplateError. Files without a template get a built-in one chosen by
+architecture, like llama.cpp's fallbacks: Gemma turns for gemma*, ChatML for everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from jinja2 import TemplateError, TemplateSyntaxError
+from jinja2.exceptions import SecurityError
+from jinja2.ext import loopcontrols
+from jinja2.runtime import Context
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from powerinfer.errors import ChatTemplateError
+
+if TYPE_CHECKING:
+    from powerinfer.tokenizer import GGUFTokenizer
+
+log = logging.getLogger(__name__)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# As llama.cpp's built-in "gemma" template: system messages are folded into the next user turn,
+# the assistant's role is called "model", and contents are trimmed.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set ns.system = ns.system + message['content'] | trim + '\\n\\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n'"
+    " + ns.system + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% set ns.system = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
+_MAX_BUILT = 1_000_000  # the longest string or list a template may build with `*`
+_MAX_EXPONENT = 1024  # `**` beyond this could make huge integers (a CPU/memory DoS)
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _raise_exception(message: object = "") -> NoReturn:
+    """``raise_exception(msg)``, which HF templates call to refuse a conversation."""
+    raise ChatTemplateError(f"the chat template refused the conversation: {_one_line(message)}")
+
+
+def _strftime_now(fmt: str) -> str:
+    """``strftime_now(fmt)``, which Llama 3.x templates use for today's date."""
+    return datetime.now().strftime(str(fmt))
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """HF's tojson: plain JSON, without jinja's HTML escaping (prompts are not HTML)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, made stricter: unsafe attributes raise instead of rendering as ""
+    (so probing templates fail loudly), and `*` / `**` cannot build giant values."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > _MAX_BUILT:
+                    raise SecurityError(f"the template tried to build a value of {len(seq) * count} items")
+        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT:
+            raise SecurityError(f"the template tried to raise to the power {right}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[dict[str, str]]:
+    """Plain {role, content} dicts for the template, or a clear error naming the bad message."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} messages")
+    out: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        if isinstance(message, ChatMessage):
+            role, content = message.role, message.content
+        elif isinstance(message, Mapping):
+            role, content = message.get("role"), message.get("content")
+        else:
+            raise ChatTemplateError(f"message {i} is a {type(message).__name__}, not a ChatMessage or a mapping")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"message {i}: 'role' must be a non-empty string, got {role!r}")
+        if not isinstance(content, str):
+            raise ChatTemplateError(f"message {i}: 'content' must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    if not out:
+        raise ChatTemplateError("there are no messages to render")
+    return out
+
+
+class ChatTemplate:
+    """A compiled chat template. strip_bos: drop a leading bos_token from the rendered text, for
+    tokenizers that add BOS themselves (llama.cpp does the same, so BOS is never doubled)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *, strip_bos: bool = False) -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ChatTemplateError("the chat template is empty")
+        self.source, self.bos_token, self.eos_token, self.strip_bos = source, bos_token, eos_token, strip_bos
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=[loopcontrols])
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        env.filters["tojson"] = _tojson
+        try:
+            self._template = env.from_string(source)
+        except TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template syntax error on line {e.lineno}: {_one_line(e.message)}") from e
+        except Exception as e:  # the compiler can also fail outside TemplateSyntaxError (e.g. recursion)
+            raise ChatTemplateError(f"cannot compile the chat template: {type(e).__name__}: {_one_line(e)}") from e
+
+    @classmethod
+    def for_model(cls, meta: Mapping[str, Any], tok: GGUFTokenizer) -> ChatTemplate:
+        """The file's template, or the built-in fallback for its architecture."""
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        source = meta.get("tokenizer.chat_template")
+        if not isinstance(source, str) or not source.strip():
+            arch = str(meta.get("general.architecture", ""))
+            gemma = arch in _GEMMA_ARCHS
+            log.info("the model file has no chat template; using the built-in %s one", "Gemma" if gemma else "ChatML")
+            source = GEMMA_TEMPLATE if gemma else CHATML_TEMPLATE
+        return cls(source, bos, eos, strip_bos=tok.add_bos)
+
+    def render(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for messages; add_generation_prompt opens the assistant's turn."""
+        variables = {
+            "messages": _messages(messages),
+            "add_generation_prompt": bool(add_generation_prompt),
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+        }
+        try:
+            text = self._template.render(**variables)
+        except ChatTemplateError:
+            raise
+        except TemplateError as e:  # undefined values, sandbox violations, bad filters...
+            raise ChatTemplateError(f"chat template error: {_one_line(e)}") from e
+        except Exception as e:  # Python errors inside the template: 1/0, bad indexing, recursion
+            raise ChatTemplateError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from e
+        if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        return text
+
+    def __repr__(self) -> str:
+        return f"ChatTemplate({_one_line(self.source, 60)!r})"
