@@ -12,7 +12,7 @@ import torch
 
 from powerinfer.errors import ModelFileError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.quants import Grouped, PackedLinear, decode, dequantize_rows, pack_linear
+from powerinfer.quants import Grouped, PackedLinear, decode, dequantize_rows, linear_from_tensor, pack_linear
 
 Rows = slice | np.ndarray | None
 
@@ -46,7 +46,16 @@ def load_matrix(f: GGUFFile, name: str, rows: Rows = None, cols: tuple[int, int]
 
 
 def load_linear(f: GGUFFile, names_rows: list[tuple[str, Rows]], cols: tuple[int, int] | None = None) -> PackedLinear:
-    """One packed linear from row ranges of one or more tensors (fused q/k/v or gate/up)."""
+    """One packed linear from row ranges of one or more tensors (fused q/k/v or gate/up).
+
+    A single tensor is packed a row chunk at a time (the 262144-row Gemma head never exists as one
+    decoded array), and a column range keeps the scales of the full rows, so the shards of a
+    matrix are exactly its columns and splitting a layer does not change its numbers.
+    """
+    if len(names_rows) == 1:
+        name, rows = names_rows[0]
+        info = f.tensor(name)
+        return linear_from_tensor(info.qtype, f.raw(name), info.n_cols, rows=rows, cols=cols)
     return pack_linear([load_matrix(f, name, rows, cols) for name, rows in names_rows])
 
 
