@@ -27,6 +27,8 @@ from powerinfer.quants import PackedLinear
 
 log = logging.getLogger(__name__)
 
+REFINE = 32  # logits per position recomputed in float32 (see Engine.logits_of)
+
 
 @dataclass
 class LayerNorms:
@@ -55,9 +57,9 @@ class Engine:
             for i in range(cfg.n_layers)
         ]
         self.output_norm = load_vector(f, "output_norm.weight", d)
-        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        self.head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         # [T, d] -> [T, vocab]; the biggest single matmul of a decode step for small models.
-        self.head: PackedLinear = load_linear(f, [(head, None)])
+        self.head: PackedLinear = load_linear(f, [(self.head_name, None)])
         self.tokens: list[int] = []
 
     @property
@@ -104,7 +106,19 @@ class Engine:
         return rms_norm(x, self.output_norm, cfg.norm_eps)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
-        return softcap(self.head(hidden), self.cfg.final_logit_softcap)
+        """hidden [T, d] -> logits float32 [T, vocab].
+
+        The packed head returns bf16-rounded logits (a step of 0.125 around 20), which can flip
+        near-ties. The REFINE best candidates of each row are recomputed in float32 from their
+        dequantized head rows, so the values that decide sampling are exact.
+        """
+        logits = self.head(hidden)
+        idx = logits.topk(min(REFINE, logits.shape[1]), dim=-1).indices  # [T, R]
+        rows = torch.unique(idx)  # [U] sorted
+        w = embed_rows(self.f, rows.numpy(), self.head_name)  # [U, d]
+        exact = hidden @ w.T  # [T, U]
+        logits.scatter_(1, idx, exact.gather(1, torch.searchsorted(rows, idx)))
+        return softcap(logits, self.cfg.final_logit_softcap)
 
     def eval(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Append ids to the cache; logits float32 [len(ids), vocab] if all_logits else [1, vocab] of the last."""

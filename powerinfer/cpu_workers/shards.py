@@ -14,7 +14,7 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, rms_norm
+from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, neox_to_norm_perm, rms_norm
 from powerinfer.model.sharding import HeadRange
 from powerinfer.model.weights import layer_bias, layer_tensor, load_linear, load_vector
 from powerinfer.quants import PackedLinear
@@ -26,10 +26,13 @@ class AttentionShard:
     def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, heads: HeadRange, n_ctx: int, ropes: dict[tuple[float, float], RopeTable]) -> None:
         self.cfg, self.layer, self.heads = cfg, layer, heads
         D, Dv = cfg.head_dim, cfg.v_head_dim
-        q_rows = slice(heads.q_start * D, heads.q_stop * D)
-        k_rows = slice(heads.kv_start * D, heads.kv_stop * D)
+        # Row order inside each q/k head: identity, or the permutation that lets NEOX-style models
+        # use the adjacent-pair rope (q.k is unchanged when q and k are permuted alike).
+        perm = neox_to_norm_perm(D, cfg.rope_dim) if cfg.rope_style == "neox" else np.arange(D)
+        q_rows = (np.arange(heads.q_start, heads.q_stop)[:, None] * D + perm[None, :]).reshape(-1)
+        k_rows = (np.arange(heads.kv_start, heads.kv_stop)[:, None] * D + perm[None, :]).reshape(-1)
         v_rows = slice(heads.kv_start * Dv, heads.kv_stop * Dv)
-        self.n_q, self.n_k = heads.q_stop * D - heads.q_start * D, heads.n_kv * D
+        self.n_q, self.n_k = len(q_rows), len(k_rows)
         # q, k and v rows of this shard fused into one matmul: [T, d] -> [T, (Hq + Hkv) * D + Hkv * Dv]
         self.qkv: PackedLinear = load_linear(
             f,
@@ -46,21 +49,22 @@ class AttentionShard:
             )
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = load_vector(f, layer_tensor(layer, "attn_q_norm"), D)
-            self.k_norm = load_vector(f, layer_tensor(layer, "attn_k_norm"), D)
+            self.q_norm = load_vector(f, layer_tensor(layer, "attn_q_norm"), D)[perm]
+            self.k_norm = load_vector(f, layer_tensor(layer, "attn_k_norm"), D)[perm]
         # Columns of the output projection that read this shard's heads: [T, Hq * Dv] -> [T, d]
         self.out: PackedLinear = load_linear(
             f, [(layer_tensor(layer, "attn_output"), None)], cols=(heads.q_start * Dv, heads.q_stop * Dv)
         )
         key = cfg.layer_rope(layer)
         if key not in ropes:
-            ropes[key] = RopeTable(cfg.rope_dim, key[0], key[1], cfg.rope_style)
+            ropes[key] = RopeTable(cfg.rope_dim, key[0], key[1])
         self.rope = ropes[key]
         self.window = 0 if cfg.global_layers[layer] else cfg.sliding_window
-        # KV cache indexed by absolute position: [n_ctx, Hkv_local, D]. Positions past the current
-        # length hold stale values that no mask ever lets a query see.
-        self.k_cache = torch.zeros(n_ctx, heads.n_kv, D)
-        self.v_cache = torch.zeros(n_ctx, heads.n_kv, Dv)
+        # KV cache indexed by absolute position: [Hkv_local, n_ctx, D], head-major so each head's
+        # keys are one contiguous matrix for the score matmul. Positions past the current length
+        # hold stale values that no mask ever lets a query see.
+        self.k_cache = torch.zeros(heads.n_kv, n_ctx, D)
+        self.v_cache = torch.zeros(heads.n_kv, n_ctx, Dv)
 
     @property
     def nbytes(self) -> int:
@@ -81,12 +85,12 @@ class AttentionShard:
         q = self.rope.apply(q, positions)
         k = self.rope.apply(k, positions)
         start, stop = int(positions[0]), int(positions[-1]) + 1
-        self.k_cache[start:stop] = k
-        self.v_cache[start:stop] = v
+        self.k_cache[:, start:stop] = k.transpose(0, 1)
+        self.v_cache[:, start:stop] = v.transpose(0, 1)
         # Sliding-window layers need only the last `window` keys; skip the rest of the cache.
         lo = max(0, start - self.window + 1) if self.window else 0
-        mask = attention_mask(positions - lo, stop - lo, self.window)
-        out = attend(q, self.k_cache[lo:stop], self.v_cache[lo:stop], mask, cfg.attn_scale)
+        mask = attention_mask(positions, lo, stop, self.window)
+        out = attend(q, self.k_cache[:, lo:stop], self.v_cache[:, lo:stop], mask, cfg.attn_scale)
         return self.out(out)
 
 

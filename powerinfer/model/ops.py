@@ -6,10 +6,9 @@ Shapes in comments: T = tokens in the step, S = cached positions, H = heads, D =
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-
-from powerinfer.config import RopeStyle
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,54 +23,60 @@ def activation(gate: torch.Tensor, kind: str) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh")
 
 
-class RopeTable:
-    """cos/sin tables for one (base, scale) pair, grown on demand up to the context size."""
+def neox_to_norm_perm(head_dim: int, rope_dim: int) -> np.ndarray:
+    """Row order [head_dim] that turns NEOX rope (pairs i, i + r/2) into adjacent pairs (2i, 2i+1).
 
-    def __init__(self, rope_dim: int, base: float, scale: float, style: RopeStyle, freq_factors: torch.Tensor | None = None) -> None:
+    Permuting the q and k rows of every head the same way leaves q.k unchanged, so models that
+    rotate halves (qwen2, gemma3) run through the one adjacent-pair rope below.
+    """
+    half = rope_dim // 2
+    perm = np.arange(head_dim)
+    perm[:rope_dim:2] = np.arange(half)
+    perm[1:rope_dim:2] = np.arange(half, rope_dim)
+    return perm
+
+
+class RopeTable:
+    """Rotations e^(i * pos * theta_j) for one (base, scale) pair, grown on demand.
+
+    Dimensions (2j, 2j+1) of each head are one complex number, rotated by one complex multiply.
+    """
+
+    def __init__(self, rope_dim: int, base: float, scale: float, freq_factors: torch.Tensor | None = None) -> None:
         self.rope_dim = rope_dim
-        self.style = style
         # inv_freq [rope_dim / 2]
         inv = 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim))
         if freq_factors is not None:
             inv = inv / freq_factors.to(torch.float64)
         self.inv_freq = inv * scale
-        self.cos = torch.empty(0, rope_dim // 2)
-        self.sin = torch.empty(0, rope_dim // 2)
+        self.cis = torch.empty(0, rope_dim // 2, dtype=torch.complex64)
 
     def _grow(self, n: int) -> None:
-        n = max(n, 2 * self.cos.shape[0], 256)
+        n = max(n, 2 * self.cis.shape[0], 256)
         angles = torch.arange(n, dtype=torch.float64)[:, None] * self.inv_freq[None, :]  # [n, R/2]
-        self.cos = angles.cos().float()
-        self.sin = angles.sin().float()
+        self.cis = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D] rotated at positions [T] (only the first rope_dim dims of each head)."""
-        need = int(positions.max()) + 1
-        if need > self.cos.shape[0]:
-            self._grow(need)
-        cos = self.cos[positions][:, None, :]  # [T, 1, R/2]
-        sin = self.sin[positions][:, None, :]
+        """x [T, H, D] float32 rotated at positions [T] (only the first rope_dim dims of each head)."""
+        if int(positions[-1]) >= self.cis.shape[0]:
+            self._grow(int(positions[-1]) + 1)
+        cis = self.cis[positions][:, None, :]  # [T, 1, R/2]
+        T, H, D = x.shape
         r = self.rope_dim
-        rot, rest = x[..., :r], x[..., r:]
-        if self.style == "norm":
-            # ggml NORM: adjacent pairs (0,1), (2,3), ...
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        else:
-            # NEOX: halves (i, i + r/2)
-            a, b = rot[..., : r // 2], rot[..., r // 2 :]
-            out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+        if r == D:
+            return torch.view_as_real(torch.view_as_complex(x.reshape(T, H, D // 2, 2)) * cis).reshape(T, H, D)
+        rot = torch.view_as_real(torch.view_as_complex(x[..., :r].reshape(T, H, r // 2, 2)) * cis).reshape(T, H, r)
+        return torch.cat((rot, x[..., r:]), dim=-1)
 
 
-def attention_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tensor | None:
-    """Boolean mask [T, S] (True = attend) for queries at q_pos [T] over cache positions 0..S-1.
+def attention_mask(q_pos: torch.Tensor, k_start: int, k_stop: int, window: int) -> torch.Tensor | None:
+    """Boolean mask [T, S] (True = attend) for queries at q_pos [T] over keys at k_start..k_stop-1.
 
-    None when every query may see every cached key (decode without a window), so SDPA can skip it.
+    None when every query may see every key (a decode step inside the window), so it is skipped.
     """
-    k_pos = torch.arange(n_keys)
-    if q_pos.numel() == 1 and int(q_pos[0]) == n_keys - 1 and (window == 0 or n_keys <= window):
+    if q_pos.numel() == 1 and int(q_pos[0]) == k_stop - 1 and (window == 0 or k_stop - k_start <= window):
         return None
+    k_pos = torch.arange(k_start, k_stop)
     mask = k_pos[None, :] <= q_pos[:, None]
     if window:
         # llama.cpp's standard SWA: key hidden once q_pos - k_pos >= window.
@@ -80,16 +85,23 @@ def attention_mask(q_pos: torch.Tensor, n_keys: int, window: int) -> torch.Tenso
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [S, Hkv, D] -> [T, Hq * Dv]; grouped-query heads share kv heads."""
-    group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)  # [Hq, T, D]
-    kh = k.transpose(0, 1)  # [Hkv, S, D]
-    vh = v.transpose(0, 1)
-    if group > 1:
-        kh = kh.repeat_interleave(group, dim=0)
-        vh = vh.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # [Hq, T, Dv]
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    """q [T, Hq, D], k [Hkv, S, D], v [Hkv, S, Dv] -> [T, Hq * Dv].
+
+    Grouped-query heads are folded into the query axis, [Hkv, g*T, D], so each kv head is read
+    once and never copied per query head.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[0]
+    g = Hq // Hkv
+    qg = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * T, D)
+    if mask is None and T == 1:
+        # Decode: two small batched matmuls beat SDPA's setup cost.
+        p = torch.softmax(torch.bmm(qg * scale, k.transpose(1, 2)), dim=-1)  # [Hkv, g, S]
+        out = torch.bmm(p, v)  # [Hkv, g, Dv]
+    else:
+        m = None if mask is None else mask.repeat(g, 1)  # [g*T, S]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
+    return out.reshape(Hkv, g, T, -1).permute(2, 0, 1, 3).reshape(T, -1)
 
 
 def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:

@@ -67,8 +67,8 @@ def load_vector(f: GGUFFile, name: str, expected: int | None = None) -> torch.Te
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def embed_rows(f: GGUFFile, ids: np.ndarray) -> torch.Tensor:
-    """Float32 embeddings [T, d] of token ids, decoding only those rows of token_embd."""
-    info = f.tensor("token_embd.weight")
-    raw = f.raw("token_embd.weight")[ids]
+def embed_rows(f: GGUFFile, ids: np.ndarray, name: str = "token_embd.weight") -> torch.Tensor:
+    """Float32 rows [T, d] of a token-indexed matrix (embeddings, output head), decoding only those."""
+    info = f.tensor(name)
+    raw = f.raw(name)[ids]
     return torch.from_numpy(dequantize_rows(info.qtype, raw, info.n_cols).astype(np.float32, copy=False))

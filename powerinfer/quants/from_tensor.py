@@ -23,6 +23,9 @@ from powerinfer.quants.linear import INT4_GROUP, KINDS, Int8Packer, Part, Packed
 
 log = logging.getLogger(__name__)
 
+# 5..8-bit types with group-32 codes: exact as two int4 halves (Q6_K's groups of 16 are not).
+SPLIT_TYPES: frozenset[QT] = frozenset({QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q8_0})
+
 CHUNK_ROWS = 4096  # raw rows decoded at a time (4096 x 640 Q8_0: ~2.6 MB codes + 10 MB float32 transient)
 
 
@@ -91,7 +94,7 @@ def linear_from_tensor(
     """Pack rows (all when None) and optionally a column range [start, stop) of one GGUF tensor.
 
     raw is what :func:`powerinfer.quants.decode` takes (a read-only mapped view is fine; it is
-    never written). ``auto`` picks int4 for Q4_0/Q4_1/Q4_K, int8 for other quantized types and
+    never written). ``auto`` picks int4 for Q4_0/Q4_1/Q4_K, int4x2 for Q5_0/Q5_1/Q5_K/Q8_0, int8 for Q6_K and
     bf16 for float types, as :func:`powerinfer.quants.pack_linear` would on the decoded parts,
     except that int8 column ranges take their row scales from the full rows (see
     ``_int8_column_shard``). Column bounds must be multiples of the format's group (32, or 16 for
@@ -110,8 +113,9 @@ def linear_from_tensor(
     four_bit = qtype in FOUR_BIT_TYPES and k % INT4_GROUP == 0
     if kind == "int4" and not four_bit:
         raise ValueError(f"int4 needs a 4-bit type with K a multiple of 32, got {qtype.name} with K={k}")
+    split = qtype in SPLIT_TYPES and k % INT4_GROUP == 0
     if kind == "auto":
-        kind = "int4" if four_bit else ("bf16" if qtype in FLOAT_TYPES else "int8")
+        kind = "int4" if four_bit else "int4x2" if split else "bf16" if qtype in FLOAT_TYPES else "int8"
     n = _selected_count(raw2d.shape[0], rows)
     if n == 0:
         raise ValueError("linear_from_tensor: no rows selected")

@@ -97,3 +97,23 @@ class Grouped:
             group,
             bits,
         )
+
+
+def split_nibbles(g: Grouped) -> Grouped:
+    """Rewrite 5..8-bit codes (group 32) as two 4-bit halves: [N, K] -> [N, 2K], exactly.
+
+    A code c in -128..127 is 16 * h + l with l = c & 15 (0..15) and h = c >> 4 (-8..7), so
+    w = c * s + z = (l * s + z) + (h + 8 - 8) * 16s. The left half keeps (l, s, z), the right half
+    holds codes h + 8 with scale 16s and zero -128s; ``x @ [W_lo | W_hi].T`` with x fed twice is
+    then x @ W.T, computed by the int4 kernel from the file's own codes (no requantization).
+    """
+    if g.group != 32:
+        raise ValueError(f"split_nibbles needs group 32, got {g.group}")
+    c = g.q.astype(np.int16)
+    if c.size and (c.min() < -128 or c.max() > 127):
+        raise ValueError("split_nibbles needs codes in -128..127")
+    q = np.concatenate([(c & 15), (c >> 4) + 8], axis=1).astype(np.int8)
+    scale = np.concatenate([g.scale, g.scale * np.float32(16.0)], axis=1)
+    zero = np.concatenate([g.zero, g.scale * np.float32(-128.0)], axis=1)
+    return Grouped(q, scale, zero, 32, 4)
+

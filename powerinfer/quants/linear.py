@@ -9,6 +9,9 @@ the bounds):
 
 * ``int4``: the GGML codes packed as-is for ``_weight_int4pack_mm_for_cpu`` (group 32). Codes are
   exact; the error is bf16 scales/zeros plus bf16 activations: <= 0.4% (bound 1%).
+* ``int4x2``: 5..8-bit GGML codes with group 32 (Q5_0, Q5_1, Q5_K, Q8_0) split exactly into two
+  4-bit halves along K (see ``split_nibbles``) and run as one int4 matmul over [x, x]: the file's
+  codes, one byte per weight, no requantization; error as for ``int4``.
 * ``int8``: weights requantized to int8 with one bf16 scale per output row for
   ``_weight_int8pack_mm``. The per-row requantization dominates: 0.8-1.9% synthetic, 0.8-1.7% on
   the real models (largest for embeddings with outlier rows) (bound 3%).
@@ -30,11 +33,11 @@ from typing import Iterable, Iterator, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
-from powerinfer.quants.grouped import Grouped
+from powerinfer.quants.grouped import Grouped, split_nibbles
 
 log = logging.getLogger(__name__)
 
-KINDS = ("int4", "int8", "bf16", "f32")
+KINDS = ("int4", "int4x2", "int8", "bf16", "f32")
 CHUNK_ROWS = 4096  # rows decoded/dequantized at a time while packing: bounds float32 transients
 INT4_GROUP = 32  # the only group size whose GGML codes map 1:1 onto the int4 kernel's groups
 _INT4_ROW_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: pad, then slice output
@@ -77,23 +80,29 @@ class Int4Linear:
 
     kind = "int4"
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, in_features: int) -> None:
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, out_features: int, in_features: int, twice: bool = False) -> None:
         self.packed = packed  # uint8 [N_pad, K // 2], N_pad = out_features rounded up to 16
         self.scales_zeros = scales_zeros  # bf16 [K // 32, N_pad, 2]: (scale, zero) with w = (c - 8) * scale + zero
         self.out_features = out_features
         self.in_features = in_features
+        # int4x2: the packed matrix is [W_lo | W_hi] over 2K columns and the input is fed twice.
+        self.twice = twice
+        if twice:
+            self.kind = "int4x2"
         self.nbytes = int(packed.nbytes + scales_zeros.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb, lead = _flatten(x, self.in_features)
+        if self.twice:
+            xb = torch.cat((xb, xb), dim=1)  # [M, 2K]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, INT4_GROUP, self.scales_zeros)
         if y.shape[1] != self.out_features:  # drop the padding rows' outputs
             y = y[:, : self.out_features]
         return y.float().reshape(*lead, self.out_features)
 
     def codes(self) -> torch.Tensor:
-        """uint8 [N, K] codes 0..15 unpacked from torch's layout (for tests and dequantized())."""
-        n, k = self.packed.shape[0], self.in_features
+        """uint8 [N, K] codes 0..15 unpacked from torch's layout (for tests and dequantized()); 2K for int4x2."""
+        n, k = self.packed.shape[0], self.packed.shape[1] * 2
         flat = self.packed.reshape(-1)
         out = torch.empty(n, k, dtype=torch.uint8)
         full = n // _INT4_BLOCK_N * _INT4_BLOCK_N
@@ -109,12 +118,13 @@ class Int4Linear:
         return out[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
-        n, k = self.out_features, self.in_features
+        n, k = self.out_features, self.packed.shape[1] * 2
         sz = self.scales_zeros[:, :n].float()  # [G, N, 2]
         scale = sz[..., 0].T.reshape(n, k // INT4_GROUP, 1)
         zero = sz[..., 1].T.reshape(n, k // INT4_GROUP, 1)
         c = self.codes().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
-        return ((c - 8.0) * scale + zero).reshape(n, k)
+        w = ((c - 8.0) * scale + zero).reshape(n, k)
+        return w[:, : k // 2] + w[:, k // 2 :] if self.twice else w
 
 
 class Int8Linear:
@@ -313,10 +323,19 @@ def choose_kind(parts: Sequence[Part], kind: str = "auto") -> str:
     )
     if kind == "int4" and not int4_ok:
         raise ValueError("int4 needs only 4-bit Grouped parts with group 32 and K a multiple of 32")
+    split_ok = (
+        len(grouped) == len(parts)
+        and all(p.group == INT4_GROUP for p in grouped)
+        and _n_cols(parts[0]) % INT4_GROUP == 0
+    )
+    if kind == "int4x2" and not split_ok:
+        raise ValueError("int4x2 needs Grouped parts with group 32 and K a multiple of 32")
     if kind != "auto":
         return kind
     if int4_ok:
         return "int4"
+    if split_ok:
+        return "int4x2"
     return "int8" if grouped else "bf16"
 
 
@@ -324,6 +343,9 @@ def build_linear(kind: str, chunks: Iterable[Part], n: int, k: int) -> PackedLin
     """Pack ``n`` rows of ``k`` columns arriving as row chunks into a linear of an explicit kind."""
     if kind == "int4":
         return _build_int4(chunks, n, k)
+    if kind == "int4x2":
+        lin = _build_int4((split_nibbles(c) for c in chunks if isinstance(c, Grouped)), n, 2 * k)
+        return Int4Linear(lin.packed, lin.scales_zeros, n, k, twice=True)
     if kind == "int8":
         return _build_int8(chunks, n, k)
     return _build_dense(chunks, n, k, torch.float32 if kind == "f32" else torch.bfloat16)

@@ -32,8 +32,9 @@ from powerinfer.quants import (
     linear_from_tensor,
     pack_linear,
 )
+from powerinfer.quants.grouped import split_nibbles
 
-TOLERANCE = {"int4": 0.01, "bf16": 0.01, "int8": 0.03, "f32": 1e-5}
+TOLERANCE = {"int4": 0.01, "int4x2": 0.01, "bf16": 0.01, "int8": 0.03, "f32": 1e-5}
 ALL_TYPES = sorted(SUPPORTED_TYPES, key=lambda t: t.value)
 RANDOM_BLOCK_TYPES = {QT.Q4_K, QT.Q5_K, QT.Q6_K}  # gguf has no quantizer for these
 
@@ -80,7 +81,8 @@ def test_pack_linear_matches_reference_product(qtype: QT) -> None:
     y_ref = x.double() @ ref_w.T
     part = decode(qtype, raw, k)
     auto = pack_linear([part])
-    assert auto.kind == ("int4" if qtype in (QT.Q4_0, QT.Q4_1, QT.Q4_K) else "bf16" if qtype in (QT.F32, QT.F16, QT.BF16) else "int8")
+    expected = {QT.Q4_0: "int4", QT.Q4_1: "int4", QT.Q4_K: "int4", QT.Q6_K: "int8", QT.F32: "bf16", QT.F16: "bf16", QT.BF16: "bf16"}
+    assert auto.kind == expected.get(qtype, "int4x2")
     for kind in ("auto", "int8", "bf16", "f32"):
         lin = pack_linear([part], kind)
         assert isinstance(lin, PackedLinear)
@@ -147,14 +149,21 @@ def test_fused_parts_equal_separate_linears() -> None:
     assert rel_err(fused(x), x.double() @ ref.T) < TOLERANCE["int4"]
 
 
-def test_mixed_parts_fall_back_to_int8_and_kind_errors() -> None:
+def test_mixed_parts_fall_back_and_kind_errors() -> None:
     k = 128
     a, b = synthetic_raw(QT.Q4_0, 32, k), synthetic_raw(QT.Q8_0, 32, k, seed=1)
+    c = synthetic_raw(QT.Q6_K, 32, 256, seed=2)
     lin = pack_linear([decode(QT.Q4_0, a, k), decode(QT.Q8_0, b, k)])
-    assert lin.kind == "int8"
+    assert lin.kind == "int4x2"  # every part has group 32: both split exactly
     x = torch.randn(4, k)
     ref = torch.cat([oracle(QT.Q4_0, a, 32, k), oracle(QT.Q8_0, b, 32, k)])
-    assert rel_err(lin(x), x.double() @ ref.T) < TOLERANCE["int8"]
+    assert rel_err(lin(x), x.double() @ ref.T) < TOLERANCE["int4x2"]
+    b2 = synthetic_raw(QT.Q8_0, 32, 256, seed=3)
+    mixed = pack_linear([decode(QT.Q6_K, c, 256), decode(QT.Q8_0, b2, 256)])
+    assert mixed.kind == "int8"  # Q6_K's groups of 16 fit no int4 group
+    x = torch.randn(4, 256)
+    ref = torch.cat([oracle(QT.Q6_K, c, 32, 256), oracle(QT.Q8_0, b2, 32, 256)])
+    assert rel_err(mixed(x), x.double() @ ref.T) < TOLERANCE["int8"]
     floats = np.asarray(oracle(QT.Q8_0, b, 32, k), dtype=np.float32)
     assert pack_linear([floats]).kind == "bf16"
     with pytest.raises(ValueError):
@@ -259,8 +268,8 @@ def test_linear_from_tensor_peak_memory_stays_near_packed_size(monkeypatch: pyte
     # would add int8 codes and a float32 copy. int4: only the staging buffer is numpy.
     monkeypatch.setattr(from_tensor_mod, "CHUNK_ROWS", 256)
     monkeypatch.setattr(linear_mod, "_INT4_PACK_ROWS", 512)
-    n, k = 4096, 640
-    for qtype, kind, bound in ((QT.Q8_0, "int8", 1.5 * n * k), (QT.Q4_0, "int4", 0.5 * n * k)):
+    n, k = 4096, 768  # K a multiple of Q6_K's 256-wide blocks
+    for qtype, kind, bound in ((QT.Q6_K, "int8", 1.5 * n * k), (QT.Q8_0, "int4x2", 1.5 * n * k), (QT.Q4_0, "int4", 0.5 * n * k)):
         raw = synthetic_raw(qtype, n, k)
         tracemalloc.start()
         try:
@@ -270,3 +279,25 @@ def test_linear_from_tensor_peak_memory_stays_near_packed_size(monkeypatch: pyte
             tracemalloc.stop()
         assert lin.kind == kind
         assert peak < bound, (kind, peak)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q8_0], ids=lambda t: t.name)
+def test_int4x2_keeps_the_files_codes(qtype: QT) -> None:
+    # The split is exact: the two halves dequantize to the file's weights up to bf16 scales (no
+    # requantization), so the error is int4's, well under int8's per-row requantization.
+    n, k = 96, 256
+    raw = synthetic_raw(qtype, n, k)
+    g = decode(qtype, raw, k)
+    assert isinstance(g, Grouped)
+    halves = split_nibbles(g)
+    assert halves.shape == (n, 2 * k) and halves.bits == 4
+    assert int(halves.q.min()) >= 0 and int(halves.q.max()) <= 15
+    np.testing.assert_allclose(halves.dequantize()[:, :k] + halves.dequantize()[:, k:], g.dequantize(), rtol=1e-5, atol=1e-6)
+    lin = pack_linear([g])
+    assert lin.kind == "int4x2" and lin.in_features == k
+    ref = oracle(qtype, raw, n, k)
+    assert rel_err(lin.dequantized().double(), ref) < 0.004
+    int8 = pack_linear([g], "int8")
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(2))
+    y_ref = x.double() @ ref.T
+    assert rel_err(lin(x), y_ref) < rel_err(int8(x), y_ref)
