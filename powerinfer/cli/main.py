@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -79,11 +80,13 @@ def configure_logging(level: str, verbose: bool) -> None:
 
 def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa: F821 - imported lazily
     from powerinfer.api import LLM
-    from powerinfer.fetch import resolve_model
+    from powerinfer.fetch import MODELS, resolve_model
 
     if args.ctx_size < 0:
         raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
+    if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
+        raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, progress=progress and sys.stderr.isatty())
 
 

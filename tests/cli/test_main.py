@@ -1,0 +1,75 @@
+"""The `powerinfer` command as a user runs it: output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_one_shot_generation(make_model: Callable[..., Path]) -> None:
+    model = make_model(arch="llama")
+    proc = run("-m", str(model), "-p", "abc", "-n", "4", "--temp", "0", "-t", "1", "-c", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("abc")
+    assert "generated: 4 tokens" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_prompt_from_file_and_sampling_flags(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    args = ["-m", str(make_model(arch="qwen2")), "-f", str(prompt), "-n", "3", "--temp", "0.7", "--top-k", "5",
+            "--top-p", "0.9", "--min-p", "0.1", "--repeat-penalty", "1.1", "--repeat-last-n", "16", "--seed", "3", "-b", "2"]
+    a, b = run(*args), run(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.startswith("hello")
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["-m", "/nonexistent/model.gguf", "-p", "x"], "no such file"),
+        (["-m", "smollm", "-p", "x"], "neither a file nor a known model name"),
+        (["-m", "{model}", "-p", "x", "-c", "-5"], "--ctx-size must be >= 0"),
+        (["-m", "{model}", "-p", "x", "--log-level", "LOUD"], "invalid choice"),
+        (["-m", "{model}", "-p", "x", "-t", "0"], "must be positive"),
+        (["-m", "{model}", "-p", "x", "--temp", "-1"], "temperature must be >= 0"),
+        (["-m", "{model}", "-p", "x", "-n", "0"], "--n-predict must be positive or -1"),
+        (["-m", "{model}"], "no prompt"),
+        (["-m", "{model}", "-p", "x" * 300, "-c", "16"], "do not fit the context of 16"),
+        (["-m", "{dir}", "-p", "x"], "is a directory"),
+        (["-m", "{garbage}", "-p", "x"], "not a GGUF file"),
+        (["-m", "{model}", "-f", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+        (["-m", "{model}", "-p", "x", "--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_error(make_model: Callable[..., Path], tmp_path: Path, args: list[str], message: str) -> None:
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"\x00" * 1000)
+    subs = {"{model}": str(make_model(arch="llama")), "{dir}": str(tmp_path), "{garbage}": str(garbage)}
+    proc = run(*[subs.get(a, a) for a in args])
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_bench_prints_measured_table(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = run("bench", "-m", str(make_model(arch="llama")), "--threads", "1", "--prompt-tokens", "8",
+               "--gen-tokens", "4", "--repeat", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "decode_tps" in proc.stdout and out.exists()
+    import json
+
+    row = json.loads(out.read_text())[0]
+    assert row["threads"] == 1 and row["decode_tps"] > 0 and row["prefill_tps"] > 0 and row["peak_rss_mib"] > 0

@@ -1,0 +1,83 @@
+"""The LLM API on synthetic models: logits, generation limits, stop strings, prefix reuse, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from powerinfer.api import LLM, _held_back
+from powerinfer.errors import ContextOverflowError, InvalidArgumentError, ModelFileError
+
+
+@pytest.fixture(scope="module")
+def llm(make_model: Callable[..., Path]) -> LLM:
+    return LLM(make_model(arch="llama"), n_ctx=64, n_batch=8)
+
+
+def test_logits_shape_and_determinism(llm: LLM) -> None:
+    ids = llm.tokenize("hello world")
+    assert ids[0] == llm.tokenizer.bos_id
+    a = llm.logits(ids)
+    assert a.shape == (len(ids), llm.config.vocab_size) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, llm.logits(ids))
+
+
+def test_generate_respects_max_tokens_and_streams_text(llm: LLM) -> None:
+    chunks = list(llm.generate("abc", max_tokens=5, temperature=0))
+    assert chunks[-1].finish_reason == "length"
+    assert len([c for c in chunks if c.token >= 0]) == 5
+    text, finish = llm.complete("abc", max_tokens=5, temperature=0)
+    assert text == "".join(c.text for c in chunks) and finish == chunks[-1].finish_reason
+
+
+def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
+    a = llm.complete("xyz", max_tokens=8, temperature=1.0, seed=5)
+    b = llm.complete("xyz", max_tokens=8, temperature=1.0, seed=5)
+    assert a == b
+
+
+def test_stop_string_cuts_text(llm: LLM) -> None:
+    text, finish = llm.complete("abc", max_tokens=12, temperature=0)
+    assert finish == "length" and len(text) >= 6  # this synthetic model never emits EOS greedily here
+    stop = text[3:5]
+    cut, finish = llm.complete("abc", max_tokens=12, temperature=0, stop=[stop])
+    assert finish == "stop" and cut == text[: text.index(stop)]
+
+
+def test_held_back_suffix() -> None:
+    assert _held_back("hello wor", ("world",)) == 3
+    assert _held_back("hello", ("xyz",)) == 0
+
+
+def test_prefix_reuse_computes_only_new_tokens(llm: LLM) -> None:
+    llm.complete("the same long prefix", max_tokens=1, temperature=0)
+    llm.complete("the same long prefix and more", max_tokens=1, temperature=0)
+    assert llm.timings.prompt_tokens == len(llm.tokenize(" and more", add_bos=False))
+
+
+def test_context_overflow_and_bad_args(llm: LLM) -> None:
+    with pytest.raises(ContextOverflowError):
+        llm.complete("x" * 100, max_tokens=1)
+    with pytest.raises(InvalidArgumentError):
+        llm.complete("x", max_tokens=0)
+    with pytest.raises(InvalidArgumentError):
+        llm.complete("x", max_tokens=2, temperature=-1)
+    with pytest.raises(InvalidArgumentError):
+        llm.complete("x", max_tokens=2, stop=[""])
+    # the engine is still usable afterwards
+    assert llm.complete("x", max_tokens=2, temperature=0)[1] in ("length", "stop")
+
+
+def test_generation_stops_at_context_end(make_model: Callable[..., Path]) -> None:
+    small = LLM(make_model(arch="llama"), n_ctx=12)
+    chunks = list(small.generate("abcd", max_tokens=-1, temperature=0))
+    assert chunks[-1].finish_reason in ("length", "stop")
+    assert len(small.engine.tokens) <= 12
+
+
+def test_missing_model_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelFileError, match="no such file"):
+        LLM(tmp_path / "missing.gguf")
