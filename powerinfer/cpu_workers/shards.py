@@ -14,7 +14,7 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, neox_to_norm_perm, rms_norm
+from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, neox_to_norm_perm
 from powerinfer.model.sharding import HeadRange
 from powerinfer.model.weights import layer_bias, layer_tensor, load_linear, load_vector
 from powerinfer.quants import PackedLinear
@@ -47,10 +47,12 @@ class AttentionShard:
                     load_vector(f, layer_bias(layer, "attn_v"))[v_rows],
                 ]
             )
-        self.q_norm = self.k_norm = None
+        # Gemma's per-head q and k norm weights, stacked to match the fused [Hq + Hkv, D] heads.
+        self.qk_norm: torch.Tensor | None = None
         if cfg.qk_norm:
-            self.q_norm = load_vector(f, layer_tensor(layer, "attn_q_norm"), D)[perm]
-            self.k_norm = load_vector(f, layer_tensor(layer, "attn_k_norm"), D)[perm]
+            q_norm = load_vector(f, layer_tensor(layer, "attn_q_norm"), D)[perm]
+            k_norm = load_vector(f, layer_tensor(layer, "attn_k_norm"), D)[perm]
+            self.qk_norm = torch.cat([q_norm.expand(heads.q_stop - heads.q_start, D), k_norm.expand(heads.n_kv, D)])
         # Columns of the output projection that read this shard's heads: [T, Hq * Dv] -> [T, d]
         self.out: PackedLinear = load_linear(
             f, [(layer_tensor(layer, "attn_output"), None)], cols=(heads.q_start * Dv, heads.q_stop * Dv)
@@ -76,14 +78,15 @@ class AttentionShard:
         qkv = self.qkv(x)
         if self.bias is not None:
             qkv = qkv + self.bias
-        q = qkv[:, : self.n_q].reshape(T, -1, cfg.head_dim)
-        k = qkv[:, self.n_q : self.n_q + self.n_k].reshape(T, -1, cfg.head_dim)
+        D = cfg.head_dim
+        # q and k heads are adjacent in the fused output: [T, Hq + Hkv, D], normed and rotated together.
+        qk = qkv[:, : self.n_q + self.n_k].reshape(T, -1, D)
         v = qkv[:, self.n_q + self.n_k :].reshape(T, -1, cfg.v_head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.norm_eps)
-        q = self.rope.apply(q, positions)
-        k = self.rope.apply(k, positions)
+        if self.qk_norm is not None:
+            qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * self.qk_norm
+        qk = self.rope.apply(qk, positions)
+        n_qh = self.n_q // D
+        q, k = qk[:, :n_qh], qk[:, n_qh:]
         start, stop = int(positions[0]), int(positions[-1]) + 1
         self.k_cache[:, start:stop] = k.transpose(0, 1)
         self.v_cache[:, start:stop] = v.transpose(0, 1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., n] normalised over the last dim, times weight [n] (Gemma's +1 is baked into the file)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def activation(gate: torch.Tensor, kind: str) -> torch.Tensor:
@@ -93,14 +93,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     T, Hq, D = q.shape
     Hkv = k.shape[0]
     g = Hq // Hkv
-    qg = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * T, D)
     if mask is None and T == 1:
         # Decode: two small batched matmuls beat SDPA's setup cost.
-        p = torch.softmax(torch.bmm(qg * scale, k.transpose(1, 2)), dim=-1)  # [Hkv, g, S]
-        out = torch.bmm(p, v)  # [Hkv, g, Dv]
-    else:
-        m = None if mask is None else mask.repeat(g, 1)  # [g*T, S]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
+        p = torch.softmax(torch.bmm(q.reshape(Hkv, g, D) * scale, k.transpose(1, 2)), dim=-1)  # [Hkv, g, S]
+        return torch.bmm(p, v).reshape(1, -1)  # [Hkv, g, Dv] -> [1, Hq * Dv]
+    qg = q.reshape(T, Hkv, g, D).permute(1, 2, 0, 3).reshape(Hkv, g * T, D)
+    m = None if mask is None else mask.repeat(g, 1)  # [g*T, S]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
     return out.reshape(Hkv, g, T, -1).permute(2, 0, 1, 3).reshape(T, -1)
 
 
