@@ -48,6 +48,8 @@ def test_prompt_from_file_and_sampling_flags(make_model: Callable[..., Path], tm
         (["-m", "{model}", "-p", "x" * 300, "-c", "16"], "do not fit the context of 16"),
         (["-m", "{dir}", "-p", "x"], "is a directory"),
         (["-m", "{garbage}", "-p", "x"], "not a GGUF file"),
+        (["-m", "{truncated}", "-p", "x"], "past the end of the file"),
+        (["-m", "{mamba}", "-p", "x"], "architecture 'mamba' is not supported"),
         (["-m", "{model}", "-f", "/nonexistent/prompt.txt"], "cannot read prompt file"),
         (["-m", "{model}", "-p", "x", "--bogus"], "unrecognized arguments"),
     ],
@@ -55,7 +57,12 @@ def test_prompt_from_file_and_sampling_flags(make_model: Callable[..., Path], tm
 def test_bad_input_is_one_line_error(make_model: Callable[..., Path], tmp_path: Path, args: list[str], message: str) -> None:
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"\x00" * 1000)
-    subs = {"{model}": str(make_model(arch="llama")), "{dir}": str(tmp_path), "{garbage}": str(garbage)}
+    model = make_model(arch="llama")
+    data = model.read_bytes()
+    truncated, mamba = tmp_path / "truncated.gguf", tmp_path / "mamba.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    mamba.write_bytes(data.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00mamba", 1))
+    subs = {"{model}": str(model), "{dir}": str(tmp_path), "{garbage}": str(garbage), "{truncated}": str(truncated), "{mamba}": str(mamba)}
     proc = run(*[subs.get(a, a) for a in args])
     assert proc.returncode != 0
     assert message in proc.stderr
