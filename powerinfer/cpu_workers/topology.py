@@ -1,0 +1,371 @@
+"""CPU / NUMA topology discovery and placement of CPU workers on cores and memory nodes.
+
+Runs in: the coordinator (``read_topology``, ``plan_placement``, ``default_workers``) and in each
+CPU worker process (``pin_current_process``, ``bind_memory_to_node``), which calls them first
+thing after it starts, in its main thread, before it creates compute threads or allocates and
+fills its weight buffers.
+
+Why: a worker computes a shard of every layer and is bound by memory bandwidth. On a multi-socket
+box its weights must sit on the NUMA node whose cores run it. Linux places a page on the node of
+the CPU that first touches it, so a worker that pins itself and then fills its own buffers gets
+local memory on the default policy; ``bind_memory_to_node`` only makes that preference explicit.
+Everything here is best effort: missing sysfs files, containers and platforms without affinity
+calls degrade to "one node, one core per logical CPU, unpinned", with a log line, never a crash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from powerinfer.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+_CPU_DIR = re.compile(r"cpu([0-9]+)")
+_NODE_DIR = re.compile(r"node([0-9]+)")
+_CPULIST_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+# Linux caps NR_CPUS at 8192; the margin only keeps "0-99999999999" from eating all memory.
+_MAX_CPU = 1 << 16
+# set_mempolicy(2) syscall numbers; aarch64 uses the asm-generic table.
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "amd64": 238, "aarch64": 237, "arm64": 237}
+_MPOL_PREFERRED = 1
+
+
+@dataclass(frozen=True)
+class Core:
+    """One physical core; ``cpus`` are its logical CPUs (hyperthread siblings) this process may use.
+
+    ``id`` is the kernel's core_id, unique only within a package: (package, id) names a core. When
+    sysfs has no topology for a CPU, that CPU is a core on its own with ``id`` = the CPU number and
+    ``package`` = 0.
+    """
+
+    id: int
+    node: int
+    package: int
+    cpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The NUMA nodes and physical cores usable by this process (only nodes that have such cores)."""
+
+    nodes: tuple[int, ...]
+    cores: tuple[Core, ...]  # ordered by node, then package, then core id
+
+    def cores_of(self, node: int) -> tuple[Core, ...]:
+        return tuple(c for c in self.cores if c.node == node)
+
+    @property
+    def n_physical(self) -> int:
+        return len(self.cores)
+
+    @property
+    def cpus(self) -> tuple[int, ...]:
+        """Every usable logical CPU, sorted."""
+        return tuple(sorted(cpu for core in self.cores for cpu in core.cpus))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where worker ``worker`` runs: the NUMA node holding its weights and the CPUs it is pinned to."""
+
+    worker: int
+    node: int
+    cpus: tuple[int, ...]
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """Parse a kernel cpulist ("0-3,8,10-11") into sorted, distinct CPU numbers; "" gives [].
+
+    Raises ValueError on anything else (reversed ranges, empty items, signs, absurd numbers).
+    """
+    body = text.strip()
+    if not body:
+        return []  # memory-only nodes have an empty cpulist
+    cpus: set[int] = set()
+    for item in body.split(","):
+        m = _CPULIST_ITEM.fullmatch(item.strip())
+        if m is None:
+            raise ValueError(f"bad cpulist item {item!r} in {text!r}")
+        lo = int(m[1])
+        hi = lo if m[2] is None else int(m[2])
+        if hi < lo or hi > _MAX_CPU:
+            raise ValueError(f"bad cpulist range {item!r} in {text!r}")
+        cpus.update(range(lo, hi + 1))
+    return sorted(cpus)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    """A non-negative integer file; None when missing or odd (offline CPUs may report -1)."""
+    text = _read(path)
+    try:
+        value = int(text.strip()) if text is not None else -1
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+def _read_cpulist(path: Path) -> list[int] | None:
+    text = _read(path)
+    if text is None:
+        return None
+    try:
+        return parse_cpulist(text)
+    except ValueError:
+        log.info("ignoring unparseable cpulist %s: %r", path, text.strip()[:80])
+        return None
+
+
+def _numbered_dirs(parent: Path, pattern: re.Pattern[str]) -> dict[int, Path]:
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return {}
+    found: dict[int, Path] = {}
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is not None and entry.is_dir():
+            found[int(m[1])] = entry
+    return found
+
+
+def _allowed_cpus() -> set[int]:
+    """The CPUs this process may run on (cgroup / taskset restrictions included)."""
+    if hasattr(os, "sched_getaffinity"):
+        try:
+            return set(os.sched_getaffinity(0))
+        except OSError as e:
+            log.debug("sched_getaffinity failed: %s", e)
+    try:
+        affinity = psutil.Process().cpu_affinity()  # absent on macOS -> AttributeError
+        if affinity:
+            return set(affinity)
+    except (AttributeError, OSError, psutil.Error) as e:
+        log.debug("psutil cpu_affinity unavailable: %s", e)
+    return set(range(os.cpu_count() or 1))
+
+
+def _node_map(node_root: Path) -> dict[int, int]:
+    """cpu -> node from <node_root>/node*/cpulist; {} when the kernel exposes no NUMA info."""
+    mapping: dict[int, int] = {}
+    for node, path in sorted(_numbered_dirs(node_root, _NODE_DIR).items()):
+        for cpu in _read_cpulist(path / "cpulist") or []:
+            mapping.setdefault(cpu, node)
+    return mapping
+
+
+def read_topology(sysfs: str | Path = "/sys", allowed: Iterable[int] | None = None) -> Topology:
+    """Physical cores and NUMA nodes of the CPUs in ``allowed`` (default: this process's affinity).
+
+    Reads <sysfs>/devices/system/node/node*/cpulist and
+    <sysfs>/devices/system/cpu/cpu*/{online,topology/{core_id,physical_package_id,thread_siblings_list}}.
+    Offline CPUs and CPUs outside ``allowed`` are dropped; a core keeps only its usable siblings.
+    """
+    allowed_set = _allowed_cpus() if allowed is None else {int(c) for c in allowed}
+    if not allowed_set:
+        raise InvalidArgumentError("the allowed CPU set is empty")
+    system = Path(sysfs) / "devices" / "system"
+    cpu_root = system / "cpu"
+    node_of = _node_map(system / "node")
+    cpu_dirs = _numbered_dirs(cpu_root, _CPU_DIR)
+
+    if cpu_dirs:
+        known = set(cpu_dirs)
+    elif node_of:
+        known = set(node_of)
+    else:
+        log.info("no CPU information under %s; using the %d allowed CPUs as single cores", cpu_root, len(allowed_set))
+        known = set(allowed_set)
+    online = _read_cpulist(cpu_root / "online")
+    offline = {c for c in known if (online is not None and c not in online) or _read_int(cpu_root / f"cpu{c}" / "online") == 0}
+    if offline:
+        log.info("skipping offline CPUs %s", sorted(offline))
+    usable = sorted((known - offline) & allowed_set)
+    if len(usable) < len(known - offline):
+        log.debug("dropping CPUs outside this process's affinity: %s", sorted(known - offline - allowed_set))
+    if not usable:
+        # sysfs and the affinity mask disagree entirely (odd container); trust the affinity mask.
+        log.warning("no allowed CPU appears in %s; treating the %d allowed CPUs as single cores on node 0", sysfs, len(allowed_set))
+        usable, node_of, cpu_dirs = sorted(allowed_set), {}, {}
+
+    if not node_of:
+        log.info("no NUMA node information under %s; treating all CPUs as node 0", system / "node")
+    default_node = min(node_of.values(), default=0)
+    nodes: dict[int, int] = {}
+    for cpu in usable:
+        node = node_of.get(cpu)
+        if node is None and cpu in cpu_dirs:
+            # The per-CPU nodeN link covers CPUs a broken node cpulist left out.
+            links = sorted(_numbered_dirs(cpu_dirs[cpu], _NODE_DIR))
+            node = links[0] if links else None
+        if node is None:
+            if node_of:
+                log.info("CPU %d is in no NUMA node's cpulist; assuming node %d", cpu, default_node)
+            node = default_node
+        nodes[cpu] = node
+
+    usable_set = set(usable)
+    assigned: set[int] = set()
+    no_topology: list[int] = []
+    cores: list[Core] = []
+    for cpu in usable:
+        if cpu in assigned:
+            continue
+        topo_dir = cpu_root / f"cpu{cpu}" / "topology"
+        siblings = _read_cpulist(topo_dir / "thread_siblings_list") if cpu in cpu_dirs else None
+        core_id = _read_int(topo_dir / "core_id") if cpu in cpu_dirs else None
+        package = _read_int(topo_dir / "physical_package_id") if cpu in cpu_dirs else None
+        if siblings is None or core_id is None:
+            no_topology.append(cpu)
+        # First come, first served: a sibling already claimed (inconsistent sysfs) is never shared.
+        members = {cpu} | {s for s in siblings or [] if s in usable_set and s not in assigned and nodes[s] == nodes[cpu]}
+        assigned |= members
+        cores.append(Core(id=cpu if core_id is None else core_id, node=nodes[cpu], package=package or 0, cpus=tuple(sorted(members))))
+    if no_topology:
+        log.info("CPUs %s have incomplete topology files; each missing one counts as its own core", no_topology)
+
+    cores.sort(key=lambda c: (c.node, c.package, c.id, c.cpus))
+    topo = Topology(nodes=tuple(sorted({c.node for c in cores})), cores=tuple(cores))
+    log.debug("topology: %d node(s), %d physical core(s), %d logical CPU(s)", len(topo.nodes), topo.n_physical, len(usable))
+    return topo
+
+
+def _apportion(n: int, weights: dict[int, int]) -> dict[int, int]:
+    """Split n items in proportion to weights (largest remainder; ties go to the lower key)."""
+    total = sum(weights.values())
+    counts = {k: n * w // total for k, w in weights.items()}
+    order = sorted(weights, key=lambda k: (-(n * weights[k] % total), k))
+    for k in order[: n - sum(counts.values())]:
+        counts[k] += 1
+    return counts
+
+
+def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) -> list[Placement]:
+    """Place workers on nodes in proportion to their physical cores, consecutive workers per node.
+
+    Each worker gets ``threads_per_worker`` whole physical cores (all their hyperthread siblings)
+    of its node. Worker i's node is ``result[i].node``, so shard i's weights belong on that node.
+    When a node has fewer cores than its workers need, its cores are shared round-robin and a
+    warning says the machine is oversubscribed.
+    """
+    if n_workers < 1:
+        raise InvalidArgumentError(f"the number of CPU workers must be >= 1, got {n_workers}")
+    if threads_per_worker < 1:
+        raise InvalidArgumentError(f"threads per CPU worker must be >= 1, got {threads_per_worker}")
+    per_node = {node: cores for node in topo.nodes if (cores := topo.cores_of(node))}
+    if not per_node:
+        raise InvalidArgumentError("the CPU topology has no usable cores")
+    t = threads_per_worker
+    counts = _apportion(n_workers, {node: len(cores) for node, cores in per_node.items()})
+    if n_workers * t <= topo.n_physical:
+        # Rounding can give a node more workers than its cores hold when t > 1 although the box as
+        # a whole has room; move such workers to the node with the most spare cores.
+        for node in per_node:
+            while counts[node] * t > len(per_node[node]):
+                spare = [m for m in per_node if (counts[m] + 1) * t <= len(per_node[m])]
+                if not spare:
+                    break
+                target = max(spare, key=lambda m: (len(per_node[m]) - counts[m] * t, -m))
+                counts[node] -= 1
+                counts[target] += 1
+
+    placements: list[Placement] = []
+    oversubscribed = False
+    for node, cores in per_node.items():
+        oversubscribed |= counts[node] * t > len(cores)
+        for j in range(counts[node]):
+            # Without oversubscription these windows are disjoint; with it they wrap round-robin.
+            picked = dict.fromkeys(cores[(j * t + m) % len(cores)] for m in range(t))
+            cpus = tuple(sorted(cpu for core in picked for cpu in core.cpus))
+            placements.append(Placement(worker=len(placements), node=node, cpus=cpus))
+    if oversubscribed:
+        log.warning(
+            "oversubscribed: %d CPU worker(s) x %d thread(s) on %d physical core(s) across %d node(s); cores are shared",
+            n_workers, t, topo.n_physical, len(per_node),
+        )
+    return placements
+
+
+def pin_current_process(placement: Placement) -> None:
+    """Restrict the calling process to ``placement.cpus``; on failure, warn and run unpinned.
+
+    Linux applies affinity to the calling thread, and threads started later inherit it: call this
+    in the worker's main thread before torch / OpenMP create their thread pools.
+    """
+    cpus = sorted(set(placement.cpus))
+    if not cpus:
+        log.warning("worker %d: placement has no CPUs; running unpinned", placement.worker)
+        return
+    try:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        else:
+            psutil.Process().cpu_affinity(cpus)  # AttributeError where psutil cannot (macOS)
+    except (OSError, ValueError, AttributeError, psutil.Error) as e:
+        log.warning("worker %d: could not pin to CPUs %s (%s); running unpinned", placement.worker, cpus, e)
+        return
+    log.debug("worker %d pinned to CPUs %s (node %d)", placement.worker, cpus, placement.node)
+
+
+def bind_memory_to_node(node: int, *, sysfs: str | Path = "/sys") -> bool:
+    """Prefer ``node`` for this thread's future page allocations (set_mempolicy MPOL_PREFERRED).
+
+    Best effort and usually redundant: after ``pin_current_process`` first-touch already puts pages
+    on the local node under the default policy; this makes it explicit and survives the scheduler
+    briefly running us elsewhere. The policy is per thread and inherited by threads created later,
+    so call it in the main thread before starting compute threads. Returns False (logged at debug)
+    on non-Linux, unknown architectures, single-node machines, unknown nodes, or when the syscall
+    is refused (containers often block it with EPERM).
+    """
+    nodes = sorted(_numbered_dirs(Path(sysfs) / "devices" / "system" / "node", _NODE_DIR))
+    nr = _SYS_SET_MEMPOLICY.get(platform.machine().lower())
+    reason = None
+    if platform.system() != "Linux" or nr is None:
+        reason = f"unsupported platform {platform.system()}/{platform.machine()}"
+    elif len(nodes) <= 1:
+        reason = "single NUMA node"
+    elif node not in nodes:
+        reason = f"no such node (nodes: {nodes})"
+    if reason is not None:
+        log.debug("not binding memory to node %d: %s", node, reason)
+        return False
+    bits = ctypes.sizeof(ctypes.c_ulong) * 8
+    mask = (ctypes.c_ulong * (node // bits + 1))()
+    mask[node // bits] = 1 << (node % bits)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # maxnode is one more than the mask's bits: the kernel reads maxnode - 1 bits (as libnuma does).
+        rc = libc.syscall(ctypes.c_long(nr), ctypes.c_long(_MPOL_PREFERRED), mask, ctypes.c_ulong(len(mask) * bits + 1))
+    except (OSError, AttributeError) as e:
+        log.debug("not binding memory to node %d: %s", node, e)
+        return False
+    if rc != 0:
+        err = ctypes.get_errno()
+        log.debug("set_mempolicy(MPOL_PREFERRED, node %d) failed: %s", node, os.strerror(err))
+        return False
+    log.debug("memory policy: prefer node %d", node)
+    return True
+
+
+def default_workers(topo: Topology | None = None) -> int:
+    """Default CPU worker count: the physical cores available to this process (at least 1)."""
+    if topo is None:
+        topo = read_topology()
+    return max(1, topo.n_physical)
