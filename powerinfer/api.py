@@ -27,9 +27,10 @@ import torch
 from powerinfer.chat import ChatMessage, ChatTemplate
 from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.coordinator.engine import Engine
-from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.executor import Executor, InProcessExecutor
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
 
@@ -62,6 +63,11 @@ class Timings:
 
 
 class LLM:
+    """A loaded model. ``executor="process"`` (the default) runs every layer's shards in
+    ``n_threads`` CPU worker processes (default: one per physical core); ``"inprocess"`` runs them
+    in this process with ``n_threads`` torch threads (the test oracle, and handy in notebooks).
+    """
+
     def __init__(
         self,
         model_path: str | os.PathLike[str],
@@ -69,14 +75,16 @@ class LLM:
         n_ctx: int = 4096,
         n_batch: int = 512,
         n_threads: int | None = None,
+        executor: str = "process",
         n_shards: int = 1,
+        pin: bool = True,
         progress: bool = False,
     ) -> None:
         t0 = time.perf_counter()
-        if n_threads is not None:
-            if n_threads < 1:
-                raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
-            torch.set_num_threads(n_threads)
+        if n_threads is not None and n_threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
+        if executor not in ("process", "inprocess"):
+            raise InvalidArgumentError(f"executor must be 'process' or 'inprocess', got {executor!r}")
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.config: ModelConfig = config_from_gguf(self.file)
@@ -88,12 +96,46 @@ class LLM:
             log.warning("context %d exceeds the %d the model was trained with", n_ctx, self.config.context_length)
         self.tokenizer = GGUFTokenizer.from_metadata(self.file.metadata)
         self.chat_template = ChatTemplate.for_model(self.file.metadata, self.tokenizer)
-        executor = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress)
-        self.engine = Engine(self.file, self.config, executor, n_ctx=n_ctx, n_batch=n_batch)
+        ex: Executor
+        if executor == "inprocess":
+            if n_threads is not None:
+                torch.set_num_threads(n_threads)
+            ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress)
+        else:
+            from powerinfer.coordinator.process_executor import ProcessExecutor
+            from powerinfer.cpu_workers.topology import default_workers
+
+            n_workers = n_threads or default_workers()
+            # One torch thread here: OpenMP threads spin-wait after each parallel region and would
+            # steal the cores the workers are pinned to (measured: 3x slower decode with 2 threads).
+            torch.set_num_threads(1)
+            ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, pin=pin,
+                                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        try:
+            self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch)
+        except BaseException:
+            ex.close()
+            raise
         self.n_ctx = n_ctx
+        self._broken = False
         _release_freed_memory()
         self.timings = Timings(load_s=time.perf_counter() - t0)
         log.info("loaded %s (%s) in %.2fs", self.config.name, self.config.arch, self.timings.load_s)
+
+    def _eval(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+        """engine.eval; after a worker failure the error goes to this request at once and the
+        pool is restarted at the start of the next one (so the error is not delayed by a restart)."""
+        if self._broken:
+            restart = getattr(self.engine.executor, "restart", None)
+            if restart is not None:
+                restart()
+            self._broken = False
+        try:
+            return self.engine.eval(ids, all_logits=all_logits)
+        except (WorkerDiedError, WorkerError):
+            self.engine.rewind(0)  # the restarted workers will hold no KV cache
+            self._broken = True
+            raise
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -108,7 +150,7 @@ class LLM:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Float32 logits [len(token_ids), vocab] at every position, computed from an empty cache."""
         self.engine.rewind(0)
-        return self.engine.eval(token_ids, all_logits=True).numpy()
+        return self._eval(token_ids, all_logits=True).numpy()
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -119,7 +161,7 @@ class LLM:
         keep = min(self.engine.common_prefix(ids), len(ids) - 1)
         self.engine.rewind(keep)
         t0 = time.perf_counter()
-        logits = self.engine.eval(ids[keep:])
+        logits = self._eval(ids[keep:])
         self.timings.prompt_tokens = len(ids) - keep
         self.timings.prompt_s = time.perf_counter() - t0
         return logits
@@ -178,7 +220,7 @@ class LLM:
             done = self.timings.generated_tokens >= max_tokens > 0
             if done or len(self.engine.tokens) + 1 >= self.n_ctx:
                 break
-            logits = self.engine.eval([token])
+            logits = self._eval([token])
         self.timings.generate_s = time.perf_counter() - t0
         if finish == "length":
             pending += decoder.flush()

@@ -14,7 +14,7 @@ from powerinfer.errors import ContextOverflowError, InvalidArgumentError, ModelF
 
 @pytest.fixture(scope="module")
 def llm(make_model: Callable[..., Path]) -> LLM:
-    return LLM(make_model(arch="llama"), n_ctx=64, n_batch=8)
+    return LLM(make_model(arch="llama"), n_ctx=64, n_batch=8, executor="inprocess")
 
 
 def test_logits_shape_and_determinism(llm: LLM) -> None:
@@ -72,7 +72,7 @@ def test_context_overflow_and_bad_args(llm: LLM) -> None:
 
 
 def test_generation_stops_at_context_end(make_model: Callable[..., Path]) -> None:
-    small = LLM(make_model(arch="llama"), n_ctx=12)
+    small = LLM(make_model(arch="llama"), n_ctx=12, executor="inprocess")
     chunks = list(small.generate("abcd", max_tokens=-1, temperature=0))
     assert chunks[-1].finish_reason in ("length", "stop")
     assert len(small.engine.tokens) <= 12

@@ -85,3 +85,19 @@ def test_chat_answers_and_stops(model: tuple[str, LLM]) -> None:
         finish = chunk.finish_reason or finish
     assert "Paris" in text
     assert finish in ("stop", "length")
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3])
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, request: pytest.FixtureRequest, reference: dict[str, Any]) -> None:
+    # 3 workers divide neither SmolLM2's 3 kv heads x 1536 neurons evenly into 32-aligned
+    # ranges nor Gemma's single kv head (two of its workers serve only FFN neurons).
+    path: Path = request.getfixturevalue(f"{key}_path")
+    ids = reference[key]["greedy"][0]["prompt_tokens"]
+    oracle = LLM(path, n_ctx=128, executor="inprocess", n_shards=n_workers)
+    llm = LLM(path, n_ctx=128, n_threads=n_workers)
+    try:
+        np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3, rtol=0)
+        assert [c.token for c in llm.generate(ids, 8, temperature=0)] == [c.token for c in oracle.generate(ids, 8, temperature=0)]
+    finally:
+        llm.close()

@@ -1,10 +1,10 @@
-"""`powerinfer bench`: load time, peak memory, prefill and decode speed at several thread counts.
+"""`powerinfer bench`: thread/worker scaling of load time, memory, prefill and decode speed.
 
-Runs in: the user's process, which starts one child process per thread count (so each figure's
-load time and peak RSS belong to that configuration alone) and prints a table; ``--json FILE``
-also writes the figures.
+Runs in: the user's process, which starts one child process per configuration (so each figure's
+load time and memory belong to that configuration alone), prints a table, and optionally writes
+JSON and a PNG plot of decode tokens/s against workers with the memory-bandwidth ceiling.
 
-    powerinfer bench -m smollm2 --threads 1,2 --prompt-tokens 128 --gen-tokens 64
+    powerinfer bench -m smollm2 --workers 1,2 --prompt-tokens 128 --gen-tokens 64 --plot scaling.png
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Sequence
+
+import numpy as np
 
 from powerinfer.errors import PowerInferError
 
@@ -45,51 +47,119 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     from powerinfer.cli.main import _Parser, positive_int
 
-    p = _Parser(prog="powerinfer bench", description="Measure load time, peak RSS, prefill and decode tokens/s.")
+    p = _Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per worker count.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
-    p.add_argument("--threads", "-t", type=_int_list, default=[1, 2], help="comma-separated thread counts (default 1,2)")
+    p.add_argument("--workers", "-t", "--threads", dest="workers", type=_int_list, default=[1, 2],
+                   help="comma-separated CPU worker (or, with --executor inprocess, thread) counts (default 1,2)")
+    p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=512)
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--plot", default=None, help="also write a PNG plot of decode tokens/s against workers")
     p.add_argument("--one", type=positive_int, default=None, help=argparse.SUPPRESS)  # child mode
     return p
 
 
-def measure(model: str, threads: int, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int) -> dict[str, Any]:
-    """Measure one configuration in this process."""
+def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
+    """Single-stream read+write bandwidth of this machine (numpy copy), GB/s: the decode ceiling."""
+    src = np.ones(n_bytes // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best / 1e9
+
+
+def _memory(pids: Sequence[int]) -> tuple[float, float]:
+    """(sum of RSS, sum of PSS) in MiB over these processes; PSS splits shared pages fairly."""
+    import psutil
+
+    rss = pss = 0.0
+    for pid in pids:
+        try:
+            info = psutil.Process(pid).memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss / 2**20, pss / 2**20
+
+
+def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int) -> dict[str, Any]:
+    """Measure one configuration in this process (plus its workers)."""
     import torch
 
     from powerinfer.api import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=n_batch, n_threads=threads)
+    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=n_batch, n_threads=workers, executor=executor)
     load_s = time.perf_counter() - t0
-    ids = llm.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
-    eng = llm.engine
-    prefill, decode = [], []
-    for _ in range(repeat):
-        eng.rewind(0)
-        t = time.perf_counter()
-        logits = eng.eval(ids)
-        prefill.append(prompt_tokens / (time.perf_counter() - t))
-        token = int(torch.argmax(logits[-1]))
-        t = time.perf_counter()
-        for _ in range(gen_tokens):  # greedy, never stopping at end-of-text, so every run is equal
-            token = int(torch.argmax(eng.eval([token])[-1]))
-        decode.append(gen_tokens / (time.perf_counter() - t))
-    return {
-        "model": llm.config.name,
-        "threads": threads,
-        "load_s": round(load_s, 3),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "weights_mib": round(eng.weight_bytes / 2**20, 1),
-        "prompt_tokens": prompt_tokens,
-        "prefill_tps": round(statistics.median(prefill), 1),
-        "gen_tokens": gen_tokens,
-        "decode_tps": round(statistics.median(decode), 1),
-    }
+    try:
+        ids = llm.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
+        eng = llm.engine
+        stats = getattr(eng.executor, "stats", None)
+        prefill, decode = [], []
+        for _ in range(repeat):
+            eng.rewind(0)
+            t = time.perf_counter()
+            logits = eng.eval(ids)
+            prefill.append(prompt_tokens / (time.perf_counter() - t))
+            token = int(torch.argmax(logits[-1]))
+            if stats is not None:
+                stats.reset()
+            t = time.perf_counter()
+            for _ in range(gen_tokens):  # greedy, never stopping at end-of-text, so every run is equal
+                token = int(torch.argmax(eng.eval([token])[-1]))
+            decode.append(gen_tokens / (time.perf_counter() - t))
+        pids = [os.getpid(), *getattr(eng.executor, "pids", [])]
+        rss, pss = _memory(pids)
+        row: dict[str, Any] = {
+            "model": llm.config.name,
+            "executor": executor,
+            "workers": workers,
+            "load_s": round(load_s, 3),
+            "coordinator_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "total_rss_mib": round(rss, 1),
+            "total_pss_mib": round(pss, 1),
+            "weights_mib": round(eng.weight_bytes / 2**20, 1),
+            "prompt_tokens": prompt_tokens,
+            "prefill_tps": round(statistics.median(prefill), 1),
+            "gen_tokens": gen_tokens,
+            "decode_tps": round(statistics.median(decode), 1),
+        }
+        if stats is not None:
+            # per layer and decode step: one attention and one FFN round trip
+            calls = max(1, stats.attention.calls)
+            row["decode_layer_us"] = round((stats.attention.round_trip_us + stats.ffn.round_trip_us) / calls, 1)
+            row["decode_layer_compute_us"] = round((stats.attention.compute_us + stats.ffn.compute_us) / calls, 1)
+            row["decode_layer_ipc_us"] = round((stats.attention.ipc_us + stats.ffn.ipc_us) / calls, 1)
+        return row
+    finally:
+        llm.close()
+
+
+def _plot(rows: list[dict[str, Any]], ceiling_tps: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["workers"] for r in rows]
+    ax.plot(xs, [r["decode_tps"] for r in rows], "o-", label="decode")
+    ax.plot(xs, [r["prefill_tps"] for r in rows], "s-", label="prefill")
+    ax.axhline(ceiling_tps, color="red", linestyle="--", label=f"bandwidth ceiling (decode) {ceiling_tps:.0f}")
+    ax.set_xlabel(f"{rows[0]['executor']} workers")
+    ax.set_ylabel("tokens/s")
+    ax.set_xticks(xs)
+    ax.set_title(rows[0]["model"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def run_bench(argv: Sequence[str]) -> int:
@@ -98,24 +168,31 @@ def run_bench(argv: Sequence[str]) -> int:
 
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
     if args.one is not None:
-        print(json.dumps(measure(model, args.one, args.prompt_tokens, args.gen_tokens, args.repeat, args.batch_size)))
+        print(json.dumps(measure(model, args.one, args.executor, args.prompt_tokens, args.gen_tokens, args.repeat, args.batch_size)))
         return 0
     rows = []
-    for threads in args.threads:
-        cmd = [sys.executable, "-m", "powerinfer.cli.main", "bench", "-m", model, "--one", str(threads),
+    for workers in args.workers:
+        cmd = [sys.executable, "-m", "powerinfer.cli.main", "bench", "-m", model, "--one", str(workers), "--executor", args.executor,
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
                "--repeat", str(args.repeat), "-b", str(args.batch_size)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise PowerInferError(f"benchmark at {threads} threads failed: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+            raise PowerInferError(f"benchmark with {workers} workers failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    cols = ["threads", "load_s", "peak_rss_mib", "weights_mib", "prefill_tps", "decode_tps"]
-    print(f"model: {rows[0]['model']}  prompt: {args.prompt_tokens} tokens  decode: {args.gen_tokens} tokens  (median of {args.repeat})")
+    bandwidth = memory_bandwidth_gbs()
+    ceiling = bandwidth * 1e9 / (rows[0]["weights_mib"] * 2**20)
+    cols = ["workers", "load_s", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps"]
+    if "decode_layer_us" in rows[0]:
+        cols += ["decode_layer_us", "decode_layer_compute_us", "decode_layer_ipc_us"]
+    print(f"model: {rows[0]['model']}  executor: {args.executor}  prompt: {args.prompt_tokens} tokens  "
+          f"decode: {args.gen_tokens} tokens  (median of {args.repeat})")
+    print(f"memory bandwidth: {bandwidth:.1f} GB/s over {rows[0]['weights_mib']} MiB of weights -> decode ceiling {ceiling:.0f} tokens/s")
     print("  ".join(f"{c:>12}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]:>12}" for c in cols))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(rows, fh, indent=2)
+            json.dump({"bandwidth_gbs": bandwidth, "ceiling_tps": ceiling, "rows": rows}, fh, indent=2)
+    if args.plot:
+        _plot(rows, ceiling, args.plot)
     return 0

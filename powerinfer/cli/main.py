@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Sequence
 
@@ -47,7 +48,9 @@ def positive_int(text: str) -> int:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
+    p.add_argument("--executor", choices=["process", "inprocess"], default="process",
+                   help="process: shards in CPU worker processes (default); inprocess: everything in this process")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens; 0 = the model's (default 4096)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
@@ -87,7 +90,8 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa:
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
-    return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, progress=progress and sys.stderr.isatty())
+    return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
+               progress=progress and sys.stderr.isatty())
 
 
 def run_generate(argv: Sequence[str]) -> int:
@@ -116,14 +120,17 @@ def run_generate(argv: Sequence[str]) -> int:
         seed=args.seed,
     )
     llm = load_llm(args)
-    out = sys.stdout
-    out.write(prompt)
-    out.flush()
-    for chunk in llm.generate(prompt, args.n_predict, sampling=params):
-        if chunk.text:
-            out.write(chunk.text)
-            out.flush()
-    out.write("\n")
+    try:
+        out = sys.stdout
+        out.write(prompt)
+        out.flush()
+        for chunk in llm.generate(prompt, args.n_predict, sampling=params):
+            if chunk.text:
+                out.write(chunk.text)
+                out.flush()
+        out.write("\n")
+    finally:
+        llm.close()
     t = llm.timings
     print(
         f"\nload: {t.load_s * 1000:.0f} ms | prompt: {t.prompt_tokens} tokens, {t.prompt_tps:.1f} tokens/s"
@@ -133,8 +140,14 @@ def run_generate(argv: Sequence[str]) -> int:
     return 0
 
 
+def _terminate(signum: int, frame: object) -> None:
+    # SIGTERM unwinds like Ctrl+C would, so `finally` blocks shut the worker pool down in order.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         if argv and argv[0] == "fetch":
             from powerinfer.fetch import add_fetch_subcommand, run_fetch

@@ -1,3 +1,85 @@
-"""Wire protocol between the coordinator and worker processes (ZeroMQ, msgpack headers, raw tensor
-frames; spec in docs/protocol.md). Runs in every process. Not built yet: the engine core runs its
-shards in one process through the in-process executor, which has the same interface."""
+"""Wire protocol between the coordinator and worker processes: ZeroMQ multipart messages with a
+msgpack header frame and raw tensor frames (spec: docs/protocol.md).
+
+Runs in: the coordinator and every worker process. Import from here, not from the submodules.
+"""
+
+from __future__ import annotations
+
+from powerinfer.protocol.errors import (
+    ProtocolError,
+    ProtocolVersionError,
+    WorkerDiedError,
+    WorkerError,
+)
+from powerinfer.protocol.messages import (
+    DEFAULT_MAX_MSG,
+    DTYPES,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_BODY,
+    MAX_DIMS,
+    MAX_LIST,
+    MAX_STR,
+    PROTOCOL_VERSION,
+    ZERO_COPY_MIN,
+    AttnMsg,
+    ErrorMsg,
+    FfnMsg,
+    HeartbeatMsg,
+    HelloMsg,
+    LoadMsg,
+    Message,
+    MsgType,
+    PartialMsg,
+    ReadyMsg,
+    ShutdownMsg,
+    decode,
+    encode,
+)
+from powerinfer.protocol.transport import (
+    as_torch,
+    recv,
+    recv_routed,
+    send,
+    send_routed,
+    socket_limits,
+    worker_identity,
+)
+
+__all__ = [
+    "DEFAULT_MAX_MSG",
+    "DTYPES",
+    "HEARTBEAT_INTERVAL_S",
+    "HEARTBEAT_TIMEOUT_S",
+    "MAX_BODY",
+    "MAX_DIMS",
+    "MAX_LIST",
+    "MAX_STR",
+    "PROTOCOL_VERSION",
+    "ZERO_COPY_MIN",
+    "AttnMsg",
+    "ErrorMsg",
+    "FfnMsg",
+    "HeartbeatMsg",
+    "HelloMsg",
+    "LoadMsg",
+    "Message",
+    "MsgType",
+    "PartialMsg",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "ReadyMsg",
+    "ShutdownMsg",
+    "WorkerDiedError",
+    "WorkerError",
+    "as_torch",
+    "decode",
+    "encode",
+    "recv",
+    "recv_routed",
+    "send",
+    "send_routed",
+    "socket_limits",
+    "worker_identity",
+]

@@ -71,12 +71,18 @@ def test_bad_input_is_one_line_error(make_model: Callable[..., Path], tmp_path: 
 
 
 def test_bench_prints_measured_table(make_model: Callable[..., Path], tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    proc = run("bench", "-m", str(make_model(arch="llama")), "--threads", "1", "--prompt-tokens", "8",
-               "--gen-tokens", "4", "--repeat", "1", "--json", str(out))
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = run("bench", "-m", str(make_model(arch="llama")), "--workers", "1,2", "--prompt-tokens", "8",
+               "--gen-tokens", "4", "--repeat", "1", "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
-    assert "decode_tps" in proc.stdout and out.exists()
+    assert "decode_tps" in proc.stdout and "decode ceiling" in proc.stdout
     import json
 
-    row = json.loads(out.read_text())[0]
-    assert row["threads"] == 1 and row["decode_tps"] > 0 and row["prefill_tps"] > 0 and row["peak_rss_mib"] > 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert [r["workers"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["total_pss_mib"] > 0
+        assert r["decode_layer_us"] >= r["decode_layer_compute_us"] > 0
+    assert data["ceiling_tps"] > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

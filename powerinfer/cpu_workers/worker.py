@@ -1,0 +1,188 @@
+"""CPU worker process: owns one shard of every layer and answers the coordinator's layer requests.
+
+Runs in: a CPU worker process (started by :class:`powerinfer.coordinator.pool.WorkerPool`).
+
+Life cycle: HELLO (protocol version) -> LOAD (which shard, which CPUs) -> pin to its CPUs and NUMA
+node, build its shards from the memory-mapped GGUF (first touch after pinning puts the packed
+weights on the worker's node) -> READY -> serve ATTN/FFN with PARTIAL sums until SHUTDOWN.
+A heartbeat thread tells the coordinator it is alive and ends the process as soon as the
+coordinator is gone, so a killed coordinator never leaves orphan workers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from powerinfer.config import config_from_gguf
+from powerinfer.cpu_workers.shards import AttentionShard, FFNShard
+from powerinfer.cpu_workers.topology import Placement, bind_memory_to_node, pin_current_process
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.ops import RopeTable
+from powerinfer.model.sharding import plan_shards
+from powerinfer.protocol import (
+    HEARTBEAT_INTERVAL_S,
+    PROTOCOL_VERSION,
+    AttnMsg,
+    ErrorMsg,
+    FfnMsg,
+    HeartbeatMsg,
+    HelloMsg,
+    LoadMsg,
+    PartialMsg,
+    ProtocolError,
+    ReadyMsg,
+    ShutdownMsg,
+    as_torch,
+    recv,
+    send,
+    socket_limits,
+)
+
+log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL us when the process that started us dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        log.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the heartbeat thread")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _heartbeat(ctx: zmq.Context, endpoint: str, index: int, coordinator: int, busy: threading.Event, stop: threading.Event) -> None:
+    """Beat every HEARTBEAT_S; exit the whole process when the coordinator disappears."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10)
+    sock.connect(endpoint)
+    pid = os.getpid()
+    while not stop.wait(HEARTBEAT_INTERVAL_S):
+        if not _alive(coordinator) or os.getppid() == 1:
+            log.warning("worker %d: coordinator %d is gone, exiting", index, coordinator)
+            os._exit(0)
+        try:
+            send(sock, HeartbeatMsg(worker=index, pid=pid, busy=busy.is_set()), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # coordinator busy; a dropped beat is fine, the next one follows
+    sock.close()
+
+
+class _Shards:
+    """This worker's shard of every layer (None where it serves no attention heads / neurons)."""
+
+    def __init__(self, load: LoadMsg) -> None:
+        f = GGUFFile(load.model)
+        cfg = config_from_gguf(f)
+        plan = plan_shards(cfg, load.n_workers)
+        heads, neurons = plan.heads[load.worker], plan.neurons[load.worker]
+        ropes: dict[tuple[float, float], RopeTable] = {}
+        self.attn = [AttentionShard(f, cfg, i, heads, load.n_ctx, ropes) for i in range(cfg.n_layers)] if heads else None
+        self.ffn = [FFNShard(f, cfg, i, neurons) for i in range(cfg.n_layers)] if len(neurons) else None
+        self.weight_bytes = sum(s.nbytes for s in (self.attn or [])) + sum(s.nbytes for s in (self.ffn or []))
+
+
+def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event) -> None:
+    while True:
+        try:
+            msg = recv(sock)
+        except ProtocolError as e:
+            log.error("worker %d: dropped a malformed message: %s", index, e)
+            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=str(e)))
+            continue
+        if isinstance(msg, ShutdownMsg):
+            return
+        if not isinstance(msg, (AttnMsg, FfnMsg)):
+            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
+            continue
+        busy.set()
+        t0 = time.perf_counter()
+        try:
+            x = as_torch(msg.tensors[0])
+            if isinstance(msg, AttnMsg):
+                if shards.attn is None:
+                    raise RuntimeError(f"worker {index} holds no attention heads")
+                y = shards.attn[msg.layer].forward(x, as_torch(msg.tensors[1]))
+            else:
+                if shards.ffn is None:
+                    raise RuntimeError(f"worker {index} holds no FFN neurons")
+                y = shards.ffn[msg.layer].forward(x)
+            out = np.ascontiguousarray(y.numpy(), dtype=np.float32)
+            us = int((time.perf_counter() - t0) * 1e6)
+            send(sock, PartialMsg(req=msg.req, step=msg.step, layer=msg.layer, worker=index, compute_us=us, tensors=(out,)))
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR, worker keeps serving
+            log.exception("worker %d: layer %d failed", index, msg.layer)
+            send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=msg.layer, worker=index, kind=type(e).__name__, message=str(e)))
+        finally:
+            busy.clear()
+
+
+def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, log_level: str = "WARNING") -> None:
+    """Entry point of a worker process."""
+    _die_with_parent()
+    logging.basicConfig(level=log_level, format=f"%(levelname)s worker{index} %(name)s: %(message)s", stream=sys.stderr)
+    # The coordinator handles Ctrl+C and tells us to stop; a terminal's SIGINT must not kill us mid-reply.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{index}".encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    socket_limits(sock)
+    sock.connect(endpoint)
+    busy, stop = threading.Event(), threading.Event()
+    beat = threading.Thread(target=_heartbeat, args=(ctx, hb_endpoint, index, coordinator, busy, stop), daemon=True)
+    beat.start()
+    try:
+        send(sock, HelloMsg(version=PROTOCOL_VERSION, worker=index, pid=os.getpid()))
+        load = recv(sock)
+        if isinstance(load, ShutdownMsg):
+            return
+        if not isinstance(load, LoadMsg):
+            raise ProtocolError(f"expected LOAD, got {type(load).__name__}")
+        if load.cpus:
+            pin_current_process(Placement(worker=index, node=load.node, cpus=tuple(load.cpus)))
+        if load.node >= 0:
+            bind_memory_to_node(load.node)
+        torch.set_num_threads(max(1, load.threads))
+        t0 = time.perf_counter()
+        busy.set()
+        try:
+            shards = _Shards(load)
+        except Exception as e:  # noqa: BLE001 - the coordinator reports it as a load failure
+            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
+            return
+        finally:
+            busy.clear()
+        send(sock, ReadyMsg(worker=index, weight_bytes=shards.weight_bytes, load_s=time.perf_counter() - t0))
+        _serve(sock, shards, index, busy)
+    finally:
+        stop.set()
+        beat.join(1.0)
+        sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    # argv: index endpoint heartbeat-endpoint coordinator-pid log-level (see coordinator/pool.py)
+    worker_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
