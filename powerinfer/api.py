@@ -13,7 +13,6 @@ Runs in: the user's process, which becomes the coordinator.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -22,7 +21,6 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from powerinfer.chat import ChatMessage, ChatTemplate
 from powerinfer.config import ModelConfig, config_from_gguf
@@ -30,6 +28,7 @@ from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import Executor, InProcessExecutor
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.memory import release_freed_memory
 from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
@@ -99,16 +98,17 @@ class LLM:
         ex: Executor
         if executor == "inprocess":
             if n_threads is not None:
+                import torch
+
                 torch.set_num_threads(n_threads)
             ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress)
         else:
             from powerinfer.coordinator.process_executor import ProcessExecutor
             from powerinfer.cpu_workers.topology import default_workers
 
+            # The coordinator itself only does small numpy vector work (norms, residuals, sampling)
+            # and never imports torch; the workers hold every matrix, the output head included.
             n_workers = n_threads or default_workers()
-            # One torch thread here: OpenMP threads spin-wait after each parallel region and would
-            # steal the cores the workers are pinned to (measured: 3x slower decode with 2 threads).
-            torch.set_num_threads(1)
             ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, pin=pin,
                                  log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
         try:
@@ -118,11 +118,11 @@ class LLM:
             raise
         self.n_ctx = n_ctx
         self._broken = False
-        _release_freed_memory()
+        release_freed_memory()
         self.timings = Timings(load_s=time.perf_counter() - t0)
         log.info("loaded %s (%s) in %.2fs", self.config.name, self.config.arch, self.timings.load_s)
 
-    def _eval(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+    def _eval(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """engine.eval; after a worker failure the error goes to this request at once and the
         pool is restarted at the start of the next one (so the error is not delayed by a restart)."""
         if self._broken:
@@ -150,11 +150,11 @@ class LLM:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Float32 logits [len(token_ids), vocab] at every position, computed from an empty cache."""
         self.engine.rewind(0)
-        return self._eval(token_ids, all_logits=True).numpy()
+        return self._eval(token_ids, all_logits=True)
 
     # -- generation ----------------------------------------------------------------------------
 
-    def _prefill(self, ids: list[int]) -> torch.Tensor:
+    def _prefill(self, ids: list[int]) -> np.ndarray:
         """Evaluate ids, reusing the cached common prefix; -> logits [1, vocab] of the last token."""
         if not ids:
             raise InvalidArgumentError("the prompt is empty")
@@ -199,7 +199,7 @@ class LLM:
         eog = self.tokenizer.eog_ids
         finish = "length"
         while True:
-            token = sampler(logits[-1].numpy(), history)
+            token = sampler(logits[-1], history)
             self.timings.generated_tokens += 1
             if token in eog:
                 finish = "stop"
@@ -256,18 +256,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _release_freed_memory() -> None:
-    """Hand the heap left over from decoding and packing weights back to the OS (glibc keeps it).
-
-    Measured on SmolLM2: RSS after load drops from ~600 MB to ~460 MB.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (macOS, musl): nothing to trim
-        return
-    libc.malloc_trim(0)
 
 
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:

@@ -14,6 +14,7 @@ shipped CVEs). A problem is a :class:`ModelFileError` naming what is wrong and w
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -303,6 +304,16 @@ class GGUFFile:
         if info.qtype not in GGML_QUANT_SIZES:
             raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unsupported type {info.qtype.name}")
         return flat.reshape(info.n_rows, info.row_bytes)
+
+    def drop_pages(self) -> None:
+        """Unmap the resident file pages from this process (they stay in the OS page cache).
+
+        A worker reads its shard of the file once, to pack it; afterwards the pages only inflate
+        its RSS. Later reads (none expected) would simply fault them back in.
+        """
+        mm = getattr(self._map, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def __iter__(self) -> Iterator[TensorInfo]:
         return iter(self.tensors.values())

@@ -91,8 +91,6 @@ def _memory(pids: Sequence[int]) -> tuple[float, float]:
 
 def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int) -> dict[str, Any]:
     """Measure one configuration in this process (plus its workers)."""
-    import torch
-
     from powerinfer.api import LLM
 
     t0 = time.perf_counter()
@@ -108,12 +106,12 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             t = time.perf_counter()
             logits = eng.eval(ids)
             prefill.append(prompt_tokens / (time.perf_counter() - t))
-            token = int(torch.argmax(logits[-1]))
+            token = int(np.argmax(logits[-1]))
             if stats is not None:
                 stats.reset()
             t = time.perf_counter()
             for _ in range(gen_tokens):  # greedy, never stopping at end-of-text, so every run is equal
-                token = int(torch.argmax(eng.eval([token])[-1]))
+                token = int(np.argmax(eng.eval([token])[-1]))
             decode.append(gen_tokens / (time.perf_counter() - t))
         pids = [os.getpid(), *getattr(eng.executor, "pids", [])]
         rss, pss = _memory(pids)

@@ -15,15 +15,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.coordinator.executor import Executor
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.ops import rms_norm, softcap
-from powerinfer.model.weights import embed_rows, layer_tensor, load_linear, load_vector
-from powerinfer.quants import PackedLinear
+from powerinfer.model.weights import embed_rows, layer_tensor, load_vector
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +29,20 @@ REFINE = 32  # logits per position recomputed in float32 (see Engine.logits_of)
 
 @dataclass
 class LayerNorms:
-    attn: torch.Tensor
-    ffn: torch.Tensor
-    post_attn: torch.Tensor | None
-    post_ffn: torch.Tensor | None
+    attn: np.ndarray
+    ffn: np.ndarray
+    post_attn: np.ndarray | None
+    post_ffn: np.ndarray | None
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x [T, n] normalised over n, times weight [n] (Gemma's +1 is baked into the file)."""
+    ms = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[1])
+    return x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32) * weight
+
+
+def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
+    return np.tanh(logits / np.float32(cap)) * np.float32(cap) if cap else logits
 
 
 class Engine:
@@ -57,14 +64,14 @@ class Engine:
             for i in range(cfg.n_layers)
         ]
         self.output_norm = load_vector(f, "output_norm.weight", d)
+        # The output head [T, d] -> [T, vocab] is computed by the executor (split across workers);
+        # the engine only re-reads a few of its rows to refine the best logits.
         self.head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        # [T, d] -> [T, vocab]; the biggest single matmul of a decode step for small models.
-        self.head: PackedLinear = load_linear(f, [(self.head_name, None)])
         self.tokens: list[int] = []
 
     @property
     def weight_bytes(self) -> int:
-        return self.executor.weight_bytes + self.head.nbytes
+        return self.executor.weight_bytes
 
     def rewind(self, n: int) -> None:
         """Forget cached tokens past the first n (their KV entries are simply overwritten later)."""
@@ -87,13 +94,13 @@ class Engine:
             raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         return arr
 
-    def _forward(self, ids: np.ndarray, start: int) -> torch.Tensor:
-        """Run tokens ids [T] at positions start.. through every layer -> final hidden [T, d]."""
+    def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """Run tokens ids [T] at positions start.. through every layer -> final hidden [T, d] f32."""
         cfg = self.cfg
-        positions = torch.arange(start, start + len(ids))
+        positions = np.arange(start, start + len(ids), dtype=np.int64)
         x = embed_rows(self.f, ids)
         if cfg.embed_scale != 1.0:
-            x = x * cfg.embed_scale
+            x = x * np.float32(cfg.embed_scale)
         for layer, norms in enumerate(self.norms):
             h = self.executor.attention(layer, rms_norm(x, norms.attn, cfg.norm_eps), positions)
             if norms.post_attn is not None:
@@ -105,22 +112,23 @@ class Engine:
             x = x + h
         return rms_norm(x, self.output_norm, cfg.norm_eps)
 
-    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits_of(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [T, d] -> logits float32 [T, vocab].
 
         The packed head returns bf16-rounded logits (a step of 0.125 around 20), which can flip
         near-ties. The REFINE best candidates of each row are recomputed in float32 from their
         dequantized head rows, so the values that decide sampling are exact.
         """
-        logits = self.head(hidden)
-        idx = logits.topk(min(REFINE, logits.shape[1]), dim=-1).indices  # [T, R]
-        rows = torch.unique(idx)  # [U] sorted
-        w = embed_rows(self.f, rows.numpy(), self.head_name)  # [U, d]
+        logits = np.array(self.executor.logits(hidden), dtype=np.float32)  # owned: refined in place
+        k = min(REFINE, logits.shape[1])
+        idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]  # [T, R]
+        rows, inverse = np.unique(idx, return_inverse=True)  # [U], [T * R]
+        w = embed_rows(self.f, rows, self.head_name)  # [U, d]
         exact = hidden @ w.T  # [T, U]
-        logits.scatter_(1, idx, exact.gather(1, torch.searchsorted(rows, idx)))
+        np.put_along_axis(logits, idx, np.take_along_axis(exact, inverse.reshape(idx.shape), axis=1), axis=1)
         return softcap(logits, self.cfg.final_logit_softcap)
 
-    def eval(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
+    def eval(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append ids to the cache; logits float32 [len(ids), vocab] if all_logits else [1, vocab] of the last."""
         arr = self._check_ids(ids)
         if arr.size == 0:
@@ -129,14 +137,13 @@ class Engine:
             raise ContextOverflowError(
                 f"{len(self.tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)"
             )
-        outs: list[torch.Tensor] = []
-        with torch.inference_mode():
-            for i in range(0, arr.size, self.n_batch):
-                chunk = arr[i : i + self.n_batch]
-                hidden = self._forward(chunk, len(self.tokens))
-                self.tokens.extend(int(t) for t in chunk)
-                if all_logits:
-                    outs.append(self.logits_of(hidden))
-            if not all_logits:
-                outs.append(self.logits_of(hidden[-1:]))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        outs: list[np.ndarray] = []
+        for i in range(0, arr.size, self.n_batch):
+            chunk = arr[i : i + self.n_batch]
+            hidden = self._forward(chunk, len(self.tokens))
+            self.tokens.extend(int(t) for t in chunk)
+            if all_logits:
+                outs.append(self.logits_of(hidden))
+        if not all_logits:
+            outs.append(self.logits_of(hidden[-1:]))
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]

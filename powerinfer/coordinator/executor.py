@@ -2,10 +2,11 @@
 
 Runs in: the coordinator process.
 
-An executor receives one layer's normed activations and returns the summed partial outputs of
-every shard of that layer. The in-process executor holds all shards itself and runs them one
-after another; the multiprocess executor (same interface) sends them to worker processes. Keeping
-the interface this narrow is what lets every test run without processes or sockets.
+An executor receives one layer's normed activations (numpy float32) and returns the summed
+partial outputs of every shard of that layer, and the output head's logits. The in-process
+executor holds all shards itself and runs them one after another; the process executor (same
+interface) sends them to worker processes. Keeping the interface this narrow, and in numpy, is
+what lets every test run without processes and lets the coordinator run without torch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import logging
 import time
 from typing import Protocol
 
-import torch
+import numpy as np
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.shards import AttentionShard, FFNShard
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.ops import RopeTable
 from powerinfer.model.sharding import ShardPlan, plan_shards
 
 log = logging.getLogger(__name__)
@@ -28,12 +27,16 @@ log = logging.getLogger(__name__)
 class Executor(Protocol):
     plan: ShardPlan
 
-    def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, d] normed -> attention output [T, d] (before the residual add)."""
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """x [T, d] f32 normed, positions [T] i64 -> attention output [T, d] (before the residual add)."""
         ...
 
-    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] normed -> FFN output [T, d] (before the residual add)."""
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x [T, d] f32 normed -> FFN output [T, d] (before the residual add)."""
+        ...
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """x [T, d] f32 final-normed -> logits [T, vocab] f32 from the packed output head."""
         ...
 
     @property
@@ -46,6 +49,11 @@ class InProcessExecutor:
     """All shards of all layers in this process; `n_shards` > 1 splits layers exactly as workers would."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_shards: int = 1, progress: bool = False) -> None:
+        import torch  # noqa: F401 - this executor is the one place the coordinator computes with torch
+
+        from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
+        from powerinfer.model.ops import RopeTable
+
         self.plan = plan_shards(cfg, n_shards)
         ropes: dict[tuple[float, float], RopeTable] = {}
         self.attn: list[list[AttentionShard]] = []
@@ -59,26 +67,42 @@ class InProcessExecutor:
         for layer in layers:
             self.attn.append([AttentionShard(f, cfg, layer, h, n_ctx, ropes) for h in self.plan.heads if h is not None])
             self.ffns.append([FFNShard(f, cfg, layer, n) for n in self.plan.neurons if len(n)])
+        self.heads = [HeadShard(f, cfg, a, b) for a, b in self.plan.vocab if b > a]
         log.debug("built %d layers x %d shards in %.2fs", cfg.n_layers, n_shards, time.perf_counter() - t0)
 
     @property
     def weight_bytes(self) -> int:
-        return sum(s.nbytes for layer in self.attn for s in layer) + sum(s.nbytes for layer in self.ffns for s in layer)
+        shards = [s for layer in self.attn for s in layer] + [s for layer in self.ffns for s in layer] + self.heads
+        return sum(s.nbytes for s in shards)
 
-    def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        import torch
+
+        xt, pt = torch.from_numpy(x), torch.from_numpy(positions)
         shards = self.attn[layer]
-        out = shards[0].forward(x, positions)
+        out = shards[0].forward(xt, pt)
         for shard in shards[1:]:
-            out = out + shard.forward(x, positions)
-        return out
+            out = out + shard.forward(xt, pt)
+        return out.numpy()
 
-    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        xt = torch.from_numpy(x)
         shards = self.ffns[layer]
-        out = shards[0].forward(x)
+        out = shards[0].forward(xt)
         for shard in shards[1:]:
-            out = out + shard.forward(x)
-        return out
+            out = out + shard.forward(xt)
+        return out.numpy()
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        xt = torch.from_numpy(x)
+        parts = [h.forward(xt).numpy() for h in self.heads]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
     def close(self) -> None:
         self.attn.clear()
         self.ffns.clear()
+        self.heads.clear()

@@ -115,8 +115,10 @@ class WorkerPool:
             for i in range(cfg.n_workers)
         ]
         self.last_beat = [time.monotonic()] * cfg.n_workers
+        self._serving = False
         try:
             self._handshake()
+            self._serving = True
         except BaseException:
             self.close()
             raise
@@ -195,7 +197,9 @@ class WorkerPool:
             p = self.procs[i]
             if p.poll() is not None:
                 raise WorkerDiedError(f"worker {i} (pid {p.pid}) {_describe_exit(p.returncode)} while {what}")
-            if now - self.last_beat[i] > HEARTBEAT_TIMEOUT_S:
+            # While starting, interpreters import torch and pack weights before their first beat;
+            # only the start timeout applies then.
+            if self._serving and now - self.last_beat[i] > HEARTBEAT_TIMEOUT_S:
                 raise WorkerDiedError(f"worker {i} (pid {p.pid}) stopped answering for {now - self.last_beat[i]:.1f}s while {what}")
 
     def _drain_beats(self) -> None:

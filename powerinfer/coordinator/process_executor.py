@@ -15,13 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
 from powerinfer.cpu_workers.topology import plan_placement, read_topology
 from powerinfer.model.sharding import plan_shards
-from powerinfer.protocol import AttnMsg, FfnMsg, Message, PartialMsg, as_torch
+from powerinfer.protocol import AttnMsg, FfnMsg, LogitsMsg, Message, PartialMsg
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +42,10 @@ class LayerTimings:
 class ExecutorStats:
     attention: LayerTimings = field(default_factory=LayerTimings)
     ffn: LayerTimings = field(default_factory=LayerTimings)
+    head: LayerTimings = field(default_factory=LayerTimings)
 
     def reset(self) -> None:
-        self.attention, self.ffn = LayerTimings(), LayerTimings()
+        self.attention, self.ffn, self.head = LayerTimings(), LayerTimings(), LayerTimings()
 
 
 class ProcessExecutor:
@@ -54,10 +54,12 @@ class ProcessExecutor:
         self.plan = plan_shards(cfg, n_workers)
         self.attn_workers = [i for i, h in enumerate(self.plan.heads) if h is not None]
         self.ffn_workers = [i for i, n in enumerate(self.plan.neurons) if len(n)]
+        self.head_workers = [i for i, (a, b) in enumerate(self.plan.vocab) if b > a]
         placements = tuple(plan_placement(read_topology(), n_workers, threads_per_worker)) if pin else ()
         self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level))
         self.stats = ExecutorStats()
         self.step = 0
+        self.n_layers = cfg.n_layers
 
     @property
     def weight_bytes(self) -> int:
@@ -67,8 +69,9 @@ class ProcessExecutor:
     def pids(self) -> list[int]:
         return self.pool.pids
 
-    def _run(self, workers: list[int], make: "type[AttnMsg] | type[FfnMsg]", layer: int, tensors: tuple[np.ndarray, ...],
-             timings: LayerTimings) -> torch.Tensor:
+    def _call(self, workers: list[int], make: "type[AttnMsg] | type[FfnMsg] | type[LogitsMsg]", layer: int,
+              tensors: tuple[np.ndarray, ...], timings: LayerTimings) -> list[np.ndarray]:
+        """One request to each of workers; their result tensors in worker order."""
         req = self.pool.next_req()
         msgs: dict[int, Message] = {i: make(req=req, step=self.step, layer=layer, tensors=tensors) for i in workers}
         t0 = time.perf_counter()
@@ -76,20 +79,28 @@ class ProcessExecutor:
         timings.calls += 1
         timings.round_trip_us += (time.perf_counter() - t0) * 1e6
         timings.compute_us += max(r.compute_us for r in replies.values())
-        out = as_torch(replies[workers[0]].tensors[0]).clone()
-        for i in workers[1:]:
-            out += as_torch(replies[i].tensors[0])
+        return [replies[i].tensors[0] for i in workers]
+
+    def _summed(self, parts: list[np.ndarray]) -> np.ndarray:
+        out = np.array(parts[0], dtype=np.float32)  # owned copy: the frames are read-only
+        for p in parts[1:]:
+            out += p
         return out
 
-    def attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """x [T, d] normed, positions [T] -> summed attention partials [T, d]."""
         if layer == 0:
             self.step += 1
-        tensors = (np.ascontiguousarray(x.numpy(), dtype=np.float32), positions.numpy().astype(np.int64, copy=False))
-        return self._run(self.attn_workers, AttnMsg, layer, tensors, self.stats.attention)
+        tensors = (np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(positions, dtype=np.int64))
+        return self._summed(self._call(self.attn_workers, AttnMsg, layer, tensors, self.stats.attention))
 
-    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self.ffn_workers, FfnMsg, layer, (np.ascontiguousarray(x.numpy(), dtype=np.float32),), self.stats.ffn)
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self._summed(self._call(self.ffn_workers, FfnMsg, layer, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.ffn))
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """x [T, d] final-normed -> logits [T, vocab]: each worker's vocabulary rows, concatenated."""
+        parts = self._call(self.head_workers, LogitsMsg, self.n_layers, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.head)
+        return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
     def restart(self) -> None:
         self.pool.restart()

@@ -16,7 +16,8 @@ from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, neox_to_norm_perm
 from powerinfer.model.sharding import HeadRange
-from powerinfer.model.weights import layer_bias, layer_tensor, load_linear, load_vector
+from powerinfer.model.linears import load_linear
+from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 from powerinfer.quants import PackedLinear
 
 
@@ -40,18 +41,20 @@ class AttentionShard:
         )
         self.bias: torch.Tensor | None = None
         if cfg.qkv_bias:
-            self.bias = torch.cat(
-                [
-                    load_vector(f, layer_bias(layer, "attn_q"))[q_rows],
-                    load_vector(f, layer_bias(layer, "attn_k"))[k_rows],
-                    load_vector(f, layer_bias(layer, "attn_v"))[v_rows],
-                ]
+            self.bias = torch.from_numpy(
+                np.concatenate(
+                    [
+                        load_vector(f, layer_bias(layer, "attn_q"))[q_rows],
+                        load_vector(f, layer_bias(layer, "attn_k"))[k_rows],
+                        load_vector(f, layer_bias(layer, "attn_v"))[v_rows],
+                    ]
+                )
             )
         # Gemma's per-head q and k norm weights, stacked to match the fused [Hq + Hkv, D] heads.
         self.qk_norm: torch.Tensor | None = None
         if cfg.qk_norm:
-            q_norm = load_vector(f, layer_tensor(layer, "attn_q_norm"), D)[perm]
-            k_norm = load_vector(f, layer_tensor(layer, "attn_k_norm"), D)[perm]
+            q_norm = torch.from_numpy(load_vector(f, layer_tensor(layer, "attn_q_norm"), D)[perm])
+            k_norm = torch.from_numpy(load_vector(f, layer_tensor(layer, "attn_k_norm"), D)[perm])
             self.qk_norm = torch.cat([q_norm.expand(heads.q_stop - heads.q_start, D), k_norm.expand(heads.n_kv, D)])
         # Columns of the output projection that read this shard's heads: [T, Hq * Dv] -> [T, d]
         self.out: PackedLinear = load_linear(
@@ -122,3 +125,19 @@ class FFNShard:
         gu = self.gate_up(x)  # [T, 2n]
         h = activation(gu[:, : self.n], self.cfg.activation) * gu[:, self.n :]
         return self.down(h)
+
+
+class HeadShard:
+    """Output-head rows (vocabulary ids) [start, stop): hidden [T, d] -> logits [T, stop - start]."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, start: int, stop: int) -> None:
+        name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        self.start, self.stop = start, stop
+        self.linear: PackedLinear = load_linear(f, [(name, slice(start, stop))])
+
+    @property
+    def nbytes(self) -> int:
+        return self.linear.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)

@@ -24,9 +24,10 @@ import torch
 import zmq
 
 from powerinfer.config import config_from_gguf
-from powerinfer.cpu_workers.shards import AttentionShard, FFNShard
+from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
 from powerinfer.cpu_workers.topology import Placement, bind_memory_to_node, pin_current_process
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.memory import release_freed_memory
 from powerinfer.model.ops import RopeTable
 from powerinfer.model.sharding import plan_shards
 from powerinfer.protocol import (
@@ -38,6 +39,7 @@ from powerinfer.protocol import (
     HeartbeatMsg,
     HelloMsg,
     LoadMsg,
+    LogitsMsg,
     PartialMsg,
     ProtocolError,
     ReadyMsg,
@@ -100,7 +102,13 @@ class _Shards:
         ropes: dict[tuple[float, float], RopeTable] = {}
         self.attn = [AttentionShard(f, cfg, i, heads, load.n_ctx, ropes) for i in range(cfg.n_layers)] if heads else None
         self.ffn = [FFNShard(f, cfg, i, neurons) for i in range(cfg.n_layers)] if len(neurons) else None
-        self.weight_bytes = sum(s.nbytes for s in (self.attn or [])) + sum(s.nbytes for s in (self.ffn or []))
+        start, stop = plan.vocab[load.worker]
+        self.head = HeadShard(f, cfg, start, stop) if stop > start else None
+        shards: list[AttentionShard | FFNShard | HeadShard] = [*(self.attn or []), *(self.ffn or []), *([self.head] if self.head else [])]
+        self.weight_bytes = sum(s.nbytes for s in shards)
+        # Everything is packed: the file's pages and the decoding scratch are no longer needed here.
+        f.drop_pages()
+        release_freed_memory()
 
 
 def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event) -> None:
@@ -113,7 +121,7 @@ def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event)
             continue
         if isinstance(msg, ShutdownMsg):
             return
-        if not isinstance(msg, (AttnMsg, FfnMsg)):
+        if not isinstance(msg, (AttnMsg, FfnMsg, LogitsMsg)):
             send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
             continue
         busy.set()
@@ -124,10 +132,14 @@ def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event)
                 if shards.attn is None:
                     raise RuntimeError(f"worker {index} holds no attention heads")
                 y = shards.attn[msg.layer].forward(x, as_torch(msg.tensors[1]))
-            else:
+            elif isinstance(msg, FfnMsg):
                 if shards.ffn is None:
                     raise RuntimeError(f"worker {index} holds no FFN neurons")
                 y = shards.ffn[msg.layer].forward(x)
+            else:
+                if shards.head is None:
+                    raise RuntimeError(f"worker {index} holds no output-head rows")
+                y = shards.head.forward(x)
             out = np.ascontiguousarray(y.numpy(), dtype=np.float32)
             us = int((time.perf_counter() - t0) * 1e6)
             send(sock, PartialMsg(req=msg.req, step=msg.step, layer=msg.layer, worker=index, compute_us=us, tensors=(out,)))

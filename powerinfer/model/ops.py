@@ -11,11 +11,6 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n] normalised over the last dim, times weight [n] (Gemma's +1 is baked into the file)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
 def activation(gate: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "silu":
         return F.silu(gate)
@@ -101,8 +96,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     m = None if mask is None else mask.repeat(g, 1)  # [g*T, S]
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
     return out.reshape(Hkv, g, T, -1).permute(2, 0, 1, 3).reshape(T, -1)
-
-
-def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.tanh(logits / cap) * cap if cap else logits
-

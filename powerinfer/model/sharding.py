@@ -5,7 +5,8 @@ Runs in: the coordinator (to plan) and workers (to know their share).
 A worker's attention share is a range of kv heads together with the query heads that read them
 (grouped-query attention keeps a group on one worker, so no kv head is stored twice). Its FFN
 share is a set of neurons; ranges are cut on multiples of 32 so that the down projection's
-columns split on quantization-group boundaries.
+columns split on quantization-group boundaries. Its output-head share is a range of vocabulary
+rows, so the biggest matmul of a decode step is split too.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ShardPlan:
 
     heads: tuple[HeadRange | None, ...]
     neurons: tuple[np.ndarray, ...]  # sorted int64 indices into [0, n_ff)
+    vocab: tuple[tuple[int, int], ...]  # output-head rows [start, stop) per worker
 
     @property
     def n_workers(self) -> int:
@@ -66,4 +68,5 @@ def plan_shards(cfg: ModelConfig, n_workers: int) -> ShardPlan:
     heads += [None] * (n_workers - head_parts)
     align = NEURON_ALIGN if cfg.n_ff % NEURON_ALIGN == 0 else 1
     neurons = tuple(np.arange(a, b, dtype=np.int64) for a, b in _split(cfg.n_ff, n_workers, align))
-    return ShardPlan(tuple(heads), neurons)
+    vocab = tuple(_split(cfg.vocab_size, n_workers))
+    return ShardPlan(tuple(heads), neurons, vocab)

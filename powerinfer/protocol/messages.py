@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2  # 2: LOGITS (the output head sharded across workers)
 MAX_BODY = 64 * 1024  # bytes of frame 0 (type byte + msgpack body)
 MAX_STR = 4096  # characters of a str field (two of them at 4 B/char stay well under MAX_BODY)
 MAX_LIST = 4096  # elements of a list field (LOAD.cpus)
@@ -66,6 +66,7 @@ class MsgType(enum.IntEnum):
     ERROR = 7  # worker -> coordinator
     HEARTBEAT = 8  # worker -> coordinator, on the separate PUSH -> PULL socket
     SHUTDOWN = 9  # coordinator -> worker
+    LOGITS = 10  # coordinator -> worker (protocol 2): the worker's vocabulary rows of the output head
 
 
 def _describe(t: Any) -> str:
@@ -151,6 +152,25 @@ class FfnMsg:
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
+class LogitsMsg:
+    """tensors = (x [T, d] f32|bf16 final-normed hidden states,); layer is the layer count.
+
+    Each worker answers with a PARTIAL holding logits [T, V_w] for its own vocabulary rows; the
+    coordinator concatenates them in worker order."""
+
+    req: int
+    step: int
+    layer: int
+    tensors: tuple[Tensor]
+    TYPE: ClassVar[MsgType] = MsgType.LOGITS
+    __repr__ = _tensor_repr
+
+    @property
+    def x(self) -> Tensor:
+        return self.tensors[0]
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class PartialMsg:
     """tensors = (y [T, d] f32|bf16 this worker's partial sum,); compute_us = time in its shard."""
 
@@ -209,7 +229,7 @@ class ShutdownMsg:
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, PartialMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]
+Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, LogitsMsg, PartialMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]
 
 # ----------------------------------------------------------------------------------------- specs
 # Field kinds: (lo, hi) = an int in that range (bool rejected), or one of the string kinds below.
@@ -256,6 +276,7 @@ _SPECS = [
     _spec(ReadyMsg, {"worker": _U, "weight_bytes": _U, "load_s": _FLOAT}),
     _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1))),
     _spec(FfnMsg, _STEP, (("x", _ACT, 2),)),
+    _spec(LogitsMsg, _STEP, (("x", _ACT, 2),)),
     _spec(PartialMsg, {**_STEP, "worker": _U, "compute_us": _U}, (("y", _ACT, 2),)),
     _spec(ErrorMsg, {"req": _IDX, "step": _IDX, "layer": _IDX, "worker": _U, "kind": _STR, "message": _STR}),
     _spec(HeartbeatMsg, {"worker": _U, "pid": _U, "busy": _BOOL}),

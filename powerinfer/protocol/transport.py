@@ -8,10 +8,12 @@ read-only numpy views over the zmq frames, turned into torch tensors without a c
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 import numpy as np
-import torch
 import zmq
 
 from powerinfer.protocol.errors import ProtocolError
@@ -92,13 +94,15 @@ def socket_limits(socket: zmq.Socket[Any], max_bytes: int = DEFAULT_MAX_MSG) -> 
 _readonly_warning_absorbed = False
 
 
-def as_torch(arr: np.ndarray, *, copy: bool = False) -> torch.Tensor:
+def as_torch(arr: np.ndarray, *, copy: bool = False) -> "torch.Tensor":
     """A torch tensor over a decoded array, without copying (uint16 arrays are bf16 bits -> bf16).
 
     The result shares the received frame's memory: consumers must not write to it. It is copied
     when ``copy`` is set or when the frame is not aligned to the element size (zmq may place a
     small received frame at any offset of its receive buffer; torch kernels assume alignment).
     """
+    import torch  # lazily: the coordinator never imports torch when workers do the math
+
     global _readonly_warning_absorbed
 
     if copy or not arr.flags.aligned:

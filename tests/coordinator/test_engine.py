@@ -35,7 +35,7 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 def test_matches_reference_forward(make_model: Callable[..., Path], arch: str, qtype: QT) -> None:
     path = make_model(arch=arch, qtype=qtype, n_layers=2)
     eng = build(path)
-    ours = eng.eval(IDS, all_logits=True).numpy()
+    ours = eng.eval(IDS, all_logits=True)
     ref = reference_logits(eng.f, eng.cfg, IDS)
     assert ours.shape == (len(IDS), eng.cfg.vocab_size)
     # int8 requantization of Q8_0 adds the most error; F32/Q4_0 stay within bf16 rounding.
@@ -48,7 +48,7 @@ def test_gemma3_sliding_window_is_applied(make_model: Callable[..., Path]) -> No
     path = make_model(arch="gemma3", n_layers=6, qtype=QT.F32)
     eng = build(path)
     assert eng.cfg.global_layers == (False, False, False, False, False, True)
-    ours = eng.eval(IDS, all_logits=True).numpy()
+    ours = eng.eval(IDS, all_logits=True)
     ref = reference_logits(eng.f, eng.cfg, IDS)
     assert rel_err(ours, ref) < 0.03
 
@@ -57,8 +57,8 @@ def test_gemma3_sliding_window_is_applied(make_model: Callable[..., Path]) -> No
 def test_shards_sum_to_unsharded(make_model: Callable[..., Path], n_shards: int) -> None:
     # 5 shards: more workers than kv heads (2) and a neuron count (160) they do not divide.
     path = make_model(arch="llama", qtype=QT.Q8_0)
-    one = build(path).eval(IDS, all_logits=True).numpy()
-    many = build(path, n_shards=n_shards).eval(IDS, all_logits=True).numpy()
+    one = build(path).eval(IDS, all_logits=True)
+    many = build(path, n_shards=n_shards).eval(IDS, all_logits=True)
     assert rel_err(many, one) < 0.01
     # random synthetic weights give near-tied logits; shard partials are summed in another order
     assert np.mean(many.argmax(-1) == one.argmax(-1)) >= 0.9
@@ -66,20 +66,20 @@ def test_shards_sum_to_unsharded(make_model: Callable[..., Path], n_shards: int)
 
 def test_incremental_decode_equals_full_pass(make_model: Callable[..., Path]) -> None:
     path = make_model(arch="qwen2", qtype=QT.F32)
-    full = build(path).eval(IDS, all_logits=True).numpy()
+    full = build(path).eval(IDS, all_logits=True)
     eng = build(path, n_batch=3)  # prefill in chunks of 3, then one token at a time
-    prefix = eng.eval(IDS[:10], all_logits=True).numpy()
-    steps = [eng.eval([t]).numpy()[0] for t in IDS[10:]]
+    prefix = eng.eval(IDS[:10], all_logits=True)
+    steps = [eng.eval([t])[0] for t in IDS[10:]]
     inc = np.concatenate([prefix, np.stack(steps)])
     assert rel_err(inc, full) < 1e-3
 
 
 def test_rewind_recomputes_same_logits(make_model: Callable[..., Path]) -> None:
     eng = build(make_model(arch="llama", qtype=QT.F32))
-    first = eng.eval(IDS[:8]).numpy()
+    first = eng.eval(IDS[:8])
     eng.eval(IDS[8:12])
     eng.rewind(7)
-    again = eng.eval(IDS[7:8]).numpy()
+    again = eng.eval(IDS[7:8])
     np.testing.assert_allclose(again, first, rtol=1e-4, atol=1e-4)
 
 

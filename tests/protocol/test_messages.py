@@ -109,7 +109,7 @@ def test_round_trip_bytes_and_frames(msg: Message) -> None:
 def test_wire_bytes_are_stable() -> None:
     """Golden header of docs/protocol.md: changing it breaks peers in other languages."""
     assert {t.name: int(t) for t in MsgType} == {
-        "HELLO": 1, "LOAD": 2, "READY": 3, "ATTN": 4, "FFN": 5, "PARTIAL": 6, "ERROR": 7, "HEARTBEAT": 8, "SHUTDOWN": 9,
+        "HELLO": 1, "LOAD": 2, "READY": 3, "ATTN": 4, "FFN": 5, "PARTIAL": 6, "ERROR": 7, "HEARTBEAT": 8, "SHUTDOWN": 9, "LOGITS": 10,
     }  # fmt: skip
     frames = encode(AttnMsg(1, 2, 3, (np.zeros((1, 576), np.float32), np.array([5], np.int64))))
     # 04 | map(4) "req":1 "step":2 "layer":3 "t":[["f32",[1,576]],["i64",[1]]]
@@ -336,7 +336,7 @@ BAD: dict[str, tuple[list[Any], str]] = {
     "trailing bytes": ([b"\x09\x80\x80"], "not valid msgpack"),
     "non-map body": (raw(4, [1, 2, 3]), "body must be a msgpack map"),
     "body over limit": (raw(7, {"pad": "x" * MAX_BODY}), "must be 1 to 65536"),
-    "missing field": (raw(1, {"version": 1, "worker": 0}), "missing 'pid'"),
+    "missing field": (raw(1, {"version": PROTOCOL_VERSION, "worker": 0}), "missing 'pid'"),
     "extra field": (raw(9, {"x": 1}), "unexpected 'x'"),
     "t on a tensorless type": (raw(8, {"worker": 0, "pid": 1, "busy": False, "t": []}), "unexpected 't'"),
     "str for int": (raw(8, {"worker": "0", "pid": 1, "busy": False}), "field 'worker' must be an int"),
@@ -394,9 +394,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 2, this side speaks version 1") as info:
-        decode(raw(1, {"version": 2, "worker": 0, "pid": 1, "features": ["x"]}))  # a v2 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (2, 1)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 3, this side speaks version 2") as info:
+        decode(raw(1, {"version": 3, "worker": 0, "pid": 1, "features": ["x"]}))  # a v3 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (3, 2)
 
 
 def test_encode_rejects_what_decode_would() -> None:
