@@ -63,7 +63,8 @@ class Timings:
 
 class LLM:
     """A loaded model. ``executor="process"`` (the default) runs every layer's shards in
-    ``n_threads`` CPU worker processes (default: one per physical core); ``"inprocess"`` runs them
+    ``n_threads`` CPU worker processes (default: one per physical core) with ``worker_threads``
+    torch threads each; ``"inprocess"`` runs them
     in this process with ``n_threads`` torch threads (the test oracle, and handy in notebooks).
     """
 
@@ -75,6 +76,7 @@ class LLM:
         n_batch: int = 512,
         n_threads: int | None = None,
         executor: str = "process",
+        worker_threads: int = 1,
         n_shards: int = 1,
         pin: bool = True,
         progress: bool = False,
@@ -109,7 +111,7 @@ class LLM:
             # The coordinator itself only does small numpy vector work (norms, residuals, sampling)
             # and never imports torch; the workers hold every matrix, the output head included.
             n_workers = n_threads or default_workers()
-            ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, pin=pin,
+            ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                  log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch)

@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", "-t", "--threads", dest="workers", type=_int_list, default=[1, 2],
                    help="comma-separated CPU worker (or, with --executor inprocess, thread) counts (default 1,2)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
+    p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -74,27 +74,45 @@ def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
     return 2 * n_bytes / best / 1e9
 
 
-def _memory(pids: Sequence[int]) -> tuple[float, float]:
-    """(sum of RSS, sum of PSS) in MiB over these processes; PSS splits shared pages fairly."""
+def _peak_rss(pid: int) -> float:
+    """VmHWM (the kernel's peak RSS) of a live process, in bytes; 0 where /proc lacks it."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _memory(pids: Sequence[int]) -> tuple[float, float, float]:
+    """(sum of peak RSS, sum of RSS, sum of PSS) in MiB over these processes.
+
+    RSS counts shared pages (libraries, page cache) once per process; PSS splits them fairly.
+    """
     import psutil
 
-    rss = pss = 0.0
+    peak = rss = pss = 0.0
     for pid in pids:
         try:
             info = psutil.Process(pid).memory_full_info()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
+        peak += _peak_rss(pid)
         rss += info.rss
         pss += getattr(info, "pss", info.rss)
-    return rss / 2**20, pss / 2**20
+    return peak / 2**20, rss / 2**20, pss / 2**20
 
 
-def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int) -> dict[str, Any]:
+def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int,
+            worker_threads: int = 1) -> dict[str, Any]:
     """Measure one configuration in this process (plus its workers)."""
     from powerinfer.api import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=n_batch, n_threads=workers, executor=executor)
+    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=n_batch, n_threads=workers, executor=executor,
+              worker_threads=worker_threads)
     load_s = time.perf_counter() - t0
     try:
         ids = llm.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
@@ -114,13 +132,13 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
                 token = int(np.argmax(eng.eval([token])[-1]))
             decode.append(gen_tokens / (time.perf_counter() - t))
         pids = [os.getpid(), *getattr(eng.executor, "pids", [])]
-        rss, pss = _memory(pids)
+        peak, rss, pss = _memory(pids)
         row: dict[str, Any] = {
             "model": llm.config.name,
             "executor": executor,
             "workers": workers,
             "load_s": round(load_s, 3),
-            "coordinator_peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "peak_rss_mib": round(peak, 1),
             "total_rss_mib": round(rss, 1),
             "total_pss_mib": round(pss, 1),
             "weights_mib": round(eng.weight_bytes / 2**20, 1),
@@ -166,20 +184,21 @@ def run_bench(argv: Sequence[str]) -> int:
 
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
     if args.one is not None:
-        print(json.dumps(measure(model, args.one, args.executor, args.prompt_tokens, args.gen_tokens, args.repeat, args.batch_size)))
+        print(json.dumps(measure(model, args.one, args.executor, args.prompt_tokens, args.gen_tokens, args.repeat, args.batch_size,
+                                 args.worker_threads)))
         return 0
     rows = []
     for workers in args.workers:
         cmd = [sys.executable, "-m", "powerinfer.cli.main", "bench", "-m", model, "--one", str(workers), "--executor", args.executor,
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
-               "--repeat", str(args.repeat), "-b", str(args.batch_size)]
+               "--repeat", str(args.repeat), "-b", str(args.batch_size), "--worker-threads", str(args.worker_threads)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise PowerInferError(f"benchmark with {workers} workers failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     bandwidth = memory_bandwidth_gbs()
     ceiling = bandwidth * 1e9 / (rows[0]["weights_mib"] * 2**20)
-    cols = ["workers", "load_s", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps"]
+    cols = ["workers", "load_s", "peak_rss_mib", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps"]
     if "decode_layer_us" in rows[0]:
         cols += ["decode_layer_us", "decode_layer_compute_us", "decode_layer_ipc_us"]
     print(f"model: {rows[0]['model']}  executor: {args.executor}  prompt: {args.prompt_tokens} tokens  "

@@ -49,6 +49,7 @@ def positive_int(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
+    p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process",
                    help="process: shards in CPU worker processes (default); inprocess: everything in this process")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens; 0 = the model's (default 4096)")
@@ -91,6 +92,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa:
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
+               worker_threads=args.worker_threads,
                progress=progress and sys.stderr.isatty())
 
 

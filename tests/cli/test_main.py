@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -82,7 +83,32 @@ def test_bench_prints_measured_table(make_model: Callable[..., Path], tmp_path: 
     rows = data["rows"]
     assert [r["workers"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["total_pss_mib"] > 0
+        assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["total_pss_mib"] > 0 and r["peak_rss_mib"] >= r["total_rss_mib"] * 0.9
         assert r["decode_layer_us"] >= r["decode_layer_compute_us"] > 0
     assert data["ceiling_tps"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigterm_stops_generation_and_workers(make_model: Callable[..., Path]) -> None:
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "-m", str(make_model(arch="llama")), "-p", "abc",
+                             "-n", "-1", "-c", "256", "-t", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[psutil.Process] = []
+        while time.monotonic() < deadline and len(workers) < 2:  # wait until generation runs
+            workers = psutil.Process(proc.pid).children()
+            time.sleep(0.1)
+        assert len(workers) == 2
+        time.sleep(1.0)
+        proc.terminate()
+        t0 = time.monotonic()
+        proc.wait(timeout=5)
+        assert time.monotonic() - t0 < 5
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr.read()
+        gone, alive = psutil.wait_procs(workers, timeout=5)
+        assert not alive, "orphan workers"
+    finally:
+        proc.kill()
+        proc.wait()
