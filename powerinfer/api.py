@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -45,12 +45,15 @@ class GenerationChunk:
 
 @dataclass
 class Timings:
+    """Figures of the last generate() call (load_s: of the model), like llama.cpp's perf report."""
+
     load_s: float = 0.0
     prompt_tokens: int = 0  # tokens actually computed (a reused cached prefix is not counted)
     prompt_s: float = 0.0
-    generated_tokens: int = 0
-    generate_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    generated_tokens: int = 0  # tokens sampled, the end-of-generation token included
+    generate_s: float = 0.0  # wall time from the first sample to the end (sampling included)
+    decode_evals: int = 0  # forward passes of one token (the last sampled token is never evaluated)
+    decode_s: float = 0.0  # time in those forward passes
 
     @property
     def prompt_tps(self) -> float:
@@ -58,7 +61,8 @@ class Timings:
 
     @property
     def generate_tps(self) -> float:
-        return self.generated_tokens / self.generate_s if self.generate_s > 0 else 0.0
+        """Decode speed: one-token forward passes per second (what `powerinfer bench` reports)."""
+        return self.decode_evals / self.decode_s if self.decode_s > 0 else 0.0
 
 
 class LLM:
@@ -198,6 +202,7 @@ class LLM:
         decoder = StreamDecoder(self.tokenizer)
         pending = ""  # text held back because it could be the start of a stop string
         self.timings.generated_tokens, t0 = 0, time.perf_counter()
+        self.timings.decode_evals, self.timings.decode_s = 0, 0.0
         eog = self.tokenizer.eog_ids
         finish = "length"
         while True:
@@ -222,7 +227,10 @@ class LLM:
             done = self.timings.generated_tokens >= max_tokens > 0
             if done or len(self.engine.tokens) + 1 >= self.n_ctx:
                 break
+            t_eval = time.perf_counter()
             logits = self._eval([token])
+            self.timings.decode_s += time.perf_counter() - t_eval
+            self.timings.decode_evals += 1
         self.timings.generate_s = time.perf_counter() - t0
         if finish == "length":
             pending += decoder.flush()

@@ -23,7 +23,7 @@ from powerinfer.errors import PowerInferError
 
 log = logging.getLogger("powerinfer")
 
-SUBCOMMANDS = ("fetch", "bench")
+SUBCOMMANDS = ("fetch", "bench", "inspect")
 
 
 class CLIError(PowerInferError):
@@ -75,7 +75,30 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty; 1.0 = off (default 1.0)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back; -1 = context (default 64)")
     p.add_argument("--seed", type=int, default=-1, help="random seed; -1 = random (default -1)")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="chat with the model's chat template (Ctrl+C stops an answer; Ctrl+D or /exit quits; "
+                        "when the context fills up the oldest turns are dropped, the system prompt is kept)")
+    p.add_argument("--system", default=None, help="system prompt for -i")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers whose hot neurons go to the GPU (default 0: CPU only)")
+    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use (default: free memory minus a margin)")
+    p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron even when a predictor is given (dense, exact)")
     return p
+
+
+def check_gpu_flags(args: argparse.Namespace) -> None:
+    """-ngl / --vram-budget need an NVIDIA GPU; say so plainly instead of failing deep inside."""
+    if args.n_gpu_layers < 0:
+        raise CLIError(f"-ngl must be >= 0, got {args.n_gpu_layers}")
+    if args.vram_budget is not None and not args.vram_budget > 0:
+        raise CLIError(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
+    if args.n_gpu_layers == 0 and args.vram_budget is None:
+        return
+    from powerinfer.gpu_worker.device import find_gpu
+
+    probe = find_gpu()
+    if probe.name is None:
+        raise CLIError(f"-ngl/--vram-budget need an NVIDIA GPU, and none was found ({probe.reason}); use -ngl 0")
+    raise CLIError(f"found {probe.name}, but this version has no GPU worker yet; use -ngl 0")
 
 
 def configure_logging(level: str, verbose: bool) -> None:
@@ -97,6 +120,8 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa:
 
 
 def run_generate(argv: Sequence[str]) -> int:
+    from powerinfer.cli import report
+    from powerinfer.cli.interactive import run_chat
     from powerinfer.sampling import SamplingParams
 
     args = build_generate_parser().parse_args(argv)
@@ -110,8 +135,8 @@ def run_generate(argv: Sequence[str]) -> int:
                 prompt = fh.read()
         except (OSError, UnicodeDecodeError) as e:
             raise CLIError(f"cannot read prompt file {args.file}: {e}") from None
-    if not prompt:
-        raise CLIError("no prompt: give -p TEXT or -f FILE")
+    if not prompt and not args.interactive:
+        raise CLIError("no prompt: give -p TEXT or -f FILE (or -i to chat)")
     params = SamplingParams(
         temperature=args.temp,
         top_k=args.top_k,
@@ -121,25 +146,29 @@ def run_generate(argv: Sequence[str]) -> int:
         repeat_last_n=args.repeat_last_n,
         seed=args.seed,
     )
+    check_gpu_flags(args)
     llm = load_llm(args)
     try:
+        if args.verbose or args.log_level in ("INFO", "DEBUG") or sys.stderr.isatty():
+            print(report.load_summary(llm), file=sys.stderr)
+        if args.interactive:
+            return run_chat(llm, params, args.system, args.n_predict, first=prompt or None)
         out = sys.stdout
         out.write(prompt)
         out.flush()
-        for chunk in llm.generate(prompt, args.n_predict, sampling=params):
-            if chunk.text:
-                out.write(chunk.text)
-                out.flush()
+        try:
+            for chunk in llm.generate(prompt, args.n_predict, sampling=params):
+                if chunk.text:
+                    out.write(chunk.text)
+                    out.flush()
+        except KeyboardInterrupt:
+            out.write("\n[interrupted]")
         out.write("\n")
+        print(file=sys.stderr)
+        report.print_report(llm, sys.stderr, verbose=args.verbose or args.log_level == "DEBUG")
+        return 0
     finally:
         llm.close()
-    t = llm.timings
-    print(
-        f"\nload: {t.load_s * 1000:.0f} ms | prompt: {t.prompt_tokens} tokens, {t.prompt_tps:.1f} tokens/s"
-        f" | generated: {t.generated_tokens} tokens, {t.generate_tps:.1f} tokens/s",
-        file=sys.stderr,
-    )
-    return 0
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -157,6 +186,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             p = _Parser(prog="powerinfer")
             add_fetch_subcommand(p.add_subparsers(dest="command"))
             return run_fetch(p.parse_args(argv))
+        if argv and argv[0] == "inspect":
+            from powerinfer.cli.inspect_cmd import run_inspect
+
+            return run_inspect(argv[1:])
         if argv and argv[0] == "bench":
             from powerinfer.cli.bench import run_bench
 

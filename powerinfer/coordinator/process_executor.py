@@ -55,8 +55,8 @@ class ProcessExecutor:
         self.attn_workers = [i for i, h in enumerate(self.plan.heads) if h is not None]
         self.ffn_workers = [i for i, n in enumerate(self.plan.neurons) if len(n)]
         self.head_workers = [i for i, (a, b) in enumerate(self.plan.vocab) if b > a]
-        placements = tuple(plan_placement(read_topology(), n_workers, threads_per_worker)) if pin else ()
-        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level))
+        self.placements = tuple(plan_placement(read_topology(), n_workers, threads_per_worker)) if pin else ()
+        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, self.placements, log_level))
         self.stats = ExecutorStats()
         self.step = 0
         self.n_layers = cfg.n_layers

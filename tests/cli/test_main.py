@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from gguf import GGMLQuantizationType as QT
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ def test_one_shot_generation(make_model: Callable[..., Path]) -> None:
     proc = run("-m", str(model), "-p", "abc", "-n", "4", "--temp", "0", "-t", "1", "-c", "64")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("abc")
-    assert "generated: 4 tokens" in proc.stderr and "tokens/s" in proc.stderr
+    assert "eval time        =" in proc.stderr and "/     3 runs" in proc.stderr and "tokens per second" in proc.stderr
 
 
 def test_prompt_from_file_and_sampling_flags(make_model: Callable[..., Path], tmp_path: Path) -> None:
@@ -112,3 +113,56 @@ def test_sigterm_stops_generation_and_workers(make_model: Callable[..., Path]) -
     finally:
         proc.kill()
         proc.wait()
+
+
+def run_input(stdin: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def test_interactive_chat_turns_commands_and_eof(make_model: Callable[..., Path]) -> None:
+    model = str(make_model(arch="llama"))
+    proc = run_input("hello\n/help\n/reset\nagain\n", "-m", model, "-i", "--system", "be brief", "-n", "3", "--temp", "0",
+                     "-c", "128", "--executor", "inprocess")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") >= 3  # a prompt per turn, then EOF (Ctrl+D) quits
+    assert "/exit (or Ctrl+D) quit" in proc.stderr and "[conversation cleared]" in proc.stderr
+    proc = run_input("hi\n/exit\nnever sent\n", "-m", model, "-i", "-n", "2", "--temp", "0", "--executor", "inprocess")
+    assert proc.returncode == 0 and proc.stdout.count("> ") == 2
+
+
+def test_interactive_drops_old_turns_when_context_fills(make_model: Callable[..., Path]) -> None:
+    model = str(make_model(arch="llama"))
+    turns = "".join(f"message number {i} with some words\n" for i in range(6))
+    proc = run_input(turns, "-m", model, "-i", "--system", "sys", "-n", "4", "--temp", "0", "-c", "160", "--executor", "inprocess")
+    assert proc.returncode == 0, proc.stderr
+    assert "context full: dropped" in proc.stderr and "system prompt is kept" in proc.stderr
+
+
+def test_verbose_prints_summary_timings_and_layer_figures(make_model: Callable[..., Path]) -> None:
+    proc = run("-m", str(make_model(arch="llama")), "-p", "abc", "-n", "3", "--temp", "0", "-t", "2", "--verbose",
+               "--log-level", "INFO", "--no-sparse", "--worker-threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("placement  2 CPU worker processes", "mode       dense", "prompt eval time", "eval time", "round trip µs", "attention"):
+        assert text in proc.stderr, text
+
+
+@pytest.mark.parametrize("args,message", [(["-ngl", "10"], "need an NVIDIA GPU"), (["--vram-budget", "8"], "need an NVIDIA GPU"),
+                                          (["-ngl", "-1"], "-ngl must be >= 0"), (["--vram-budget", "0"], "--vram-budget must be a positive")])
+def test_gpu_flags_without_gpu(make_model: Callable[..., Path], args: list[str], message: str) -> None:
+    proc = run("-m", str(make_model(arch="llama")), "-p", "x", *args)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path]) -> None:
+    proc = run("inspect", str(make_model(arch="gemma3", qtype=QT.Q8_0)), "--tensors")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("general.architecture = 'gemma3'", "tensor types:", "Q8_0", "blk.0.attn_q_norm.weight", "architecture: gemma3"):
+        assert text in proc.stdout, text
+    bad = run("inspect", "/nonexistent.gguf")
+    assert bad.returncode != 0 and "no such file" in bad.stderr
+
+
+@pytest.mark.parametrize("sub", ["fetch", "bench", "inspect"])
+def test_subcommand_help(sub: str) -> None:
+    proc = run(sub, "--help")
+    assert proc.returncode == 0 and "usage: powerinfer" in proc.stdout

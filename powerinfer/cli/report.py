@@ -1,0 +1,99 @@
+"""What the `powerinfer` command tells the user: the load summary, the timing summary, per-layer figures.
+
+Runs in: the user's process (the coordinator). Everything goes to stderr, so stdout carries only
+the generated text and can be piped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from powerinfer.api import LLM
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _memory_of(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def load_summary(llm: LLM) -> str:
+    """One screen: model, architecture, quant mix, mode, where each part lives, memory used."""
+    cfg, f = llm.config, llm.file
+    quant = Counter(t.qtype.name for t in f)
+    mix = ", ".join(f"{name} x{n}" for name, n in quant.most_common())
+    ex = llm.engine.executor
+    pids: list[int] = list(getattr(ex, "pids", []))
+    lines = [
+        f"model      {cfg.name} ({cfg.arch}): {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
+        f"({cfg.n_kv_heads} kv), FFN {cfg.n_ff}, vocab {cfg.vocab_size}",
+        f"file       {f.path} ({_mib(f.size)}); tensors: {mix}",
+        f"context    {llm.n_ctx} tokens (trained: {cfg.context_length}); batch {llm.engine.n_batch}",
+        "mode       dense: every FFN neuron is computed (no predictor loaded)",
+    ]
+    if pids:
+        placements = getattr(ex, "placements", ())
+        where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in placements) or "not pinned"
+        lines.append(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling")
+        plan = ex.plan
+        heads = ", ".join(f"w{i}: kv {h.kv_start}-{h.kv_stop - 1}" if h else f"w{i}: -" for i, h in enumerate(plan.heads))
+        lines.append(f"shards     attention {heads}; FFN and output head split evenly")
+    else:
+        lines.append("placement  everything in this process (in-process executor)")
+    rss = _memory_of([os.getpid(), *pids])
+    lines.append(f"memory     packed weights and KV cache {_mib(llm.engine.weight_bytes)}; resident {_mib(rss)} in {1 + len(pids)} process(es)")
+    return "\n".join(lines)
+
+
+def timing_summary(llm: LLM) -> str:
+    """llama.cpp-style perf lines for the last generation."""
+    t = llm.timings
+
+    def line(label: str, seconds: float, n: int, unit: str) -> str:
+        per = seconds * 1000 / n if n else 0.0
+        tps = n / seconds if seconds > 0 else 0.0
+        return f"{label:<17}= {seconds * 1000:10.2f} ms / {n:5d} {unit:<6} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+    return "\n".join(
+        [
+            f"{'load time':<17}= {t.load_s * 1000:10.2f} ms",
+            line("prompt eval time", t.prompt_s, t.prompt_tokens, "tokens"),
+            line("eval time", t.decode_s, t.decode_evals, "runs"),
+            f"{'total time':<17}= {(t.prompt_s + t.generate_s) * 1000:10.2f} ms / {t.prompt_tokens + t.generated_tokens:5d} tokens",
+        ]
+    )
+
+
+def layer_figures(llm: LLM) -> str:
+    """--verbose: where a layer's time goes (process executor: compute vs IPC per request kind)."""
+    stats = getattr(llm.engine.executor, "stats", None)
+    if stats is None:
+        return "per-layer figures: in-process executor (no IPC); see `powerinfer bench` for speed"
+    rows = ["per request (averaged over this run)   calls   round trip µs   worker compute µs   IPC µs"]
+    for name in ("attention", "ffn", "head"):
+        st = getattr(stats, name)
+        if st.calls:
+            rows.append(
+                f"  {name:<36} {st.calls:6d} {st.round_trip_us / st.calls:15.1f} {st.compute_us / st.calls:19.1f} {st.ipc_us / st.calls:8.1f}"
+            )
+    rows.append("  sparsity and GPU figures (hot-neuron ratio, predicted active share, transfer time): dense CPU run, none")
+    return "\n".join(rows)
+
+
+def print_report(llm: LLM, out: TextIO, verbose: bool) -> None:
+    print(timing_summary(llm), file=out)
+    if verbose:
+        print(layer_figures(llm), file=out)
