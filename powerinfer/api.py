@@ -31,6 +31,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.sparsity.predictor_file import read_predictor
 from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class LLM:
         n_batch: int = 512,
         n_threads: int | None = None,
         executor: str = "process",
+        predictor: str | os.PathLike[str] | None = None,
+        sparse: bool = True,
         worker_threads: int = 1,
         n_shards: int = 1,
         pin: bool = True,
@@ -101,13 +104,16 @@ class LLM:
             log.warning("context %d exceeds the %d the model was trained with", n_ctx, self.config.context_length)
         self.tokenizer = GGUFTokenizer.from_metadata(self.file.metadata)
         self.chat_template = ChatTemplate.for_model(self.file.metadata, self.tokenizer)
+        # A predictor is validated against this model even when --no-sparse ignores it.
+        self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
+        use = self.predictor if sparse else None
         ex: Executor
         if executor == "inprocess":
             if n_threads is not None:
                 import torch
 
                 torch.set_num_threads(n_threads)
-            ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress)
+            ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use)
         else:
             from powerinfer.coordinator.process_executor import ProcessExecutor
             from powerinfer.cpu_workers.topology import default_workers
@@ -116,6 +122,7 @@ class LLM:
             # and never imports torch; the workers hold every matrix, the output head included.
             n_workers = n_threads or default_workers()
             ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
+                                 predictor=str(predictor) if use is not None else "",
                                  log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch)
@@ -123,6 +130,7 @@ class LLM:
             ex.close()
             raise
         self.n_ctx = n_ctx
+        self.sparse = use is not None
         self._broken = False
         release_freed_memory()
         self.timings = Timings(load_s=time.perf_counter() - t0)

@@ -23,7 +23,7 @@ from powerinfer.errors import PowerInferError
 
 log = logging.getLogger("powerinfer")
 
-SUBCOMMANDS = ("fetch", "bench", "inspect")
+SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity")
 
 
 class CLIError(PowerInferError):
@@ -81,6 +81,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt for -i")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers whose hot neurons go to the GPU (default 0: CPU only)")
     p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use (default: free memory minus a margin)")
+    p.add_argument("--predictor", default=None, help="a .predictor file (from `powerinfer calibrate`, or PowerInfer's): sparse FFN")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron even when a predictor is given (dense, exact)")
     return p
 
@@ -115,7 +116,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa:
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
-               worker_threads=args.worker_threads,
+               worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
                progress=progress and sys.stderr.isatty())
 
 
@@ -186,6 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             p = _Parser(prog="powerinfer")
             add_fetch_subcommand(p.add_subparsers(dest="command"))
             return run_fetch(p.parse_args(argv))
+        if argv and argv[0] in ("calibrate", "perplexity"):
+            from powerinfer.cli.sparsity_cmds import run_calibrate, run_perplexity
+
+            return (run_calibrate if argv[0] == "calibrate" else run_perplexity)(argv[1:])
         if argv and argv[0] == "inspect":
             from powerinfer.cli.inspect_cmd import run_inspect
 

@@ -30,6 +30,16 @@ def _memory_of(pids: list[int]) -> float:
     return total
 
 
+def _mode_line(llm: LLM) -> str:
+    pf = llm.predictor
+    if pf is None:
+        return "mode       dense: every FFN neuron is computed (no predictor loaded)"
+    if not llm.sparse:
+        return f"mode       dense (--no-sparse): predictor for {pf.model_name} loaded and checked, not used"
+    how = "a low-rank predictor picks the neurons" if pf.mode == "predictor" else "gate computed, up/down for gated neurons"
+    return f"mode       sparse ({pf.mode}): {how}; calibrated for {100 * pf.target_sparsity:.0f}% of neurons skipped"
+
+
 def load_summary(llm: LLM) -> str:
     """One screen: model, architecture, quant mix, mode, where each part lives, memory used."""
     cfg, f = llm.config, llm.file
@@ -42,7 +52,7 @@ def load_summary(llm: LLM) -> str:
         f"({cfg.n_kv_heads} kv), FFN {cfg.n_ff}, vocab {cfg.vocab_size}",
         f"file       {f.path} ({_mib(f.size)}); tensors: {mix}",
         f"context    {llm.n_ctx} tokens (trained: {cfg.context_length}); batch {llm.engine.n_batch}",
-        "mode       dense: every FFN neuron is computed (no predictor loaded)",
+        _mode_line(llm),
     ]
     if pids:
         placements = getattr(ex, "placements", ())
@@ -67,12 +77,17 @@ def timing_summary(llm: LLM) -> str:
         tps = n / seconds if seconds > 0 else 0.0
         return f"{label:<17}= {seconds * 1000:10.2f} ms / {n:5d} {unit:<6} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
 
+    extra = []
+    shares = getattr(llm.engine.executor, "decode_share", None)
+    if llm.sparse and shares is not None:
+        extra.append(f"{'FFN computed':<17}= {100 * shares():10.1f} % of neurons per decode step (average over layers)")
     return "\n".join(
         [
             f"{'load time':<17}= {t.load_s * 1000:10.2f} ms",
             line("prompt eval time", t.prompt_s, t.prompt_tokens, "tokens"),
             line("eval time", t.decode_s, t.decode_evals, "runs"),
             f"{'total time':<17}= {(t.prompt_s + t.generate_s) * 1000:10.2f} ms / {t.prompt_tokens + t.generated_tokens:5d} tokens",
+            *extra,
         ]
     )
 

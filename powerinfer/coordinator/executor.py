@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
+
+if TYPE_CHECKING:
+    from powerinfer.sparsity.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +51,18 @@ class Executor(Protocol):
 class InProcessExecutor:
     """All shards of all layers in this process; `n_shards` > 1 splits layers exactly as workers would."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_shards: int = 1, progress: bool = False) -> None:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_shards: int = 1, progress: bool = False,
+                 predictor: "PredictorFile | None" = None) -> None:
         import torch  # noqa: F401 - this executor is the one place the coordinator computes with torch
 
         from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
+        from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable
 
         self.plan = plan_shards(cfg, n_shards)
         ropes: dict[tuple[float, float], RopeTable] = {}
         self.attn: list[list[AttentionShard]] = []
-        self.ffns: list[list[FFNShard]] = []
+        self.ffns: list[list[FFNShard | SparseFFNShard]] = []
         t0 = time.perf_counter()
         layers = range(cfg.n_layers)
         if progress:
@@ -66,7 +71,11 @@ class InProcessExecutor:
             layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
         for layer in layers:
             self.attn.append([AttentionShard(f, cfg, layer, h, n_ctx, ropes) for h in self.plan.heads if h is not None])
-            self.ffns.append([FFNShard(f, cfg, layer, n) for n in self.plan.neurons if len(n)])
+            if predictor is None:
+                self.ffns.append([FFNShard(f, cfg, layer, n) for n in self.plan.neurons if len(n)])
+            else:
+                lp = predictor.layers[layer]
+                self.ffns.append([SparseFFNShard(f, cfg, layer, n, lp, predictor.mode) for n in self.plan.neurons if len(n)])
         self.heads = [HeadShard(f, cfg, a, b) for a, b in self.plan.vocab if b > a]
         log.debug("built %d layers x %d shards in %.2fs", cfg.n_layers, n_shards, time.perf_counter() - t0)
 
@@ -101,6 +110,27 @@ class InProcessExecutor:
         xt = torch.from_numpy(x)
         parts = [h.forward(xt).numpy() for h in self.heads]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
+        """Switch sparse FFN shards to dense (exact) or oracle (true active set) computation."""
+        for layer in self.ffns:
+            for shard in layer:
+                if dense is not None and hasattr(shard, "force_dense"):
+                    shard.force_dense = dense
+                if oracle is not None and hasattr(shard, "oracle"):
+                    shard.oracle = oracle
+
+    def decode_share(self) -> float:
+        """Average share of FFN neurons computed per decode step so far (1.0 when dense)."""
+        shards = [s for layer in self.ffns for s in layer]
+        calls = sum(getattr(s, "decode_calls", 0) for s in shards)
+        if not calls:
+            return 1.0
+        return sum(getattr(s, "decode_active", 0.0) for s in shards) / calls
+
+    def active_share(self) -> list[float]:
+        """Per layer: share of FFN neurons computed in the last call (1.0 for dense shards)."""
+        return [float(np.mean([getattr(s, "last_active", 1.0) for s in layer])) for layer in self.ffns]
 
     def close(self) -> None:
         self.attn.clear()

@@ -60,6 +60,7 @@ class PoolConfig:
     threads_per_worker: int = 1
     placements: tuple[Placement, ...] = ()  # empty: no pinning
     log_level: str = "WARNING"
+    predictor: str = ""  # .predictor path for sparse FFN shards ("" = dense)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -135,7 +136,7 @@ class WorkerPool:
         for i in range(cfg.n_workers):
             pl = cfg.placements[i] if i < len(cfg.placements) else None
             self._send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
-                                  cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1))
+                                  cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor))
         replies = self._gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "loading")
         self.ready = []
         for i in range(cfg.n_workers):

@@ -50,13 +50,13 @@ class ExecutorStats:
 
 class ProcessExecutor:
     def __init__(self, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
-                 pin: bool = True, log_level: str = "WARNING") -> None:
+                 pin: bool = True, log_level: str = "WARNING", predictor: str = "") -> None:
         self.plan = plan_shards(cfg, n_workers)
         self.attn_workers = [i for i, h in enumerate(self.plan.heads) if h is not None]
         self.ffn_workers = [i for i, n in enumerate(self.plan.neurons) if len(n)]
         self.head_workers = [i for i, (a, b) in enumerate(self.plan.vocab) if b > a]
         self.placements = tuple(plan_placement(read_topology(), n_workers, threads_per_worker)) if pin else ()
-        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, self.placements, log_level))
+        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, self.placements, log_level, predictor))
         self.stats = ExecutorStats()
         self.step = 0
         self.n_layers = cfg.n_layers

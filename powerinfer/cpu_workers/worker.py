@@ -25,6 +25,7 @@ import zmq
 
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
+from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
 from powerinfer.cpu_workers.topology import Placement, bind_memory_to_node, pin_current_process
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
@@ -49,6 +50,7 @@ from powerinfer.protocol import (
     send,
     socket_limits,
 )
+from powerinfer.sparsity.predictor_file import read_predictor
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,12 @@ class _Shards:
         heads, neurons = plan.heads[load.worker], plan.neurons[load.worker]
         ropes: dict[tuple[float, float], RopeTable] = {}
         self.attn = [AttentionShard(f, cfg, i, heads, load.n_ctx, ropes) for i in range(cfg.n_layers)] if heads else None
-        self.ffn = [FFNShard(f, cfg, i, neurons) for i in range(cfg.n_layers)] if len(neurons) else None
+        self.ffn: list[FFNShard | SparseFFNShard] | None = None
+        if len(neurons) and load.predictor:
+            pf = read_predictor(load.predictor, model=f)
+            self.ffn = [SparseFFNShard(f, cfg, i, neurons, pf.layers[i], pf.mode) for i in range(cfg.n_layers)]
+        elif len(neurons):
+            self.ffn = [FFNShard(f, cfg, i, neurons) for i in range(cfg.n_layers)]
         start, stop = plan.vocab[load.worker]
         self.head = HeadShard(f, cfg, start, stop) if stop > start else None
         shards: list[AttentionShard | FFNShard | HeadShard] = [*(self.attn or []), *(self.ffn or []), *([self.head] if self.head else [])]

@@ -10,7 +10,7 @@ from powerinfer.model.weights import Rows, load_matrix
 from powerinfer.quants import PackedLinear, linear_from_tensor, pack_linear
 
 
-def load_linear(f: GGUFFile, names_rows: list[tuple[str, Rows]], cols: tuple[int, int] | None = None) -> PackedLinear:
+def load_linear(f: GGUFFile, names_rows: list[tuple[str, Rows]], cols: tuple[int, int] | None = None, kind: str = "auto") -> PackedLinear:
     """One packed linear from row ranges of one or more tensors (fused q/k/v or gate/up).
 
     A single tensor is packed a row chunk at a time (the 262144-row Gemma head never exists as one
@@ -20,5 +20,5 @@ def load_linear(f: GGUFFile, names_rows: list[tuple[str, Rows]], cols: tuple[int
     if len(names_rows) == 1:
         name, rows = names_rows[0]
         info = f.tensor(name)
-        return linear_from_tensor(info.qtype, f.raw(name), info.n_cols, rows=rows, cols=cols)
-    return pack_linear([load_matrix(f, name, rows, cols) for name, rows in names_rows])
+        return linear_from_tensor(info.qtype, f.raw(name), info.n_cols, rows=rows, cols=cols, kind=kind)
+    return pack_linear([load_matrix(f, name, rows, cols) for name, rows in names_rows], kind)

@@ -104,6 +104,7 @@ class LoadMsg:
     threads: int  # torch intra-op threads; 0 = leave torch's default
     cpus: tuple[int, ...]  # CPU ids to pin to; empty = no pinning
     node: int  # NUMA node to bind memory to; -1 = none
+    predictor: str = ""  # .predictor file for sparse FFN shards; "" = dense
     TYPE: ClassVar[MsgType] = MsgType.LOAD
 
 
@@ -272,7 +273,7 @@ _STEP: dict[str, Kind] = {"req": _U, "step": _U, "layer": _U}
 _ACT = ("f32", "bf16")
 _SPECS = [
     _spec(HelloMsg, {"version": _U, "worker": _U, "pid": _U}),
-    _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX}),
+    _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX, "predictor": _STR}),
     _spec(ReadyMsg, {"worker": _U, "weight_bytes": _U, "load_s": _FLOAT}),
     _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1))),
     _spec(FfnMsg, _STEP, (("x", _ACT, 2),)),

@@ -62,7 +62,7 @@ MESSAGE_CLASSES = (HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, PartialMsg, Err
 def samples() -> list[Message]:
     return [
         HelloMsg(PROTOCOL_VERSION, 1, 1234),
-        LoadMsg("/models/smollm2.gguf", 1, 2, 512, 4, (0, 1, 2), -1),
+        LoadMsg("/models/smollm2.gguf", 1, 2, 512, 4, (0, 1, 2), -1, "/models/smollm2.predictor"),
         ReadyMsg(1, 123_456_789, 1.5),
         AttnMsg(7, 3, 11, (X, POS)),
         FfnMsg(7, 3, 11, (X,)),
@@ -409,7 +409,7 @@ def test_encode_rejects_what_decode_would() -> None:
     with pytest.raises(ProtocolError, match="field 'req'"):
         encode(FfnMsg(-1, 0, 0, (X,)))
     with pytest.raises(ProtocolError, match="field 'model'"):
-        encode(LoadMsg("m" * (MAX_STR + 1), 0, 1, 8, 1, (), -1))
+        encode(LoadMsg("m" * (MAX_STR + 1), 0, 1, 8, 1, (), -1, ""))
     with pytest.raises(ProtocolError, match="tensors must be a tuple of 1"):
         encode(FfnMsg(0, 0, 0, [X]))  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="numpy arrays or torch tensors"):

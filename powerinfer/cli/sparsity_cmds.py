@@ -1,0 +1,81 @@
+"""`powerinfer calibrate` and `powerinfer perplexity`: make a predictor, measure what it costs.
+
+Runs in: the user's process.
+
+    powerinfer calibrate -m smollm2 --sparsity 0.5 -o smollm2.predictor [--text FILE] [--mode gate]
+    powerinfer perplexity -m smollm2 --text held_out.txt --predictor smollm2.predictor
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from powerinfer.errors import PowerInferError
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PowerInferError(f"cannot read text file {path}: {e}") from None
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_calibrate(argv: Sequence[str]) -> int:
+    from powerinfer.cli.main import _Parser, positive_int
+
+    p = _Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
+    p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
+    p.add_argument("-o", "--output", required=True, help="predictor file to write (e.g. MODEL.predictor)")
+    p.add_argument("--text", default=None, help="calibration text file (default: text the model generates itself)")
+    p.add_argument("--sparsity", type=float, default=0.5, help="target share of FFN neurons skipped per token (default 0.5)")
+    p.add_argument("--mode", choices=["predictor", "gate"], default="predictor",
+                   help="predictor: a trained low-rank MLP picks neurons (gate, up, down skipped); gate: dense gate, threshold on it")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
+    p.add_argument("--recall", type=float, default=0.97, help="share of activation mass the predicted set keeps (default 0.97)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from powerinfer.fetch import resolve_model
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+    from powerinfer.sparsity.predictor_file import write_predictor
+
+    settings = CalibrationSettings(mode=args.mode, sparsity=args.sparsity, tokens=args.tokens, recall=args.recall, seed=args.seed)
+    text = _read_text(args.text) if args.text else None
+    pf = calibrate(resolve_model(args.model, progress=sys.stderr.isatty()), settings, text, progress=_progress)
+    write_predictor(args.output, pf)
+    print(args.output)
+    return 0
+
+
+def run_perplexity(argv: Sequence[str]) -> int:
+    from powerinfer.cli.main import _Parser, positive_int
+
+    p = _Parser(prog="powerinfer perplexity", description="Dense vs sparse perplexity on a text, predictor recall/precision per layer.")
+    p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
+    p.add_argument("--text", required=True, help="text file to score (use text not seen in calibration)")
+    p.add_argument("--predictor", default=None, help="predictor file; without it only the dense perplexity is computed")
+    p.add_argument("-c", "--ctx-size", type=positive_int, default=512, help="window size in tokens (default 512)")
+    p.add_argument("--max-tokens", type=int, default=0, help="score at most this many tokens (0: all)")
+    args = p.parse_args(argv)
+    from powerinfer.fetch import resolve_model
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.sparsity.perplexity import perplexity
+    from powerinfer.sparsity.predictor_file import read_predictor
+
+    model = resolve_model(args.model, progress=sys.stderr.isatty())
+    pf = read_predictor(args.predictor, model=GGUFFile(model)) if args.predictor else None
+    rep = perplexity(model, _read_text(args.text), pf, n_ctx=args.ctx_size, max_tokens=args.max_tokens, progress=_progress)
+    print(f"tokens scored: {rep.tokens}")
+    print(f"dense perplexity:  {rep.dense_ppl:.4f}")
+    if rep.sparse_ppl is not None:
+        change = 100 * (rep.sparse_ppl / rep.dense_ppl - 1)
+        print(f"sparse perplexity: {rep.sparse_ppl:.4f} ({change:+.2f}%), mean achieved sparsity {100 * rep.mean_sparsity:.1f}%")
+        print(f"{'layer':>5} {'recall':>8} {'precision':>10} {'sparsity':>9}")
+        for i, q in enumerate(rep.layers):
+            print(f"{i:>5} {q.recall:>8.3f} {q.precision:>10.3f} {100 * q.sparsity:>8.1f}%")
+    return 0

@@ -1,0 +1,171 @@
+"""Calibration: profile a model's FFN activations, set per-layer thresholds, train neuron predictors.
+
+Runs in: the user's process (`powerinfer calibrate`), in-process executor, torch for training.
+
+1. Corpus: the user's ``--text`` file, or text the model samples itself (no downloads).
+2. Profile (profile.py): per layer a sample of FFN inputs x and |act(gate) * up|, |act(gate)|.
+3. Thresholds (TEAL/CATS style): per layer the quantile of |activation| at the target sparsity, so
+   that share of (token, neuron) pairs counts as inactive. ``gate`` mode thresholds |act(gate)|.
+4. Predictors (``predictor`` mode): per layer Linear(d, r) -> ReLU -> Linear(r, n_ff), trained with
+   a recall-weighted BCE to flag the active neurons; the output bias is then shifted so that the
+   predicted set keeps ``recall`` of the activation mass on held-out rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from powerinfer.config import config_from_gguf
+from powerinfer.coordinator.engine import Engine
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
+from powerinfer.sparsity.profile import ProfilingExecutor, run_tokens, windows_of
+from powerinfer.tokenizer import GGUFTokenizer
+
+log = logging.getLogger(__name__)
+
+SEED_PROMPTS = ("The", "Once upon a time", "In this paper we", "def main():", "Question: Why is the sky blue?\nAnswer:",
+                "The history of", "Dear Sir or Madam,", "1. Introduction\n")
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    mode: str = "predictor"  # "predictor" | "gate"
+    sparsity: float = 0.5  # target share of inactive (token, neuron) pairs per layer
+    tokens: int = 4096  # calibration tokens (generated when no text is given)
+    window: int = 256  # tokens per forward window
+    rank: int = 0  # predictor width; 0: d_model // 4, at least 32
+    recall: float = 0.97  # share of activation mass the predicted set must keep
+    steps: int = 300  # training steps per layer (full batch)
+    max_rows: int = 2048  # profiled token rows kept per layer
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("predictor", "gate"):
+            raise InvalidArgumentError(f"mode must be 'predictor' or 'gate', got {self.mode!r}")
+        if not 0.0 < self.sparsity < 1.0:
+            raise InvalidArgumentError(f"sparsity must be in (0, 1), got {self.sparsity}")
+        if not 0.5 <= self.recall <= 1.0:
+            raise InvalidArgumentError(f"recall must be in [0.5, 1], got {self.recall}")
+        if self.tokens < 16 or self.window < 8:
+            raise InvalidArgumentError("need at least 16 calibration tokens and windows of at least 8")
+
+
+def generate_corpus(engine: Engine, tok: GGUFTokenizer, n_tokens: int, window: int, seed: int) -> list[int]:
+    """The model writes its own calibration text: seeded prompts, sampled at temperature 1."""
+    out: list[int] = []
+    i = 0
+    while len(out) < n_tokens:
+        ids = tok.encode(SEED_PROMPTS[i % len(SEED_PROMPTS)])
+        sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.02, seed=seed + i))
+        engine.rewind(0)
+        logits = engine.eval(ids)
+        gen = list(ids)
+        while len(gen) < window:
+            t = sampler(logits[-1], gen)
+            if t in tok.eog_ids:
+                break
+            gen.append(t)
+            logits = engine.eval([t])
+        out.extend(gen)
+        i += 1
+    return out[:n_tokens]
+
+
+def _train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndarray, rank: int, steps: int,
+                     recall: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """MLP x [N, d] -> logits [N, n_ff] for act > thr; returns fc1_w, fc1_b, fc2_w, fc2_b."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = len(x)
+    perm = torch.randperm(n, generator=g)
+    n_val = max(1, n // 10)
+    val, trn = perm[:n_val], perm[n_val:]
+    X = torch.from_numpy(x)
+    Y = torch.from_numpy(act.astype(np.float32) > thr).float()
+    mass = torch.from_numpy(act.astype(np.float32) * weight[None, :])  # contribution to the output
+    d, n_ff = X.shape[1], Y.shape[1]
+    fc1 = torch.nn.Linear(d, rank)
+    fc2 = torch.nn.Linear(rank, n_ff)
+    with torch.no_grad():
+        fc2.bias.fill_(float(torch.logit(Y[trn].mean().clamp(1e-4, 1 - 1e-4))))
+    p = float(Y[trn].mean().clamp(1e-3, 1 - 1e-3))
+    loss_fn = torch.nn.BCEWithLogitsLoss(pos_weight=torch.tensor(min(20.0, 2.0 * (1 - p) / p)))
+    opt = torch.optim.Adam([*fc1.parameters(), *fc2.parameters()], lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(fc2(torch.relu(fc1(X[trn]))), Y[trn])
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        logits = fc2(torch.relu(fc1(X[val])))  # [V, n_ff]
+        m = mass[val]
+        # shift all logits by -b so that the predicted set keeps `recall` of the active mass
+        lo, hi = -50.0, 50.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            kept = (m * (logits + mid > 0)).sum() / m.sum().clamp_min(1e-12)
+            lo, hi = (lo, mid) if kept >= recall else (mid, hi)
+        fc2.bias += hi
+    return (fc1.weight.detach().numpy().copy(), fc1.bias.detach().numpy().copy(),
+            fc2.weight.detach().numpy().copy(), fc2.bias.detach().numpy().copy())
+
+
+def calibrate(model: str | Path, settings: CalibrationSettings, text: str | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> PredictorFile:
+    t0 = time.perf_counter()
+    f = GGUFFile(model)
+    cfg = config_from_gguf(f)
+    tok = GGUFTokenizer.from_metadata(f.metadata)
+    ex = ProfilingExecutor(f, cfg, settings.window + 1, max_rows=settings.max_rows, seed=settings.seed)
+    engine = Engine(f, cfg, ex, n_ctx=settings.window + 1, n_batch=settings.window + 1)
+    if text is not None:
+        ids = tok.encode(text, add_bos=False)
+        source = "text"
+        if len(ids) < 16:
+            raise InvalidArgumentError(f"the calibration text has only {len(ids)} tokens; give at least 16")
+    else:
+        ex.recording = False
+        progress(f"generating {settings.tokens} calibration tokens with the model itself")
+        ids = generate_corpus(engine, tok, settings.tokens, settings.window, settings.seed)
+        source = "generated"
+        ex.recording = True
+    ids = ids[: settings.tokens]
+    progress(f"profiling {len(ids)} tokens")
+    run_tokens(engine, windows_of(ids, settings.window, tok.bos_id if tok.add_bos else None))
+    rank = settings.rank or max(32, cfg.d_model // 4)
+    layers = []
+    for layer in range(cfg.n_layers):
+        x, gate, act = ex.samples[layer].arrays()
+        score = gate if settings.mode == "gate" else act
+        thr = float(np.quantile(score.astype(np.float32), settings.sparsity))
+        active = act.astype(np.float32) > float(np.quantile(act.astype(np.float32), settings.sparsity))
+        norms = ex.down_norms(layer)
+        mass = (act.astype(np.float32) * norms[None, :]).sum(0)
+        if settings.mode == "predictor":
+            w1, b1, w2, b2 = _train_predictor(x, act, thr, norms, rank, settings.steps, settings.recall, settings.seed + layer)
+        else:
+            w1, b1 = np.zeros((0, cfg.d_model), np.float32), np.zeros(0, np.float32)
+            w2, b2 = np.zeros((cfg.n_ff, 0), np.float32), np.zeros(cfg.n_ff, np.float32)
+        layers.append(LayerPredictor(fc1_w=w1, fc1_b=b1, fc2_w=w2, fc2_b=b2, threshold=thr,
+                                     act_freq=active.mean(0).astype(np.float32),
+                                     act_mass=(mass / max(float(mass.sum()), 1e-12)).astype(np.float32)))
+        progress(f"layer {layer + 1}/{cfg.n_layers}: threshold {thr:.4g}")
+    log.info("calibrated %d layers in %.1fs", cfg.n_layers, time.perf_counter() - t0)
+    return PredictorFile(
+        mode=settings.mode, model_name=cfg.name, fingerprint=model_fingerprint(f), n_layers=cfg.n_layers,
+        d_model=cfg.d_model, n_ff=cfg.n_ff, rank=rank if settings.mode == "predictor" else 0,
+        target_sparsity=settings.sparsity,
+        calibration={"source": source, "tokens": len(ids), "window": settings.window, "seed": settings.seed,
+                     "recall": settings.recall, "steps": settings.steps},
+        layers=tuple(layers),
+    )

@@ -1,0 +1,88 @@
+"""Perplexity of the dense and the sparse model on a text, with the predictor's quality per layer.
+
+Runs in: the user's process (`powerinfer perplexity`), in-process executors.
+
+Windows of ``n_ctx`` tokens (each starting from an empty cache, with BOS when the model uses one)
+are scored on every token after the first; perplexity = exp(mean negative log-likelihood). The
+sparse pass masks the neurons its predictor (or gate threshold) leaves out, exactly what decode
+skips, and counts per layer: recall and precision of the predicted active set against the true
+one (|act(gate) * up| above the layer threshold), and the achieved sparsity (share not computed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from powerinfer.config import config_from_gguf
+from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.sparsity.profile import windows_of
+from powerinfer.tokenizer import GGUFTokenizer
+
+
+@dataclass(frozen=True)
+class LayerQuality:
+    recall: float
+    precision: float
+    sparsity: float  # share of (token, neuron) pairs not computed
+
+
+@dataclass(frozen=True)
+class PerplexityReport:
+    tokens: int
+    dense_ppl: float
+    sparse_ppl: float | None
+    layers: tuple[LayerQuality, ...]
+
+    @property
+    def mean_sparsity(self) -> float:
+        return float(np.mean([q.sparsity for q in self.layers])) if self.layers else 0.0
+
+
+def _nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
+    total, count = 0.0, 0
+    for ids in windows:
+        engine.rewind(0)
+        logits = engine.eval(ids, all_logits=True)[:-1].astype(np.float64)  # predicts ids[1:]
+        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+        total += float((logz - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
+        count += len(ids) - 1
+    return total, count
+
+
+def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = None, n_ctx: int = 512,
+               max_tokens: int = 0, progress: Callable[[str], None] = lambda _: None) -> PerplexityReport:
+    f = GGUFFile(model)
+    cfg = config_from_gguf(f)
+    tok = GGUFTokenizer.from_metadata(f.metadata)
+    ids = tok.encode(text, add_bos=False)
+    if max_tokens:
+        ids = ids[:max_tokens]
+    windows = windows_of(ids, n_ctx, tok.bos_id if tok.add_bos else None)
+    if not windows:
+        raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
+    progress(f"dense pass over {len(ids)} tokens in {len(windows)} windows")
+    dense = Engine(f, cfg, InProcessExecutor(f, cfg, n_ctx), n_ctx=n_ctx, n_batch=n_ctx)
+    nll, count = _nll(dense, windows)
+    dense.executor.close()
+    sparse_ppl, layers = None, ()
+    if predictor is not None:
+        progress(f"sparse pass ({predictor.mode} mode)")
+        ex = InProcessExecutor(f, cfg, n_ctx, predictor=predictor)
+        s_nll, _ = _nll(Engine(f, cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
+        sparse_ppl = math.exp(s_nll / count)
+        out = []
+        for layer in ex.ffns:
+            c = np.sum([getattr(s, "counts") for s in layer], axis=0)
+            tp, fp, fn, seen, computed = (int(v) for v in c)
+            out.append(LayerQuality(recall=tp / max(1, tp + fn), precision=tp / max(1, tp + fp), sparsity=1 - computed / max(1, seen)))
+        layers = tuple(out)
+    return PerplexityReport(tokens=count, dense_ppl=math.exp(nll / count), sparse_ppl=sparse_ppl, layers=layers)

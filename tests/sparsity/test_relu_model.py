@@ -1,0 +1,146 @@
+"""Planted-sparsity llama files: they load as plain llama, run, and show the planted sparsity.
+
+Runs in: the pytest process. Only the "tiny" shape (a few hundred KB, well under a second each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.api import LLM
+from powerinfer.config import config_from_gguf
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.sparsity.relu_model import (
+    ReluSparseSpec,
+    SparsityStats,
+    _rms_norm,
+    _weight,
+    firing_probabilities,
+    main,
+    measure_sparsity,
+    run_layers,
+    write_relu_sparse_gguf,
+)
+from tests.reference_forward import reference_logits
+
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_relu_sparse_gguf(tmp_path_factory.mktemp("relu") / "tiny.gguf", ReluSparseSpec.shape("tiny"))
+
+
+@pytest.fixture(scope="module")
+def stats(tiny: Path) -> SparsityStats:
+    # Another seed than the writer's calibration tokens: the plant must generalize to new tokens.
+    return measure_sparsity(tiny, n_tokens=256, seed=1)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_loads_as_plain_llama(tiny: Path) -> None:
+    f = GGUFFile(tiny)
+    cfg = config_from_gguf(f)
+    spec = ReluSparseSpec.shape("tiny")
+    assert (cfg.arch, cfg.n_layers, cfg.d_model, cfg.n_ff) == ("llama", spec.n_layers, spec.d_model, spec.n_ff)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size) == (spec.n_heads, spec.n_kv_heads, spec.head_dim, 259)
+    assert cfg.tied_embeddings and cfg.activation == "silu"
+    assert f.tensor("blk.0.ffn_gate.weight").qtype == QT.Q4_0
+    assert f.tensor("blk.1.ffn_down.weight").shape == (spec.d_model, spec.n_ff)
+    assert f.tensor("token_embd.weight").qtype == QT.Q8_0
+    assert f.tensor("blk.0.attn_norm.weight").shape == (spec.d_model,)
+    # llama.cpp refuses a gpt2 tokenizer without a merges key.
+    assert list(f.get("tokenizer.ggml.merges")) == ["\u0120 \u0120"]
+
+
+def test_runs_in_the_engine(tiny: Path) -> None:
+    with LLM(tiny, executor="inprocess", n_ctx=64) as llm:
+        logits = llm.logits(llm.tokenize("Hello, sparse world"))
+        assert logits.shape[1] == 259 and np.isfinite(logits).all()
+        assert llm.tokenize("a   ", add_bos=False) == [ord("a"), 258, ord(" ")]  # the one merge
+        chunks = list(llm.generate("Hi", max_tokens=4, temperature=0))
+        assert chunks[-1].finish_reason is not None
+
+
+def test_measurement_forward_matches_the_reference(tiny: Path) -> None:
+    """measure_sparsity's numpy forward is the model: its logits match the independent reference."""
+    f = GGUFFile(tiny)
+    cfg = config_from_gguf(f)
+    *_, last = run_layers(f, cfg, np.array([IDS]))
+    ours = _rms_norm(last.residual[0], _weight(f, "output_norm.weight")) @ _weight(f, "token_embd.weight").T
+    ref = reference_logits(f, cfg, IDS)
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
+
+
+def test_planted_sparsity(stats: SparsityStats) -> None:
+    target = ReluSparseSpec.shape("tiny").inactive_fraction
+    assert len(stats.layers) == 2
+    for layer in stats.layers:
+        assert abs(layer.inactive - target) <= 0.05, layer
+        assert abs(layer.gate_negative - target) <= 0.03, layer  # what the plant calibrates
+        assert layer.hot_mass_share > 0.6, layer
+        assert layer.hot_event_share > 0.6, layer
+        assert sum(layer.freq_hist) == ReluSparseSpec.shape("tiny").n_ff
+        # Skewed, not uniform: many neurons (nearly) never fire, some fire for most tokens.
+        assert layer.freq_hist[0] + layer.freq_hist[1] > 0.2 * sum(layer.freq_hist)
+        assert layer.freq_hist[-1] + layer.freq_hist[-2] > 0
+    assert abs(stats.mean_inactive - target) <= 0.05 and "frequency histogram" in stats.format()
+
+
+def test_denser_target_is_followed(tmp_path: Path) -> None:
+    path = write_relu_sparse_gguf(tmp_path / "dense.gguf", ReluSparseSpec.shape("tiny", inactive_fraction=0.7, hot_share=0.6, n_layers=1))
+    assert abs(measure_sparsity(path, n_tokens=128, seed=3).layers[0].inactive - 0.7) <= 0.05
+
+
+def test_deterministic_for_a_seed(tiny: Path, tmp_path: Path) -> None:
+    again = write_relu_sparse_gguf(tmp_path / "again.gguf", ReluSparseSpec.shape("tiny"))
+    other = write_relu_sparse_gguf(tmp_path / "other.gguf", ReluSparseSpec.shape("tiny", seed=1))
+    assert sha(again) == sha(tiny)
+    assert sha(other) != sha(tiny)
+
+
+@pytest.mark.parametrize("qtype", [QT.F16, QT.Q8_0])
+def test_other_types(tmp_path: Path, qtype: QT) -> None:
+    path = write_relu_sparse_gguf(tmp_path / "m.gguf", ReluSparseSpec.shape("tiny", qtype=qtype, n_layers=1, vocab=300))
+    f = GGUFFile(path)
+    assert f.tensor("blk.0.ffn_up.weight").qtype == qtype
+    assert config_from_gguf(f).vocab_size == 300
+    assert abs(measure_sparsity(path, n_tokens=128).layers[0].inactive - 0.89) <= 0.05
+
+
+def test_firing_probabilities() -> None:
+    p = firing_probabilities(5632, 0.11, 0.2, 0.8)
+    assert np.all(np.diff(p) <= 0) and p.max() <= 0.95 and p.min() > 0
+    assert p.mean() == pytest.approx(0.11, rel=1e-3)
+    assert p[: round(0.2 * p.size)].sum() / p.sum() == pytest.approx(0.8, abs=1e-3)
+
+
+def test_shapes_and_validation() -> None:
+    s = ReluSparseSpec.shape("tinyllama-1.1b")
+    assert (s.n_layers, s.d_model, s.n_ff, s.n_heads, s.n_kv_heads, s.head_dim) == (22, 2048, 5632, 32, 4, 64)
+    s = ReluSparseSpec.shape("llama2-7b", qtype=QT.F16)
+    assert (s.n_layers, s.d_model, s.n_ff, s.n_kv_heads, s.qtype) == (32, 4096, 11008, 32, QT.F16)
+    with pytest.raises(InvalidArgumentError):
+        ReluSparseSpec.shape("gpt-5")
+    with pytest.raises(InvalidArgumentError):
+        ReluSparseSpec.shape("tiny", qtype=QT.Q6_K)
+    with pytest.raises(InvalidArgumentError):
+        ReluSparseSpec.shape("tiny", d_model=100)
+    with pytest.raises(InvalidArgumentError):
+        ReluSparseSpec.shape("tiny", hot_fraction=0.01, hot_share=0.9)
+
+
+def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "cli.gguf"
+    assert main([str(out), "--shape", "tiny", "--qtype", "Q8_0", "--n-layers", "1", "--measure-tokens", "64"]) == 0
+    text = capsys.readouterr().out
+    assert out.exists() and "inactive" in text and "frequency histogram" in text
