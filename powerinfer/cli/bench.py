@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated CPU worker (or, with --executor inprocess, thread) counts (default 1,2)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
     p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
+    p.add_argument("--predictor", default=None, help="measure sparse decode with this .predictor file")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -106,13 +107,13 @@ def _memory(pids: Sequence[int]) -> tuple[float, float, float]:
 
 
 def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int,
-            worker_threads: int = 1) -> dict[str, Any]:
+            worker_threads: int = 1, predictor: str | None = None) -> dict[str, Any]:
     """Measure one configuration in this process (plus its workers)."""
     from powerinfer.api import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=n_batch, n_threads=workers, executor=executor,
-              worker_threads=worker_threads)
+              worker_threads=worker_threads, predictor=predictor)
     load_s = time.perf_counter() - t0
     try:
         ids = llm.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
@@ -135,6 +136,7 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
         peak, rss, pss = _memory(pids)
         row: dict[str, Any] = {
             "model": llm.config.name,
+            "sparse": llm.sparse,
             "executor": executor,
             "workers": workers,
             "load_s": round(load_s, 3),
@@ -185,13 +187,15 @@ def run_bench(argv: Sequence[str]) -> int:
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
     if args.one is not None:
         print(json.dumps(measure(model, args.one, args.executor, args.prompt_tokens, args.gen_tokens, args.repeat, args.batch_size,
-                                 args.worker_threads)))
+                                 args.worker_threads, args.predictor)))
         return 0
     rows = []
     for workers in args.workers:
         cmd = [sys.executable, "-m", "powerinfer.cli.main", "bench", "-m", model, "--one", str(workers), "--executor", args.executor,
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
                "--repeat", str(args.repeat), "-b", str(args.batch_size), "--worker-threads", str(args.worker_threads)]
+        if args.predictor:
+            cmd += ["--predictor", args.predictor]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise PowerInferError(f"benchmark with {workers} workers failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
@@ -201,7 +205,7 @@ def run_bench(argv: Sequence[str]) -> int:
     cols = ["workers", "load_s", "peak_rss_mib", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps"]
     if "decode_layer_us" in rows[0]:
         cols += ["decode_layer_us", "decode_layer_compute_us", "decode_layer_ipc_us"]
-    print(f"model: {rows[0]['model']}  executor: {args.executor}  prompt: {args.prompt_tokens} tokens  "
+    print(f"model: {rows[0]['model']}  executor: {args.executor}  {'sparse: ' + args.predictor if args.predictor else 'dense'}  prompt: {args.prompt_tokens} tokens  "
           f"decode: {args.gen_tokens} tokens  (median of {args.repeat})")
     print(f"memory bandwidth: {bandwidth:.1f} GB/s over {rows[0]['weights_mib']} MiB of weights -> decode ceiling {ceiling:.0f} tokens/s")
     print("  ".join(f"{c:>12}" for c in cols))

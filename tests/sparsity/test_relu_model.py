@@ -144,3 +144,5 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(out), "--shape", "tiny", "--qtype", "Q8_0", "--n-layers", "1", "--measure-tokens", "64"]) == 0
     text = capsys.readouterr().out
     assert out.exists() and "inactive" in text and "frequency histogram" in text
+    assert main([str(tmp_path / "bad.gguf"), "--shape", "tiny", "--d-model", "100"]) == 1
+    assert "error:" in capsys.readouterr().err
