@@ -202,6 +202,7 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: cannot read: {e.strerror or e}") from None
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
+        self._fd: int | None = None  # opened lazily by read_rows
         self._parse()
 
     # -- parsing -------------------------------------------------------------------------------
@@ -304,6 +305,29 @@ class GGUFFile:
         if info.qtype not in GGML_QUANT_SIZES:
             raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unsupported type {info.qtype.name}")
         return flat.reshape(info.n_rows, info.row_bytes)
+
+    def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Copies of rows ``ids`` of a tensor, read with pread instead of through the map.
+
+        The coordinator reads a few embedding / output-head rows per token; through the map each
+        touched page would stay in its RSS (up to the whole 30-170 MB table over a long run).
+        Same shape and dtype as ``raw(name)[ids]``.
+        """
+        info = self.tensor(name)
+        view = self.raw(name)  # only for shape/dtype; no page of it is touched
+        row_nbytes = view.shape[1] * view.dtype.itemsize
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= view.shape[0]):
+            raise IndexError(f"row index out of range for tensor {name!r} with {view.shape[0]} rows")
+        buf = bytearray(row_nbytes * ids.size)
+        mv = memoryview(buf)
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        for k, i in enumerate(ids.tolist()):
+            got = os.preadv(self._fd, [mv[k * row_nbytes : (k + 1) * row_nbytes]], info.offset + i * row_nbytes)
+            if got != row_nbytes:
+                raise ModelFileError(f"{self.path}: short read of tensor {name!r} row {i} (file changed on disk?)")
+        return np.frombuffer(buf, dtype=view.dtype).reshape(ids.size, view.shape[1])
 
     def drop_pages(self) -> None:
         """Unmap the resident file pages from this process (they stay in the OS page cache).

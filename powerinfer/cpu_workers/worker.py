@@ -55,6 +55,7 @@ from powerinfer.sparsity.predictor_file import read_predictor
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+TRIM_ROWS = 32  # prefill chunks at least this long end with a malloc_trim (~1 ms)
 
 
 def _die_with_parent() -> None:
@@ -100,6 +101,7 @@ class _Shards:
         f = GGUFFile(load.model)
         cfg = config_from_gguf(f)
         plan = plan_shards(cfg, load.n_workers)
+        self.n_layers = cfg.n_layers
         heads, neurons = plan.heads[load.worker], plan.neurons[load.worker]
         ropes: dict[tuple[float, float], RopeTable] = {}
         self.attn = [AttentionShard(f, cfg, i, heads, load.n_ctx, ropes) for i in range(cfg.n_layers)] if heads else None
@@ -150,6 +152,9 @@ def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event)
             out = np.ascontiguousarray(y.numpy(), dtype=np.float32)
             us = int((time.perf_counter() - t0) * 1e6)
             send(sock, PartialMsg(req=msg.req, step=msg.step, layer=msg.layer, worker=index, compute_us=us, tensors=(out,)))
+            if x.shape[0] >= TRIM_ROWS and isinstance(msg, FfnMsg) and msg.layer == shards.n_layers - 1:
+                # after a prefill chunk: give its [T, n_ff]-sized temporaries back (glibc keeps them)
+                release_freed_memory()
         except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR, worker keeps serving
             log.exception("worker %d: layer %d failed", index, msg.layer)
             send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=msg.layer, worker=index, kind=type(e).__name__, message=str(e)))

@@ -56,5 +56,4 @@ def load_vector(f: GGUFFile, name: str, expected: int | None = None) -> np.ndarr
 def embed_rows(f: GGUFFile, ids: np.ndarray, name: str = "token_embd.weight") -> np.ndarray:
     """Float32 rows [T, d] of a token-indexed matrix (embeddings, output head), decoding only those."""
     info = f.tensor(name)
-    raw = f.raw(name)[ids]
-    return dequantize_rows(info.qtype, raw, info.n_cols).astype(np.float32, copy=False)
+    return dequantize_rows(info.qtype, f.read_rows(name, ids), info.n_cols).astype(np.float32, copy=False)
