@@ -166,3 +166,24 @@ def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path
 def test_subcommand_help(sub: str) -> None:
     proc = run(sub, "--help")
     assert proc.returncode == 0 and "usage: powerinfer" in proc.stdout
+
+
+def test_predictor_flags(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+    from powerinfer.sparsity.predictor_file import write_predictor
+
+    model, other = make_model(arch="llama"), make_model(arch="llama", seed=7)
+    pred = tmp_path / "m.predictor"
+    write_predictor(pred, calibrate(model, CalibrationSettings(mode="gate", sparsity=0.5, tokens=32, window=32, steps=1)))
+    ok = run("-m", str(model), "-p", "abc", "-n", "3", "--temp", "0", "--executor", "inprocess", "--predictor", str(pred), "--verbose")
+    assert ok.returncode == 0, ok.stderr
+    assert "mode       sparse (gate)" in ok.stderr and "FFN computed" in ok.stderr
+    dense = run("-m", str(model), "-p", "abc", "-n", "3", "--executor", "inprocess", "--predictor", str(pred), "--no-sparse", "--verbose")
+    assert dense.returncode == 0 and "dense (--no-sparse)" in dense.stderr
+    wrong = run("-m", str(other), "-p", "abc", "-c", "64", "--predictor", str(pred))
+    assert wrong.returncode != 0 and "Traceback" not in wrong.stderr and len(wrong.stderr.strip().splitlines()) == 1
+    assert "made for" in wrong.stderr or "another model" in wrong.stderr or "fingerprint" in wrong.stderr, wrong.stderr
+    truncated = tmp_path / "t.predictor"
+    truncated.write_bytes(pred.read_bytes()[:300])
+    bad = run("-m", str(model), "-p", "abc", "-c", "64", "--predictor", str(truncated))
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
