@@ -17,9 +17,12 @@ import logging
 import os
 import signal
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from powerinfer.errors import PowerInferError
+
+if TYPE_CHECKING:
+    from powerinfer.api import LLM  # imported lazily at run time: `fetch` and `--help` stay light
 
 log = logging.getLogger("powerinfer")
 
@@ -106,7 +109,7 @@ def configure_logging(level: str, verbose: bool) -> None:
     logging.basicConfig(level="DEBUG" if verbose else level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
-def load_llm(args: argparse.Namespace, progress: bool = True) -> "LLM":  # noqa: F821 - imported lazily
+def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
     from powerinfer.api import LLM
     from powerinfer.fetch import MODELS, resolve_model
 

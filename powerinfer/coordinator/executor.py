@@ -53,8 +53,6 @@ class InProcessExecutor:
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_shards: int = 1, progress: bool = False,
                  predictor: "PredictorFile | None" = None) -> None:
-        import torch  # noqa: F401 - this executor is the one place the coordinator computes with torch
-
         from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
         from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable

@@ -16,17 +16,8 @@ from powerinfer.api import LLM
 from powerinfer.config import config_from_gguf
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.sparsity.relu_model import (
-    ReluSparseSpec,
-    SparsityStats,
-    _rms_norm,
-    _weight,
-    firing_probabilities,
-    main,
-    measure_sparsity,
-    run_layers,
-    write_relu_sparse_gguf,
-)
+from powerinfer.sparsity.relu_measure import SparsityStats, _rms_norm, _weight, measure_sparsity, run_layers
+from powerinfer.sparsity.relu_model import ReluSparseSpec, firing_probabilities, main, write_relu_sparse_gguf
 from tests.reference_forward import reference_logits
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
