@@ -36,6 +36,8 @@ from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CTX = 4096
+
 
 @dataclass(frozen=True)
 class GenerationChunk:
@@ -77,7 +79,7 @@ class LLM:
         self,
         model_path: str | os.PathLike[str],
         *,
-        n_ctx: int = 4096,
+        n_ctx: int | None = None,
         n_batch: int = 512,
         n_threads: int | None = None,
         executor: str = "process",
@@ -96,7 +98,9 @@ class LLM:
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.config: ModelConfig = config_from_gguf(self.file)
-        if n_ctx == 0:
+        if n_ctx is None:
+            n_ctx = min(DEFAULT_CTX, self.config.context_length)  # llama.cpp's default, capped by the model
+        elif n_ctx == 0:
             n_ctx = self.config.context_length
         if n_ctx < 0:
             raise InvalidArgumentError(f"context size must be positive, got {n_ctx}")

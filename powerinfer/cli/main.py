@@ -55,7 +55,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process",
                    help="process: shards in CPU worker processes (default); inprocess: everything in this process")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens; 0 = the model's (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context size in tokens; 0 = the model's trained context (default: 4096, or less if the model was trained on less)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
@@ -113,7 +114,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
     from powerinfer.api import LLM
     from powerinfer.fetch import MODELS, resolve_model
 
-    if args.ctx_size < 0:
+    if args.ctx_size is not None and args.ctx_size < 0:
         raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
