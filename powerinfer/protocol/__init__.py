@@ -12,9 +12,13 @@ from powerinfer.protocol.errors import (
     WorkerDiedError,
     WorkerError,
 )
+from powerinfer.protocol.codec import (
+    DTYPES,
+    decode,
+    encode,
+)
 from powerinfer.protocol.messages import (
     DEFAULT_MAX_MSG,
-    DTYPES,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TIMEOUT_S,
     MAX_BODY,
@@ -35,8 +39,6 @@ from powerinfer.protocol.messages import (
     PartialMsg,
     ReadyMsg,
     ShutdownMsg,
-    decode,
-    encode,
 )
 from powerinfer.protocol.transport import (
     as_torch,

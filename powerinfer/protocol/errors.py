@@ -15,7 +15,7 @@ class ProtocolError(PowerInferError):
     """A message is malformed, of an unknown type, or breaks a limit of docs/protocol.md.
 
     ``peer`` is the ROUTER identity of the sender (e.g. ``b"w1"``) when the message was received
-    through :func:`~powerinfer.protocol.messages.recv_routed`, else None.
+    through :func:`~powerinfer.protocol.transport.recv_routed`, else None.
     """
 
     peer: bytes | None = None

@@ -1,4 +1,4 @@
-"""Sending and receiving protocol messages on ZeroMQ sockets (framing is in messages.py).
+"""Sending and receiving protocol messages on ZeroMQ sockets (framing is in codec.py).
 
 Runs in: the coordinator and every worker process. Small tensor frames are copied (cheaper than
 zmq's zero-copy setup below ~1 MiB), large ones go zero-copy with a tracker; received tensors are
@@ -17,7 +17,8 @@ import numpy as np
 import zmq
 
 from powerinfer.protocol.errors import ProtocolError
-from powerinfer.protocol.messages import DEFAULT_MAX_MSG, MAX_BODY, ZERO_COPY_MIN, Message, decode, encode
+from powerinfer.protocol.codec import decode, encode
+from powerinfer.protocol.messages import DEFAULT_MAX_MSG, MAX_BODY, ZERO_COPY_MIN, Message
 
 
 def _send_frames(socket: zmq.Socket[Any], frames: list[bytes | memoryview], flags: int, zero_copy_min: int) -> zmq.MessageTracker | None:
