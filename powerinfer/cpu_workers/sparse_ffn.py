@@ -39,6 +39,12 @@ def _int8_rows(lin: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
+def _rows(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of w: index_select is ~25x faster than w[idx] on int8 (measured 120 µs vs 3 ms for
+    3122 of 5632 rows of 2048)."""
+    return torch.index_select(w, 0, idx)
+
+
 class SparseFFNShard:
     """Neurons [start, stop) of one layer, computed sparsely at decode time."""
 
@@ -50,6 +56,9 @@ class SparseFFNShard:
         self.start, self.n = start, stop - start
         rows = slice(start, stop)
         gate = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows)], kind="int8")
+        # gate mode computes the whole gate every step: keep it packed like the dense shard (the
+        # file's own codes, half the bytes of int8) and use the int8 rows only in predictor mode
+        self.gate_dense: PackedLinear | None = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows)]) if mode == "gate" else None
         up = load_linear(f, [(layer_tensor(layer, "ffn_up"), rows)], kind="int8")
         down_t = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop), kind="f32")
         self.gate_w, self.gate_s = _int8_rows(gate)  # [n, d] int8, [n]
@@ -76,7 +85,8 @@ class SparseFFNShard:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.gate_w, self.gate_s, self.up_w, self.up_s, self.down_w, self.down_s, self.fc1_w, self.fc2_w))
+        tensors = (self.gate_w, self.gate_s, self.up_w, self.up_s, self.down_w, self.down_s, self.fc1_w, self.fc2_w)
+        return sum(t.nbytes for t in tensors) + (self.gate_dense.nbytes if self.gate_dense is not None else 0)
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -90,7 +100,7 @@ class SparseFFNShard:
 
     def _down(self, h: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
         """h [T, m] (m = len(idx) or n) -> [T, d] through the neuron-major down rows."""
-        w, s = (self.down_w, self.down_s) if idx is None else (self.down_w[idx], self.down_s[idx])
+        w, s = (self.down_w, self.down_s) if idx is None else (_rows(self.down_w, idx), self.down_s[idx])
         return (h * s).to(torch.bfloat16) @ w.to(torch.bfloat16)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -125,16 +135,17 @@ class SparseFFNShard:
             return self._down(h, None).float()
         # decode: one token, only the selected neurons' rows are read
         if self.mode == "gate":
-            g_all = activation(self._mm(x, self.gate_w, self.gate_s), self.cfg.activation)
+            assert self.gate_dense is not None
+            g_all = activation(self.gate_dense(x), self.cfg.activation)
             idx = torch.nonzero(g_all[0].abs() > self.threshold).flatten()
             g = g_all[:, idx]
         else:
             idx = torch.nonzero(self.predict(x)[0]).flatten()
-            g = activation(self._mm(x, self.gate_w[idx], self.gate_s[idx]), self.cfg.activation) if len(idx) else None
+            g = activation(self._mm(x, _rows(self.gate_w, idx), self.gate_s[idx]), self.cfg.activation) if len(idx) else None
         self.last_active = len(idx) / self.n
         self.decode_calls += 1
         self.decode_active += self.last_active
         if len(idx) == 0 or g is None:
             return torch.zeros(T, self.cfg.d_model)
-        h = g * self._mm(x, self.up_w[idx], self.up_s[idx])
+        h = g * self._mm(x, _rows(self.up_w, idx), self.up_s[idx])
         return self._down(h, idx).float()
