@@ -126,10 +126,6 @@ class InProcessExecutor:
             return 1.0
         return sum(getattr(s, "decode_active", 0.0) for s in shards) / calls
 
-    def active_share(self) -> list[float]:
-        """Per layer: share of FFN neurons computed in the last call (1.0 for dense shards)."""
-        return [float(np.mean([getattr(s, "last_active", 1.0) for s in layer])) for layer in self.ffns]
-
     def close(self) -> None:
         self.attn.clear()
         self.ffns.clear()

@@ -20,14 +20,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
 import zmq
 
 from powerinfer.cpu_workers.topology import Placement
 from powerinfer.protocol import (
     HEARTBEAT_TIMEOUT_S,
-    PROTOCOL_VERSION,
     ErrorMsg,
     HeartbeatMsg,
     HelloMsg,
@@ -43,6 +41,7 @@ from powerinfer.protocol import (
     recv_routed,
     send_routed,
     socket_limits,
+    worker_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -116,6 +115,7 @@ class WorkerPool:
             for i in range(cfg.n_workers)
         ]
         self.last_beat = [time.monotonic()] * cfg.n_workers
+        self._index_of = {worker_identity(i): i for i in range(cfg.n_workers)}
         self._serving = False
         try:
             self._handshake()
@@ -126,13 +126,10 @@ class WorkerPool:
 
     def _handshake(self) -> None:
         cfg = self.config
-        hellos: dict[int, HelloMsg] = {}
+        # decode() already refuses a HELLO of another protocol version (ProtocolVersionError)
         for idx, msg in self._gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "starting").items():
             if not isinstance(msg, HelloMsg):
                 raise ProtocolError(f"worker {idx}: expected HELLO, got {type(msg).__name__}")
-            if msg.version != PROTOCOL_VERSION:
-                raise ProtocolError(f"worker {idx} speaks protocol {msg.version}, coordinator {PROTOCOL_VERSION}")
-            hellos[idx] = msg
         for i in range(cfg.n_workers):
             pl = cfg.placements[i] if i < len(cfg.placements) else None
             self._send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
@@ -188,7 +185,7 @@ class WorkerPool:
 
     def _send(self, worker: int, msg: Message) -> None:
         try:
-            send_routed(self.router, f"w{worker}".encode(), msg)
+            send_routed(self.router, worker_identity(worker), msg)
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
             raise WorkerDiedError(f"worker {worker} is unreachable: {e}") from None
 
@@ -230,7 +227,7 @@ class WorkerPool:
                         ident, msg = recv_routed(self.router, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    idx = int(ident[1:]) if ident[:1] == b"w" and ident[1:].isdigit() else -1
+                    idx = self._index_of.get(ident, -1)
                     if idx not in pending:
                         log.debug("ignored a stray %s from %r", type(msg).__name__, ident)
                         continue
@@ -262,6 +259,3 @@ class WorkerPool:
                 raise ProtocolError(f"worker {i}: expected PARTIAL, got {type(msg).__name__}")
             out[i] = msg
         return out
-
-    def worker_indices(self) -> Sequence[int]:
-        return range(self.config.n_workers)

@@ -49,6 +49,7 @@ from powerinfer.protocol import (
     recv,
     send,
     socket_limits,
+    worker_identity,
 )
 from powerinfer.sparsity.predictor_file import read_predictor
 
@@ -170,7 +171,7 @@ def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, l
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"w{index}".encode())
+    sock.setsockopt(zmq.IDENTITY, worker_identity(index))
     sock.setsockopt(zmq.LINGER, 0)
     socket_limits(sock)
     sock.connect(endpoint)

@@ -25,12 +25,6 @@ def layer_bias(layer: int, part: str) -> str:
     return f"blk.{layer}.{part}.bias"
 
 
-def check_shape(f: GGUFFile, name: str, shape: tuple[int, ...]) -> None:
-    actual = f.tensor(name).shape
-    if actual != shape:
-        raise ModelFileError(f"{f.path}: tensor {name!r} has shape {list(actual)}, expected {list(shape)}")
-
-
 def load_matrix(f: GGUFFile, name: str, rows: Rows = None, cols: tuple[int, int] | None = None) -> Grouped | np.ndarray:
     """Decode rows (all when None) of a 2-D weight; cols=(start, stop) then keeps a column range."""
     info = f.tensor(name)
