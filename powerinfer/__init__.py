@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "powerinfer.api",
-    "GenerationChunk": "powerinfer.api",
+    "GenerationChunk": "powerinfer.generation",
     "PowerInferError": "powerinfer.errors",
     "SamplingParams": "powerinfer.sampling",
 }

@@ -30,20 +30,14 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.protocol import WorkerDiedError, WorkerError
-from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.sampling import SamplingParams
 from powerinfer.sparsity.predictor_file import read_predictor
-from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
+from powerinfer.tokenizer import GGUFTokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 4096
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    token: int  # -1 for the final chunk that only carries finish_reason
-    text: str  # text completed by this token (may be "" while a UTF-8 sequence or stop string is pending)
-    finish_reason: str | None = None  # "stop" | "length" on the last chunk
 
 
 @dataclass
@@ -89,6 +83,7 @@ class LLM:
         n_shards: int = 1,
         pin: bool = True,
         progress: bool = False,
+        n_slots: int = 1,
     ) -> None:
         t0 = time.perf_counter()
         if n_threads is not None and n_threads < 1:
@@ -117,7 +112,7 @@ class LLM:
                 import torch
 
                 torch.set_num_threads(n_threads)
-            ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use)
+            ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use, n_slots=n_slots)
         else:
             from powerinfer.coordinator.process_executor import ProcessExecutor
             from powerinfer.cpu_workers.topology import default_workers
@@ -127,9 +122,9 @@ class LLM:
             n_workers = n_threads or default_workers()
             ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                  predictor=str(predictor) if use is not None else "",
-                                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+                                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()), n_slots=n_slots)
         try:
-            self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch)
+            self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch, n_slots=n_slots)
         except BaseException:
             ex.close()
             raise
@@ -151,9 +146,23 @@ class LLM:
         try:
             return self.engine.eval(ids, all_logits=all_logits)
         except (WorkerDiedError, WorkerError):
-            self.engine.rewind(0)  # the restarted workers will hold no KV cache
+            self.engine.rewind_all()  # the restarted workers will hold no KV cache
             self._broken = True
             raise
+
+    def check_workers(self) -> None:
+        """Raise WorkerDiedError when a worker process is gone or silent (no-op in process)."""
+        check = getattr(self.engine.executor, "check_health", None)
+        if check is not None:
+            check()
+
+    def restart_workers(self) -> None:
+        """Start fresh workers (their KV caches are empty, so every slot is forgotten)."""
+        restart = getattr(self.engine.executor, "restart", None)
+        if restart is not None:
+            restart()
+        self.engine.rewind_all()
+        self._broken = False
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -192,6 +201,7 @@ class LLM:
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
         special: bool = False,
+        logprobs: int | None = None,
         **overrides: Any,
     ) -> Iterator[GenerationChunk]:
         """Stream the continuation of prompt (text, or token ids used as they are).
@@ -205,48 +215,26 @@ class LLM:
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgumentError("stop sequences must be non-empty strings")
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=True, special=special)
-        return self._generate(ids, max_tokens, params, tuple(stop))
+        return self._generate(ids, max_tokens, params, tuple(stop), logprobs)
 
-    def _generate(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: tuple[str, ...]) -> Iterator[GenerationChunk]:
-        sampler = Sampler(params)
+    def _generate(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: tuple[str, ...],
+                  logprobs: int | None = None) -> Iterator[GenerationChunk]:
+        seq = SequenceState(self.tokenizer, ids, max_tokens, params, stop, logprobs)
         logits = self._prefill(ids)
-        history = list(ids)
-        decoder = StreamDecoder(self.tokenizer)
-        pending = ""  # text held back because it could be the start of a stop string
         self.timings.generated_tokens, t0 = 0, time.perf_counter()
         self.timings.decode_evals, self.timings.decode_s = 0, 0.0
-        eog = self.tokenizer.eog_ids
-        finish = "length"
         while True:
-            token = sampler(logits[-1], history)
-            self.timings.generated_tokens += 1
-            if token in eog:
-                finish = "stop"
-                break
-            history.append(token)
-            pending += decoder.push(token)
-            cut = _find_stop(pending, stop)
-            if cut is not None:
-                pending = pending[:cut]
-                finish = "stop"
-                break
-            safe = len(pending) - _held_back(pending, stop)
-            if safe:
-                yield GenerationChunk(token, pending[:safe])
-                pending = pending[safe:]
-            else:
-                yield GenerationChunk(token, "")
-            done = self.timings.generated_tokens >= max_tokens > 0
-            if done or len(self.engine.tokens) + 1 >= self.n_ctx:
-                break
+            chunks = seq.step(logits[-1], context_full=len(self.engine.tokens) + 1 >= self.n_ctx)
+            self.timings.generated_tokens = seq.generated
+            if seq.done:
+                self.timings.generate_s = time.perf_counter() - t0
+            yield from chunks
+            if seq.next_token is None:
+                return
             t_eval = time.perf_counter()
-            logits = self._eval([token])
+            logits = self._eval([seq.next_token])
             self.timings.decode_s += time.perf_counter() - t_eval
             self.timings.decode_evals += 1
-        self.timings.generate_s = time.perf_counter() - t0
-        if finish == "length":
-            pending += decoder.flush()
-        yield GenerationChunk(-1, pending, finish)
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any) -> tuple[str, str]:
         """Non-streaming generate: (text, finish_reason)."""
@@ -261,10 +249,13 @@ class LLM:
 
     def chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], max_tokens: int = -1, **kwargs: Any) -> Iterator[GenerationChunk]:
         """Stream the assistant's reply to messages, rendered with the model's chat template."""
+        return self.generate(self.chat_ids(messages), max_tokens, **kwargs)
+
+    def chat_ids(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[int]:
+        """Token ids of messages rendered with the chat template, ready for the assistant's reply."""
         text = self.render_chat(messages)
         # The template already writes BOS when the model wants it; don't add a second one.
-        ids = self.tokenize(text, add_bos=not self._template_has_bos(text), special=True)
-        return self.generate(ids, max_tokens, **kwargs)
+        return self.tokenize(text, add_bos=not self._template_has_bos(text), special=True)
 
     def _template_has_bos(self, text: str) -> bool:
         bos = self.tokenizer.bos_id
@@ -278,19 +269,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stop: tuple[str, ...]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string."""
-    best = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best

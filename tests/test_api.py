@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from powerinfer.api import LLM, _held_back
+from powerinfer.api import LLM
+from powerinfer.generation import _held_back
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError, ModelFileError
 
 

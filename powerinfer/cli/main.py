@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("powerinfer")
 
-SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity")
+SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "serve")
 
 
 class CLIError(PowerInferError):
@@ -121,7 +121,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
                worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
-               progress=progress and sys.stderr.isatty())
+               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1))
 
 
 def run_generate(argv: Sequence[str]) -> int:
@@ -199,6 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from powerinfer.cli.inspect_cmd import run_inspect
 
             return run_inspect(argv[1:])
+        if argv and argv[0] == "serve":
+            from powerinfer.server.main import serve
+
+            return serve(argv[1:], prog="powerinfer serve")
         if argv and argv[0] == "bench":
             from powerinfer.cli.bench import run_bench
 

@@ -47,11 +47,13 @@ def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
 
 
 class Engine:
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, executor: Executor, n_ctx: int, n_batch: int) -> None:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, executor: Executor, n_ctx: int, n_batch: int, n_slots: int = 1) -> None:
         if n_ctx < 1:
             raise InvalidArgumentError(f"context size must be positive, got {n_ctx}")
         if n_batch < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {n_batch}")
+        if n_slots < 1:
+            raise InvalidArgumentError(f"the number of sequence slots must be positive, got {n_slots}")
         self.f, self.cfg, self.executor = f, cfg, executor
         self.n_ctx, self.n_batch = n_ctx, n_batch
         d = cfg.d_model
@@ -68,19 +70,37 @@ class Engine:
         # The output head [T, d] -> [T, vocab] is computed by the executor (split across workers);
         # the engine only re-reads a few of its rows to refine the best logits.
         self.head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        self.tokens: list[int] = []
+        self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
 
     @property
     def weight_bytes(self) -> int:
         return self.executor.weight_bytes
 
-    def rewind(self, n: int) -> None:
-        """Forget cached tokens past the first n (their KV entries are simply overwritten later)."""
-        del self.tokens[n:]
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens cached in slot 0 (the only slot outside the server)."""
+        return self.slot_tokens[0]
 
-    def common_prefix(self, ids: Sequence[int]) -> int:
+    @property
+    def n_slots(self) -> int:
+        return len(self.slot_tokens)
+
+    def _slot(self, slot: int) -> list[int]:
+        if not 0 <= slot < len(self.slot_tokens):
+            raise InvalidArgumentError(f"slot {slot} out of range (0..{len(self.slot_tokens) - 1})")
+        return self.slot_tokens[slot]
+
+    def rewind(self, n: int, slot: int = 0) -> None:
+        """Forget slot's cached tokens past the first n (their KV entries are simply overwritten later)."""
+        del self._slot(slot)[n:]
+
+    def rewind_all(self) -> None:
+        for toks in self.slot_tokens:
+            toks.clear()
+
+    def common_prefix(self, ids: Sequence[int], slot: int = 0) -> int:
         n = 0
-        for a, b in zip(self.tokens, ids):
+        for a, b in zip(self._slot(slot), ids):
             if a != b:
                 break
             n += 1
@@ -95,15 +115,14 @@ class Engine:
             raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         return arr
 
-    def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
-        """Run tokens ids [T] at positions start.. through every layer -> final hidden [T, d] f32."""
+    def _forward(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Run tokens ids [T] at positions [T] of KV slots [T] through every layer -> final hidden [T, d] f32."""
         cfg = self.cfg
-        positions = np.arange(start, start + len(ids), dtype=np.int64)
         x = embed_rows(self.f, ids)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
         for layer, norms in enumerate(self.norms):
-            h = self.executor.attention(layer, rms_norm(x, norms.attn, cfg.norm_eps), positions)
+            h = self.executor.attention(layer, rms_norm(x, norms.attn, cfg.norm_eps), positions, slots)
             if norms.post_attn is not None:
                 h = rms_norm(h, norms.post_attn, cfg.norm_eps)
             x = x + h
@@ -113,47 +132,72 @@ class Engine:
             x = x + h
         return rms_norm(x, self.output_norm, cfg.norm_eps)
 
-    def logits_of(self, hidden: np.ndarray) -> np.ndarray:
+    def logits_of(self, hidden: np.ndarray, decode: bool = False) -> np.ndarray:
         """hidden [T, d] -> logits float32 [T, vocab].
 
         The packed head returns bf16-rounded logits (a step of 0.125 around 20), which can flip
         near-ties. The REFINE best candidates of each row (in decode, those within REFINE_MARGIN of
         the best) are recomputed in float32 from their dequantized head rows, so the values that
-        decide sampling are exact.
+        decide sampling are exact. Decode rows (one per sequence) are refined one by one, so a
+        sequence's logits do not depend on which other sequences share its batch.
         """
         logits = np.array(self.executor.logits(hidden), dtype=np.float32)  # owned: refined in place
         k = min(REFINE, logits.shape[1])
-        if logits.shape[0] == 1:
-            # decode: the candidates near the best are few; a threshold scan is ~10x cheaper than
-            # argpartition over the whole vocabulary
-            near = np.flatnonzero(logits[0] >= logits[0].max() - REFINE_MARGIN)
-            if len(near) > k:
-                near = near[np.argpartition(-logits[0, near], k - 1)[:k]]
-            idx = near[None, :]
+        if decode or logits.shape[0] == 1:
+            for r in range(logits.shape[0]):
+                # the candidates near the best are few; a threshold scan is ~10x cheaper than
+                # argpartition over the whole vocabulary
+                near = np.flatnonzero(logits[r] >= logits[r].max() - REFINE_MARGIN)
+                if len(near) > k:
+                    near = near[np.argpartition(-logits[r, near], k - 1)[:k]]
+                self._refine(logits[r : r + 1], hidden[r : r + 1], near[None, :])
         else:
-            idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]  # [T, R]
+            self._refine(logits, hidden, np.argpartition(-logits, k - 1, axis=1)[:, :k])  # [T, R]
+        return softcap(logits, self.cfg.final_logit_softcap)
+
+    def _refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
+        """Overwrite logits [T, V] at idx [T, R] with float32 products of hidden [T, d] and those head rows."""
         rows, inverse = np.unique(idx, return_inverse=True)  # [U], [T * R]
         w = embed_rows(self.f, rows, self.head_name)  # [U, d]
         exact = hidden @ w.T  # [T, U]
         np.put_along_axis(logits, idx, np.take_along_axis(exact, inverse.reshape(idx.shape), axis=1), axis=1)
-        return softcap(logits, self.cfg.final_logit_softcap)
 
-    def eval(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append ids to the cache; logits float32 [len(ids), vocab] if all_logits else [1, vocab] of the last."""
+    def eval(self, ids: Sequence[int], all_logits: bool = False, slot: int = 0) -> np.ndarray:
+        """Append ids to slot's cache; logits float32 [len(ids), vocab] if all_logits else [1, vocab] of the last."""
         arr = self._check_ids(ids)
+        tokens = self._slot(slot)
         if arr.size == 0:
             raise InvalidArgumentError("nothing to evaluate: empty token list")
-        if len(self.tokens) + arr.size > self.n_ctx:
+        if len(tokens) + arr.size > self.n_ctx:
             raise ContextOverflowError(
-                f"{len(self.tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)"
+                f"{len(tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)"
             )
         outs: list[np.ndarray] = []
         for i in range(0, arr.size, self.n_batch):
             chunk = arr[i : i + self.n_batch]
-            hidden = self._forward(chunk, len(self.tokens))
-            self.tokens.extend(int(t) for t in chunk)
+            positions = np.arange(len(tokens), len(tokens) + len(chunk), dtype=np.int64)
+            hidden = self._forward(chunk, positions, np.full(len(chunk), slot, dtype=np.int64))
+            tokens.extend(int(t) for t in chunk)
             if all_logits:
                 outs.append(self.logits_of(hidden))
         if not all_logits:
             outs.append(self.logits_of(hidden[-1:]))
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    def decode(self, ids: Sequence[int], slots: Sequence[int]) -> np.ndarray:
+        """One token for each of several distinct slots, in one forward pass -> logits float32 [B, vocab]."""
+        arr = self._check_ids(ids)
+        sl = np.asarray(slots, dtype=np.int64)
+        if arr.size == 0 or sl.shape != arr.shape:
+            raise InvalidArgumentError("decode needs one token per slot")
+        if len(set(sl.tolist())) != sl.size:
+            raise InvalidArgumentError("decode slots must be distinct")
+        lists = [self._slot(int(s)) for s in sl]
+        for s, toks in zip(sl, lists):
+            if len(toks) + 1 > self.n_ctx:
+                raise ContextOverflowError(f"slot {int(s)} is full: {self.n_ctx} tokens (raise -c/--ctx-size)")
+        positions = np.array([len(t) for t in lists], dtype=np.int64)
+        hidden = self._forward(arr, positions, sl)
+        for t, toks in zip(arr, lists):
+            toks.append(int(t))
+        return self.logits_of(hidden, decode=True)

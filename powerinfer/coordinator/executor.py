@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class Executor(Protocol):
     plan: ShardPlan
 
-    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x [T, d] f32 normed, positions [T] i64 -> attention output [T, d] (before the residual add)."""
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] f32 normed, positions [T] i64, slots [T] i64 KV-cache slot of each token (None:
+        all slot 0) -> attention output [T, d] (before the residual add)."""
         ...
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -52,7 +53,7 @@ class InProcessExecutor:
     """All shards of all layers in this process; `n_shards` > 1 splits layers exactly as workers would."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_shards: int = 1, progress: bool = False,
-                 predictor: "PredictorFile | None" = None) -> None:
+                 predictor: "PredictorFile | None" = None, n_slots: int = 1) -> None:
         from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
         from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable
@@ -68,7 +69,7 @@ class InProcessExecutor:
 
             layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
         for layer in layers:
-            self.attn.append([AttentionShard(f, cfg, layer, h, n_ctx, ropes) for h in self.plan.heads if h is not None])
+            self.attn.append([AttentionShard(f, cfg, layer, h, n_ctx, ropes, n_slots) for h in self.plan.heads if h is not None])
             if predictor is None:
                 self.ffns.append([FFNShard(f, cfg, layer, n) for n in self.plan.neurons if len(n)])
             else:
@@ -82,14 +83,15 @@ class InProcessExecutor:
         shards = [s for layer in self.attn for s in layer] + [s for layer in self.ffns for s in layer] + self.heads
         return sum(s.nbytes for s in shards)
 
-    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         import torch
 
         xt, pt = torch.from_numpy(x), torch.from_numpy(positions)
+        st = None if slots is None else torch.from_numpy(slots)
         shards = self.attn[layer]
-        out = shards[0].forward(xt, pt)
+        out = shards[0].forward(xt, pt, st)
         for shard in shards[1:]:
-            out = out + shard.forward(xt, pt)
+            out = out + shard.forward(xt, pt, st)
         return out.numpy()
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:

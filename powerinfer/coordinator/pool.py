@@ -60,6 +60,7 @@ class PoolConfig:
     placements: tuple[Placement, ...] = ()  # empty: no pinning
     log_level: str = "WARNING"
     predictor: str = ""  # .predictor path for sparse FFN shards ("" = dense)
+    n_slots: int = 1  # KV-cache slots (concurrent sequences) per attention shard
 
 
 def _describe_exit(code: int | None) -> str:
@@ -133,7 +134,8 @@ class WorkerPool:
         for i in range(cfg.n_workers):
             pl = cfg.placements[i] if i < len(cfg.placements) else None
             self._send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
-                                  cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor))
+                                  cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor,
+                                  n_slots=cfg.n_slots))
         replies = self._gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "loading")
         self.ready = []
         for i in range(cfg.n_workers):
@@ -172,6 +174,11 @@ class WorkerPool:
         log.warning("restarting the worker pool")
         self.close(timeout=1.0)
         self.start()
+
+    def check_health(self) -> None:
+        """Between requests: raise WorkerDiedError if any worker exited or stopped beating."""
+        self._drain_beats()
+        self._check_alive(set(range(len(self.procs))), "idle")
 
     @property
     def pids(self) -> list[int]:

@@ -50,13 +50,13 @@ class ExecutorStats:
 
 class ProcessExecutor:
     def __init__(self, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
-                 pin: bool = True, log_level: str = "WARNING", predictor: str = "") -> None:
+                 pin: bool = True, log_level: str = "WARNING", predictor: str = "", n_slots: int = 1) -> None:
         self.plan = plan_shards(cfg, n_workers)
         self.attn_workers = [i for i, h in enumerate(self.plan.heads) if h is not None]
         self.ffn_workers = [i for i, n in enumerate(self.plan.neurons) if len(n)]
         self.head_workers = [i for i, (a, b) in enumerate(self.plan.vocab) if b > a]
         self.placements = tuple(plan_placement(read_topology(), n_workers, threads_per_worker)) if pin else ()
-        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, self.placements, log_level, predictor))
+        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, self.placements, log_level, predictor, n_slots))
         self.stats = ExecutorStats()
         self.step = 0
         self.n_layers = cfg.n_layers
@@ -87,11 +87,13 @@ class ProcessExecutor:
             out += p
         return out
 
-    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x [T, d] normed, positions [T] -> summed attention partials [T, d]."""
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] normed, positions [T], slots [T] (None: slot 0) -> summed attention partials [T, d]."""
         if layer == 0:
             self.step += 1
-        tensors = (np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(positions, dtype=np.int64))
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        sl = np.zeros_like(pos) if slots is None else np.ascontiguousarray(slots, dtype=np.int64)
+        tensors = (np.ascontiguousarray(x, dtype=np.float32), pos, sl)
         return self._summed(self._call(self.attn_workers, AttnMsg, layer, tensors, self.stats.attention))
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
@@ -101,6 +103,10 @@ class ProcessExecutor:
         """x [T, d] final-normed -> logits [T, vocab]: each worker's vocabulary rows, concatenated."""
         parts = self._call(self.head_workers, LogitsMsg, self.n_layers, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.head)
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a worker exited or missed its heartbeats (between requests)."""
+        self.pool.check_health()
 
     def restart(self) -> None:
         self.pool.restart()

@@ -105,7 +105,7 @@ class _Shards:
         self.n_layers = cfg.n_layers
         heads, neurons = plan.heads[load.worker], plan.neurons[load.worker]
         ropes: dict[tuple[float, float], RopeTable] = {}
-        self.attn = [AttentionShard(f, cfg, i, heads, load.n_ctx, ropes) for i in range(cfg.n_layers)] if heads else None
+        self.attn = [AttentionShard(f, cfg, i, heads, load.n_ctx, ropes, load.n_slots) for i in range(cfg.n_layers)] if heads else None
         self.ffn: list[FFNShard | SparseFFNShard] | None = None
         if len(neurons) and load.predictor:
             pf = read_predictor(load.predictor, model=f)
@@ -141,7 +141,7 @@ def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event)
             if isinstance(msg, AttnMsg):
                 if shards.attn is None:
                     raise RuntimeError(f"worker {index} holds no attention heads")
-                y = shards.attn[msg.layer].forward(x, as_torch(msg.tensors[1]))
+                y = shards.attn[msg.layer].forward(x, as_torch(msg.tensors[1]), as_torch(msg.tensors[2]))
             elif isinstance(msg, FfnMsg):
                 if shards.ffn is None:
                     raise RuntimeError(f"worker {index} holds no FFN neurons")

@@ -79,9 +79,9 @@ _STEP: dict[str, Kind] = {"req": _U, "step": _U, "layer": _U}
 _ACT = ("f32", "bf16")
 _SPECS = [
     _spec(HelloMsg, {"version": _U, "worker": _U, "pid": _U}),
-    _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX, "predictor": _STR}),
+    _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX, "predictor": _STR, "n_slots": _U1}),
     _spec(ReadyMsg, {"worker": _U, "weight_bytes": _U, "load_s": _FLOAT}),
-    _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1))),
+    _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
     _spec(FfnMsg, _STEP, (("x", _ACT, 2),)),
     _spec(LogitsMsg, _STEP, (("x", _ACT, 2),)),
     _spec(PartialMsg, {**_STEP, "worker": _U, "compute_us": _U}, (("y", _ACT, 2),)),
@@ -137,7 +137,7 @@ def _role_error(spec: _Spec, i: int, code: object, allowed: dict[str, np.dtype[A
 
 
 def _rows_error(x_rows: int, pos_rows: int) -> ProtocolError:
-    return ProtocolError(f"ATTN: positions has {pos_rows} entries but x has {x_rows} rows")
+    return ProtocolError(f"ATTN: positions/slots have {pos_rows} entries but x has {x_rows} rows")
 
 
 # ---------------------------------------------------------------------------------------- encode
@@ -189,8 +189,10 @@ def encode(msg: Message) -> list[bytes | memoryview]:
                 raise ProtocolError(f"{spec.type.name}: tensor {role!r} must have rank {rank}, got shape {list(arr.shape)}")
             descs.append((code, arr.shape))
             frames.append(memoryview(arr).cast("B") if arr.size else b"")  # cast refuses empty shapes
-        if spec.cls is AttnMsg and descs[1][1][0] != descs[0][1][0]:
-            raise _rows_error(descs[0][1][0], descs[1][1][0])
+        if spec.cls is AttnMsg:
+            for d in descs[1:]:
+                if d[1][0] != descs[0][1][0]:
+                    raise _rows_error(descs[0][1][0], d[1][0])
         body["t"] = descs
     head = spec.head + msgpack.packb(body)
     if len(head) > MAX_BODY:
@@ -275,7 +277,9 @@ def _decode_tensors(spec: _Spec, descs: Any, frames: Any) -> tuple[np.ndarray, .
             out.append(np.ndarray(shape, dt, buf.toreadonly()))
         except ValueError:  # e.g. [0, 2**62, 8]: zero bytes, but numpy refuses the shape
             raise ProtocolError(f"{spec.type.name}: tensor {role!r} shape {list(shape)} is too large") from None
-    if spec.cls is AttnMsg and out[1].shape[0] != out[0].shape[0]:
-        raise _rows_error(out[0].shape[0], out[1].shape[0])
+    if spec.cls is AttnMsg:
+        for t in out[1:]:
+            if t.shape[0] != out[0].shape[0]:
+                raise _rows_error(out[0].shape[0], t.shape[0])
     return tuple(out)
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 2  # 2: LOGITS (the output head sharded across workers)
+PROTOCOL_VERSION: int = 3  # 2: LOGITS (the output head sharded across workers); 3: ATTN slots, LOAD n_slots
 MAX_BODY = 64 * 1024  # bytes of frame 0 (type byte + msgpack body)
 MAX_STR = 4096  # characters of a str field (two of them at 4 B/char stay well under MAX_BODY)
 MAX_LIST = 4096  # elements of a list field (LOAD.cpus)
@@ -104,6 +104,7 @@ class LoadMsg:
     cpus: tuple[int, ...]  # CPU ids to pin to; empty = no pinning
     node: int  # NUMA node to bind memory to; -1 = none
     predictor: str = ""  # .predictor file for sparse FFN shards; "" = dense
+    n_slots: int = 1  # KV-cache slots (concurrent sequences), each of n_ctx positions
     TYPE: ClassVar[MsgType] = MsgType.LOAD
 
 
@@ -117,12 +118,16 @@ class ReadyMsg:
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
 class AttnMsg:
-    """tensors = (x [T, d] f32|bf16 normed activations, positions [T] i64)."""
+    """tensors = (x [T, d] f32|bf16 normed activations, positions [T] i64, slots [T] i64).
+
+    slots[i] is the KV-cache slot (sequence) token i belongs to: one slot with consecutive
+    positions for a prompt chunk, one token per slot for a batched decode step.
+    """
 
     req: int
     step: int
     layer: int
-    tensors: tuple[Tensor, Tensor]
+    tensors: tuple[Tensor, Tensor, Tensor]
     TYPE: ClassVar[MsgType] = MsgType.ATTN
     __repr__ = _tensor_repr
 
@@ -133,6 +138,10 @@ class AttnMsg:
     @property
     def positions(self) -> Tensor:
         return self.tensors[1]
+
+    @property
+    def slots(self) -> Tensor:
+        return self.tensors[2]
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)

@@ -64,7 +64,7 @@ def samples() -> list[Message]:
         HelloMsg(PROTOCOL_VERSION, 1, 1234),
         LoadMsg("/models/smollm2.gguf", 1, 2, 512, 4, (0, 1, 2), -1, "/models/smollm2.predictor"),
         ReadyMsg(1, 123_456_789, 1.5),
-        AttnMsg(7, 3, 11, (X, POS)),
+        AttnMsg(7, 3, 11, (X, POS, np.zeros_like(POS))),
         FfnMsg(7, 3, 11, (X,)),
         PartialMsg(7, 3, 11, 1, 250, (X * 2,)),
         ErrorMsg(7, 3, 11, 1, "RuntimeError", "boom"),
@@ -111,19 +111,19 @@ def test_wire_bytes_are_stable() -> None:
     assert {t.name: int(t) for t in MsgType} == {
         "HELLO": 1, "LOAD": 2, "READY": 3, "ATTN": 4, "FFN": 5, "PARTIAL": 6, "ERROR": 7, "HEARTBEAT": 8, "SHUTDOWN": 9, "LOGITS": 10,
     }  # fmt: skip
-    frames = encode(AttnMsg(1, 2, 3, (np.zeros((1, 576), np.float32), np.array([5], np.int64))))
-    # 04 | map(4) "req":1 "step":2 "layer":3 "t":[["f32",[1,576]],["i64",[1]]]
+    frames = encode(AttnMsg(1, 2, 3, (np.zeros((1, 576), np.float32), np.array([5], np.int64), np.array([0], np.int64))))
+    # 04 | map(4) "req":1 "step":2 "layer":3 "t":[["f32",[1,576]],["i64",[1]],["i64",[1]]]
     assert bytes(frames[0]).hex() == (
         "04" "84" "a3726571" "01" "a473746570" "02" "a56c61796572" "03" "a174"
-        "92" "92a3663332" "9201cd0240" "92a3693634" "9101"
+        "93" "92a3663332" "9201cd0240" "92a3693634" "9101" "92a3693634" "9101"
     )  # fmt: skip
-    assert [len(f) for f in frames] == [40, 2304, 8]
+    assert [len(f) for f in frames] == [47, 2304, 8, 8]
 
 
 def test_torch_inputs_and_as_torch() -> None:
     x = torch.randn(3, 8)
     y16 = torch.randn(3, 8, dtype=torch.bfloat16)
-    m = decode([bytes(f) for f in encode(AttnMsg(0, 0, 0, (x, torch.arange(3))))])
+    m = decode([bytes(f) for f in encode(AttnMsg(0, 0, 0, (x, torch.arange(3), torch.zeros(3, dtype=torch.int64))))])
     assert torch.equal(as_torch(m.x), x) and torch.equal(as_torch(m.positions), torch.arange(3))
     p = decode([bytes(f) for f in encode(PartialMsg(0, 0, 0, 0, 0, (y16,)))])
     assert p.y.dtype == np.uint16  # bf16 travels as raw bits
@@ -160,7 +160,7 @@ def test_as_torch_read_only_does_not_warn() -> None:
 
 
 def test_repr_shows_shapes_not_data() -> None:
-    assert repr(AttnMsg(1, 2, 3, (X, POS))) == "AttnMsg(req=1, step=2, layer=3, tensors=(f32[2, 8], i64[2]))"
+    assert repr(AttnMsg(1, 2, 3, (X, POS, POS))) == "AttnMsg(req=1, step=2, layer=3, tensors=(f32[2, 8], i64[2], i64[2]))"
 
 
 def test_empty_tensors_round_trip() -> None:
@@ -296,7 +296,7 @@ def test_cross_process_echo(ctx: zmq.Context[Any], ipc_url: str) -> None:
         ident, hello = recv_routed(router)
         assert isinstance(hello, HelloMsg) and hello.pid == proc.pid and ident == b"w0"
         for i, x in enumerate([X, np.ones((128, 576), np.float32), torch.randn(4, 8, dtype=torch.bfloat16)]):
-            msg: Message = AttnMsg(9, i, 5, (x, np.arange(x.shape[0]))) if i % 2 == 0 else FfnMsg(9, i, 5, (x,))
+            msg: Message = AttnMsg(9, i, 5, (x, np.arange(x.shape[0]), np.zeros(x.shape[0], np.int64))) if i % 2 == 0 else FfnMsg(9, i, 5, (x,))
             send_routed(router, ident, msg)
             assert router.poll(10_000)
             _, reply = recv_routed(router)
@@ -350,25 +350,27 @@ BAD: dict[str, tuple[list[Any], str]] = {
     "float step": (raw(5, step_body([["f32", [1, 1]]], step=1.0), bytes(4)), "field 'step' must be an int in"),
     "NaN float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("nan")}), "field 'load_s' must be a finite float"),
     "inf float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("inf")}), "field 'load_s' must be a finite float"),
-    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": ""}), "field 'cpus'"),
-    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": ""}), "field 'n_ctx'"),
+    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1}), "field 'cpus'"),
+    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1}), "field 'n_ctx'"),
+    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0}), "field 'n_slots'"),
     "long str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": "k", "message": "m" * (MAX_STR + 1)}), "field 'message'"),
     "bin for str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": b"k", "message": "m"}), "not valid msgpack"),
     "unknown dtype": (raw(5, step_body([["f64", [1, 2]]]), bytes(16)), "unknown dtype 'f64'"),
     "dtype not allowed for x": (raw(5, step_body([["i64", [1, 2]]]), bytes(16)), "tensor 'x' must be f32 or bf16, got i64"),
-    "f32 positions": (raw(4, step_body([["f32", [1, 2]], ["f32", [1]]]), bytes(8), bytes(4)), "'positions' must be i64"),
+    "f32 positions": (raw(4, step_body([["f32", [1, 2]], ["f32", [1]], ["i64", [1]]]), bytes(8), bytes(4), bytes(8)), "'positions' must be i64"),
     "truncated tensor": (raw(5, step_body([["f32", [2, 2]]]), bytes(12)), "needs 16 bytes, its frame has 12"),
     "missing tensor frame": (raw(5, step_body([["f32", [2, 2]]])), "expected 1 tensor frames, got 0"),
     "extra tensor frame": (raw(5, step_body([["f32", [1, 1]]]), bytes(4), bytes(4)), "expected 1 tensor frames, got 2"),
     "extra frame on tensorless type": (raw(9, {}, b"x"), "expected no tensor frames, got 1"),
-    "too few descriptors": (raw(4, step_body([["f32", [1, 1]]]), bytes(4)), "'t' must list 2 tensor descriptors"),
+    "too few descriptors": (raw(4, step_body([["f32", [1, 1]]]), bytes(4)), "'t' must list 3 tensor descriptors"),
     "descriptor not a pair": (raw(5, step_body([["f32"]]), bytes(4)), "must be \\[dtype, shape\\]"),
     "negative dim": (raw(5, step_body([["f32", [-1, 4]]]), bytes(0)), "invalid dimension -1"),
     "bool dim": (raw(5, step_body([["f32", [True, 1]]]), bytes(4)), "invalid dimension True"),
     "too many dims": (raw(5, step_body([["f32", [1, 1, 1, 1, 1]]]), bytes(4)), "shape must be a list of 2 ints"),
     "wrong rank": (raw(5, step_body([["f32", [4]]]), bytes(16)), "shape must be a list of 2 ints"),
     "shape not a list": (raw(5, step_body([["f32", 4]]), bytes(16)), "shape must be a list"),
-    "rows mismatch": (raw(4, step_body([["f32", [2, 1]], ["i64", [3]]]), bytes(8), bytes(24)), "positions has 3 entries but x has 2 rows"),
+    "rows mismatch": (raw(4, step_body([["f32", [2, 1]], ["i64", [3]], ["i64", [2]]]), bytes(8), bytes(24), bytes(16)), "positions/slots have 3 entries but x has 2 rows"),
+    "slots rows mismatch": (raw(4, step_body([["f32", [2, 1]], ["i64", [2]], ["i64", [1]]]), bytes(8), bytes(16), bytes(8)), "positions/slots have 1 entries but x has 2 rows"),
     "zero-size absurd shape": (raw(5, step_body([["f32", [0, 2**62]]]), b""), "too large"),
 }
 
@@ -394,16 +396,16 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 3, this side speaks version 2") as info:
-        decode(raw(1, {"version": 3, "worker": 0, "pid": 1, "features": ["x"]}))  # a v3 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (3, 2)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 4, this side speaks version 3") as info:
+        decode(raw(1, {"version": 4, "worker": 0, "pid": 1, "features": ["x"]}))  # a v4 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (4, 3)
 
 
 def test_encode_rejects_what_decode_would() -> None:
-    with pytest.raises(ProtocolError, match="positions has 3 entries but x has 2 rows"):
-        encode(AttnMsg(0, 0, 0, (X, np.arange(3))))
+    with pytest.raises(ProtocolError, match="positions/slots have 3 entries but x has 2 rows"):
+        encode(AttnMsg(0, 0, 0, (X, np.arange(3), np.zeros(3, np.int64))))
     with pytest.raises(ProtocolError, match="'positions' must be i64, got f32"):
-        encode(AttnMsg(0, 0, 0, (X, POS.astype(np.float32))))
+        encode(AttnMsg(0, 0, 0, (X, POS.astype(np.float32), POS)))
     with pytest.raises(ProtocolError, match="must have rank 2"):
         encode(FfnMsg(0, 0, 0, (X.ravel(),)))
     with pytest.raises(ProtocolError, match="field 'req'"):

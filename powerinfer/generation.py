@@ -1,0 +1,129 @@
+"""One sequence's generation state: sampling, incremental detokenizing, stop strings, finish reason.
+
+Runs in: the coordinator process (``LLM.generate`` and the server's scheduler both drive it).
+
+The caller owns the forward passes; this class only turns each logits row into text chunks and
+says which token to evaluate next. That split is what lets the server advance many sequences in
+one batched decode step while each keeps exactly the behaviour of a lone ``LLM.generate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log P(token) under the model (before penalties and sampling filters), and the top alternatives."""
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()  # (token, text, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    token: int  # -1 for the final chunk that only carries finish_reason
+    text: str  # text completed by this token (may be "" while a UTF-8 sequence or stop string is pending)
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    logprob: TokenLogprob | None = None  # when logprobs were asked for
+
+
+class SequenceState:
+    """Generation of one sequence after its prompt: feed each logits row to ``step``."""
+
+    def __init__(self, tokenizer: GGUFTokenizer, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
+                 stop: tuple[str, ...] = (), logprobs: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens  # -1: until end-of-generation or the context is full
+        self.sampler = Sampler(params)
+        self.stop = stop
+        self.logprobs = logprobs  # None: off; k >= 0: the token's logprob and k alternatives
+        self.history: list[int] = list(prompt)
+        self.n_prompt = len(self.history)
+        self.decoder = StreamDecoder(tokenizer)
+        self.pending = ""  # text held back because it could be the start of a stop string
+        self.generated = 0  # tokens sampled, the end-of-generation token included
+        self.finish_reason: str | None = None
+        self.next_token: int | None = None  # to evaluate before the next step; None once finished
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def step(self, logits: np.ndarray, context_full: bool) -> list[GenerationChunk]:
+        """logits float32 [vocab] of the last evaluated position -> chunks to emit.
+
+        context_full: the sequence's cache cannot take another token, so this is the last sample.
+        """
+        if self.done:
+            raise RuntimeError("step() after the sequence finished")
+        token = self.sampler(logits, self.history)
+        self.generated += 1
+        self.next_token = None
+        if token in self.tokenizer.eog_ids:
+            return [self._finish("stop")]
+        lp = self._logprob(logits, token) if self.logprobs is not None else None
+        self.history.append(token)
+        self.pending += self.decoder.push(token)
+        cut = _find_stop(self.pending, self.stop)
+        if cut is not None:
+            self.pending = self.pending[:cut]
+            return [self._finish("stop")]
+        safe = len(self.pending) - _held_back(self.pending, self.stop)
+        chunk = GenerationChunk(token, self.pending[:safe], logprob=lp)
+        self.pending = self.pending[safe:]
+        if self.generated >= self.max_tokens > 0 or context_full:
+            return [chunk, self._finish("length")]
+        self.next_token = token
+        return [chunk]
+
+    def cancel(self) -> None:
+        self.finish_reason = self.finish_reason or "cancelled"
+        self.next_token = None
+
+    def _finish(self, reason: str) -> GenerationChunk:
+        self.finish_reason = reason
+        if reason == "length":
+            self.pending += self.decoder.flush()
+        text, self.pending = self.pending, ""
+        return GenerationChunk(-1, text, reason)
+
+    def _logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+        row = np.asarray(logits, dtype=np.float64)
+        lse = float(np.log(np.exp(row - row.max()).sum()) + row.max())  # log-sum-exp over the vocabulary
+        k = min(self.logprobs or 0, MAX_TOP_LOGPROBS, row.size)
+        top: tuple[tuple[int, str, float], ...] = ()
+        if k:
+            idx = np.argpartition(-row, k - 1)[:k]
+            idx = idx[np.argsort(-row[idx], kind="stable")]
+            top = tuple((int(i), self._piece(int(i)), float(row[i] - lse)) for i in idx)
+        return TokenLogprob(token, self._piece(token), float(row[token] - lse), top)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special=False)
+
+
+def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

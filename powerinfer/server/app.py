@@ -1,0 +1,337 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, auth, body limits, streaming, errors.
+
+Runs in: the server process, on uvicorn's event loop. The model is loaded in a background
+thread after the socket is bound (``/health`` answers 503 until then) and is only ever touched
+by the scheduler thread; handlers hand it jobs and read their chunks from an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from powerinfer.api import LLM
+from powerinfer.errors import PowerInferError
+from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.protocol import WorkerDiedError, WorkerError
+from powerinfer.server.metrics import ServerMetrics
+from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, GenerationRequest, bad, parse_chat, parse_completion, parse_json
+from powerinfer.server.responses import ChoiceResult, Shapes, sse
+from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.25  # non-streaming requests check for a gone client this often
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str  # the name /v1/models lists and requests must use
+    parallel: int = 4  # KV-cache slots = sequences decoded together
+    queue: int = 64  # sequences waiting beyond the slots before 429
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+
+
+class ServerState:
+    """What the handlers share: the loaded model (None while loading) and its scheduler."""
+
+    def __init__(self, config: ServerConfig, load: Callable[[], LLM]) -> None:
+        self.config, self.load = config, load
+        self.metrics = ServerMetrics(config.parallel)
+        self.llm: LLM | None = None
+        self.scheduler: Scheduler | None = None
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.thread = threading.Thread(target=self._load, name="powerinfer-load", daemon=True)
+        self.closing = False
+
+    def _load(self) -> None:
+        """The model thread: load, then run the scheduler loop here until close()."""
+        try:
+            llm = self.load()
+        except Exception as e:  # noqa: BLE001 - reported by /health and the server's log
+            log.error("loading the model failed: %s", e)
+            self.load_error = str(e)
+            return
+        if self.closing:
+            llm.close()
+            return
+        sched = Scheduler(llm, self.metrics, self.config.queue)
+        self.llm, self.scheduler = llm, sched
+        self.metrics.healthy.set(1)
+        log.info("model ready: %s, %d slots of %d tokens", self.config.model_id, llm.engine.n_slots, llm.n_ctx)
+        try:
+            sched.run()
+        finally:
+            llm.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Abort what is left, stop the workers (the model thread closes the model it loaded)."""
+        self.closing = True
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        self.llm = None
+
+    def ready(self) -> tuple[LLM, Scheduler]:
+        if self.load_error is not None:
+            raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error", code="model_load_failed")
+        if self.llm is None or self.scheduler is None:
+            raise APIError(503, "the model is loading", type="server_error", code="loading", headers={"Retry-After": "5"})
+        return self.llm, self.scheduler
+
+
+class StatusCounter:
+    """ASGI middleware counting responses by status code for /metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.state.metrics.http.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting)
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
+    state = ServerState(config, load)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.thread.start()
+        yield
+        await run_in_threadpool(state.close)
+
+    app = FastAPI(title="powerinfer-server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.powerinfer = state
+    app.add_middleware(StatusCounter, state=state)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        msg = f"unknown route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return error_response(APIError(e.status_code, msg, code=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return error_response(APIError(500, "internal server error", type="server_error", code="internal_error"))
+
+    def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        # compare_digest: the time taken does not reveal how much of the key matched
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", type="authentication_error",
+                           code="invalid_api_key")
+
+    async def read_body(request: Request) -> dict[str, Any]:
+        limit = config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+            chunks.append(part)
+        return parse_json(b"".join(chunks))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != config.model_id:
+            raise APIError(404, f"model {name!r} not found; this server serves {config.model_id!r}", param="model", code="model_not_found")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            _, sched = state.ready()
+        except APIError as e:
+            return JSONResponse({"status": "error" if state.load_error else "loading", **e.body()}, status_code=503, headers=e.headers)
+        if not sched.healthy:
+            e = APIError(503, "a worker died; restarting the runtime", type="server_error", code="restarting", headers={"Retry-After": "2"})
+            return JSONResponse({"status": "restarting", **e.body()}, status_code=503, headers=e.headers)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def model_card() -> dict[str, Any]:
+        return {"id": config.model_id, "object": "model", "created": state.created, "owned_by": "powerinfer"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict[str, Any]:
+        check_key(request)
+        check_model(name)
+        return model_card()
+
+    async def generate(request: Request, parse: Callable[[dict[str, Any]], ChatRequest | CompletionRequest]) -> Response:
+        check_key(request)
+        req = parse(await read_body(request))
+        check_model(req.common.model)
+        llm, sched = state.ready()
+        ids = await run_in_threadpool(prompt_ids, llm, req)
+        return await run_jobs(request, llm, sched, req, ids, config.model_id)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, parse_chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, parse_completion)
+
+    for path, fn in (("/chat/completions", chat), ("/completions", completions)):
+        app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
+    return app
+
+
+def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[int]:
+    """Tokenize the request's prompt (in a worker thread: a long prompt takes a moment)."""
+    try:
+        if isinstance(req, ChatRequest):
+            ids, param = llm.chat_ids(list(req.messages)), "messages"
+        elif isinstance(req.prompt, str):
+            ids, param = llm.tokenize(req.prompt, add_bos=True), "prompt"
+        else:
+            ids, param = list(req.prompt), "prompt"
+            vocab = llm.config.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise bad(f"token ids must be in [0, {vocab})", "prompt")
+    except PowerInferError as e:
+        raise bad(str(e), "messages" if isinstance(req, ChatRequest) else "prompt") from None
+    if not ids:
+        raise bad("the prompt is empty", param)
+    if len(ids) >= llm.n_ctx:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply)",
+                       param=param, code="context_length_exceeded")
+    return ids
+
+
+async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, ids: list[int],
+                   model_id: str) -> Response:
+    common: GenerationRequest = req.common
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    def sink(job: Job, ev: Event) -> None:  # scheduler thread -> event loop
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
+
+    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, common.max_tokens, common.sampling, common.stop, common.logprobs), sink, index=i)
+            for i in range(common.n)]
+    try:
+        sched.submit(jobs)
+    except QueueFullError as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except ShuttingDownError as e:
+        raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+    shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", model_id)
+    echo = llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else ""
+    if common.stream:
+        return StreamingResponse(stream(shapes, sched, jobs, queue, common, len(ids), echo), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        results = await collect(request, queue, common.n)
+    finally:
+        sched.cancel([j for j in jobs if not j.finished])
+    return JSONResponse(shapes.final(results, len(ids), common.logprobs is not None, echo))
+
+
+def failure(e: BaseException) -> APIError:
+    if isinstance(e, (WorkerDiedError, WorkerError)):
+        return APIError(503, f"the runtime failed while serving this request: {e}", type="server_error", code="worker_failed",
+                        headers={"Retry-After": "2"})
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, str(e), type="server_error", code="shutting_down")
+    return APIError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
+
+
+async def collect(request: Request, queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[ChoiceResult]:
+    results = [ChoiceResult(i) for i in range(n)]
+    open_ = n
+    while open_:
+        try:
+            idx, ev = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise APIError(499, "client disconnected") from None
+            continue
+        if isinstance(ev, BaseException):
+            raise failure(ev)
+        r = results[idx]
+        r.text.append(ev.text)
+        if ev.token >= 0:
+            r.tokens += 1
+        if ev.logprob is not None:
+            r.logprobs.append(ev.logprob)
+        if ev.finish_reason is not None:
+            r.finish_reason = ev.finish_reason
+            open_ -= 1
+    return results
+
+
+async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
+                 common: GenerationRequest, prompt_tokens: int, echo: str) -> AsyncIterator[bytes]:
+    """SSE events until every choice finished; leaving early (client gone) cancels the jobs."""
+    try:
+        for j in jobs:
+            yield sse(shapes.chunk(j.index, "" if shapes.chat else echo, role=True))
+        open_, tokens = len(jobs), 0
+        while open_:
+            idx, ev = await queue.get()
+            if isinstance(ev, BaseException):
+                yield sse(failure(ev).body())
+                return
+            chunk: GenerationChunk = ev
+            tokens += chunk.token >= 0
+            lps = [chunk.logprob] if chunk.logprob is not None else None
+            if chunk.text or lps:
+                yield sse(shapes.chunk(idx, chunk.text, logprobs=lps))
+            if chunk.finish_reason is not None:
+                yield sse(shapes.chunk(idx, None if shapes.chat else "", finish_reason=chunk.finish_reason))
+                open_ -= 1
+        if common.include_usage:
+            yield sse(shapes.usage_chunk(prompt_tokens, tokens))
+        yield sse("[DONE]")
+    finally:
+        sched.cancel([j for j in jobs if not j.finished])
+

@@ -1,0 +1,124 @@
+"""`powerinfer-server` (also `powerinfer serve`, `python launch.py serve`): the OpenAI-compatible daemon.
+
+Runs in: the server process (it becomes the coordinator; CPU workers are its children).
+
+    powerinfer-server -m smollm2 --port 8080 --parallel 4
+    curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \
+         -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
+
+The socket is bound before the model loads (so a busy port is a one-line error at once and
+``/health`` answers 503 while loading). SIGTERM or Ctrl+C: stop accepting, let in-flight
+requests finish for ``--shutdown-timeout`` seconds, abort the rest, stop the workers, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from powerinfer.cli.main import CLIError, _Parser, add_model_args, check_gpu_flags, configure_logging, load_llm, positive_int
+from powerinfer.errors import PowerInferError
+
+log = logging.getLogger("powerinfer.server")
+
+
+def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, "
+                                         "/health, /metrics.")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
+    p.add_argument("--api-key", default=os.environ.get("POWERINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $POWERINFER_API_KEY, else none)")
+    p.add_argument("-np", "--parallel", type=positive_int, default=4, help="sequences decoded together, each with its own KV cache (default 4)")
+    p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429 (default 64)")
+    p.add_argument("--alias", default=None, help="model name in /v1/models and requests (default: the model file's name)")
+    p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM (default 10)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers whose hot neurons go to the GPU (default 0: CPU only)")
+    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use")
+    p.add_argument("--predictor", default=None, help="a .predictor file: sparse FFN")
+    p.add_argument("--no-sparse", action="store_true", help="ignore the predictor's sparsity (dense, exact)")
+    return p
+
+
+def model_id(args: argparse.Namespace) -> str:
+    if args.alias:
+        return str(args.alias)
+    name = Path(args.model).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def bind(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise CLIError(f"--port must be in 0..65535, got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise CLIError(f"port {port} on {host} is already in use (another server?); choose another with --port") from None
+        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except (socket.gaierror, UnicodeError) as e:
+        sock.close()
+        raise CLIError(f"cannot listen on {host}:{port}: {e}") from None
+    sock.listen(256)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
+    import uvicorn
+
+    from powerinfer.server.app import ServerConfig, create_app
+
+    args = build_parser(prog).parse_args(argv)
+    configure_logging(args.log_level, args.verbose)
+    if args.queue < 0:
+        raise CLIError(f"--queue must be >= 0, got {args.queue}")
+    if args.ctx_size is not None and args.ctx_size < 0:
+        raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if not args.shutdown_timeout >= 0:
+        raise CLIError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise CLIError("--api-key must not be empty")
+    check_gpu_flags(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
+    sock = bind(args.host, args.port)
+    cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body)
+    args.n_slots = args.parallel
+    app = create_app(cfg, lambda: load_llm(args, progress=False))
+    host, port = sock.getsockname()[:2]
+    print(f"powerinfer-server: serving {cfg.model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 until ready)",
+          file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
+                                           timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose,
+                                           lifespan="on"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return serve(list(sys.argv[1:] if argv is None else argv))
+    except PowerInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

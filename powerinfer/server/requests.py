@@ -1,0 +1,250 @@
+"""Parsing and validating OpenAI request bodies into typed requests; errors in OpenAI's shape.
+
+Runs in: the server process (HTTP side, on the event loop).
+
+Everything a client can send is checked here, so that bad input is a 4xx naming the parameter
+and never reaches the model: JSON itself (NaN/Infinity literals, nesting depth), field types
+(a bool is not a number), ranges, and sizes (stop strings, messages, n).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.sampling import SamplingParams
+
+MAX_N = 16  # choices per request
+MAX_STOP = 16  # OpenAI allows 4; llama.cpp clients send a few more
+MAX_STOP_LEN = 1024
+MAX_MESSAGES = 4096
+MAX_DEPTH = 64  # JSON nesting the server is willing to parse
+MAX_TOKENS_CAP = 1 << 20
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth(text: str) -> int:
+    """Deepest bracket nesting of a JSON text (outside strings), counted without recursion."""
+    depth = best = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid UTF-8 ({e.reason} at byte {e.start})", code="invalid_json") from None
+    if _depth(text) > MAX_DEPTH:
+        raise APIError(400, f"JSON nested deeper than {MAX_DEPTH} levels", code="invalid_json")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+# -- field readers: each checks the JSON type strictly (bool is not an int) ------------------------
+
+
+def _num(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+        raise bad(f"'{key}' must be a number", key, "invalid_type")
+    if not (lo < v if lo_open else lo <= v) or v > hi:
+        raise bad(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
+    return float(v)
+
+
+def _int(body: Mapping[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{key}' must be an integer", key, "invalid_type")
+    if not lo <= v <= hi:
+        raise bad(f"'{key}' must be in [{lo}, {hi}], got {v}", key)
+    return v
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be true or false", key, "invalid_type")
+    return v
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(items) > MAX_STOP:
+        raise bad(f"at most {MAX_STOP} stop sequences are allowed, got {len(items)}", "stop")
+    if any(not s or len(s) > MAX_STOP_LEN for s in items):
+        raise bad(f"stop sequences must be 1..{MAX_STOP_LEN} characters", "stop")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What both endpoints share once parsed."""
+
+    model: str | None
+    max_tokens: int  # -1: until end-of-generation or the context is full
+    sampling: SamplingParams
+    stop: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None: off; k: the token's logprob and k alternatives
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: GenerationRequest
+    messages: tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: GenerationRequest
+    prompt: str | tuple[int, ...]
+    echo: bool
+
+
+def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | None) -> GenerationRequest:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model", "invalid_type")
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, key, default_max_tokens, -1, MAX_TOKENS_CAP)
+    if max_tokens == 0:
+        raise bad(f"'{key}' must be at least 1", key)
+    seed = _int(body, "seed", -1, -(2**63), 2**64 - 1)
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    include_usage = _bool(opts or {}, "include_usage", False)
+    if opts is not None and not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    try:
+        sampling = SamplingParams(
+            temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+            top_k=int(_int(body, "top_k", 0, 0, 1 << 30) or 0),
+            min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
+            repeat_penalty=_num(body, "repeat_penalty", 1.0, 0.0, 10.0, lo_open=True),
+            repeat_last_n=int(_int(body, "repeat_last_n", 64, -1, 1 << 30) or 0),
+            frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+            seed=int(seed or 0) % (2**32) if seed is not None and seed >= 0 else -1,
+        )
+    except InvalidArgumentError as e:
+        raise bad(str(e)) from None
+    return GenerationRequest(model, int(max_tokens or -1), sampling, _stop(body), int(_int(body, "n", 1, 1, MAX_N) or 1),
+                             stream, include_usage, logprobs)
+
+
+def _content(v: Any, i: int) -> str:
+    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
+    if isinstance(v, str):
+        return v
+    if v is None:
+        return ""
+    if isinstance(v, list):
+        out = []
+        for part in v:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+            out.append(part["text"])
+        return "".join(out)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type")
+
+
+def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list", "messages", "invalid_type" if msgs is not None else "missing_required_parameter")
+    if len(msgs) > MAX_MESSAGES:
+        raise bad(f"at most {MAX_MESSAGES} messages are allowed", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role must be system, developer, user, assistant or tool", f"messages[{i}].role")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
+    logprobs = None
+    if _bool(body, "logprobs", False):
+        logprobs = int(_int(body, "top_logprobs", 0, 0, 20) or 0)
+    elif body.get("top_logprobs") is not None:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return ChatRequest(_common(body, -1, logprobs), tuple(out))
+
+
+def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
+    p = body.get("prompt")
+    prompt: str | tuple[int, ...]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one prompt
+    if isinstance(p, str):
+        prompt = p
+    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        prompt = tuple(p)
+    elif p is None:
+        raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+    else:
+        raise bad("'prompt' must be a string, a list of token ids, or a list of one of those", "prompt", "invalid_type")
+    lp = _int(body, "logprobs", None, 0, 5)
+    return CompletionRequest(_common(body, 16, lp), prompt, _bool(body, "echo", False))

@@ -1,0 +1,122 @@
+"""OpenAI response bodies (chat.completion, text_completion, their stream chunks, usage, logprobs).
+
+Runs in: the server process (HTTP side). Pure functions of plain values, so they are unit-tested
+against the shapes the official ``openai`` client validates.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from powerinfer.generation import TokenLogprob
+
+
+@dataclass
+class ChoiceResult:
+    """One choice being collected for a non-streaming answer."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    tokens: int = 0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _bytes(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.text,
+                "logprob": lp.logprob,
+                "bytes": _bytes(lp.text),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in lp.top],
+            }
+            for lp in items
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> dict[str, Any]:
+    offsets, pos = [], start_offset
+    for lp in items:
+        offsets.append(pos)
+        pos += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in items],
+        "text_offset": offsets,
+    }
+
+
+class Shapes:
+    """Builds the bodies of one request (its id, creation time and model name are shared)."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.chat = kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + _rand_id()
+        self.created = int(time.time())
+        self.model = model
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": "powerinfer"}
+
+    def final(self, choices: list[ChoiceResult], prompt_tokens: int, want_logprobs: bool, echo: str = "") -> dict[str, Any]:
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            if self.chat:
+                lp = chat_logprobs(c.logprobs) if want_logprobs else None
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                            "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                lp = completion_logprobs(c.logprobs, len(echo)) if want_logprobs else None
+                out.append({"index": c.index, "text": echo + text, "logprobs": lp, "finish_reason": c.finish_reason})
+        body["choices"] = out
+        body["usage"] = usage(prompt_tokens, sum(c.tokens for c in choices))
+        return body
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
+              role: bool = False) -> dict[str, Any]:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            lp = chat_logprobs(logprobs) if logprobs else None
+            body["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
+        else:
+            lp = completion_logprobs(logprobs) if logprobs else None
+            body["choices"] = [{"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}]
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+
+def _rand_id() -> str:
+    return secrets.token_hex(12)

@@ -1,0 +1,263 @@
+"""Continuous batching: many sequences share the workers, one batched decode step at a time.
+
+Runs in: the server process (the coordinator), in one thread that alone touches the model.
+
+Each choice of each request is a :class:`Job`. Up to ``n_slots`` jobs are active, each in its own
+KV-cache slot; the rest wait in a bounded FIFO. Every loop iteration (a "step"):
+
+1. cancelled jobs (client gone) leave, freeing their slot;
+2. waiting jobs take free slots (the slot whose cached tokens share the longest prefix with the
+   prompt, so a chat's next turn reuses its history);
+3. one job in prefill advances by one chunk of ``n_batch`` prompt tokens (so a long prompt does
+   not stall everyone's decoding);
+4. every job in decode advances by one token in a single batched forward pass.
+
+Jobs join and leave only between steps. A batched row is bit-identical to the same sequence
+decoded alone (attention is per slot; norms, projections and the head refinement are per row),
+so temperature-0 output does not depend on who else is being served.
+
+Results go to each job's ``sink`` (called from this thread; the HTTP side makes it thread-safe).
+A worker failure fails the jobs in flight with the error, restarts the pool and carries on with
+the waiting jobs; ``healthy`` is False until the restart is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import numpy as np
+
+from powerinfer.api import LLM
+from powerinfer.errors import PowerInferError
+from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.protocol import WorkerDiedError, WorkerError
+from powerinfer.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+HEALTH_CHECK_S = 0.5  # how often an idle scheduler checks its workers
+
+
+class QueueFullError(PowerInferError):
+    """More jobs are waiting than --queue allows; the client should retry later."""
+
+
+class ShuttingDownError(PowerInferError):
+    """The server is stopping and takes no new work."""
+
+
+Event = Union[GenerationChunk, BaseException]  # an exception is the job's last event
+
+
+@dataclass(eq=False)
+class Job:
+    """One sequence to generate: a prompt, its sampling state, and where its chunks go."""
+
+    prompt: list[int]
+    state: SequenceState
+    sink: Callable[["Job", Event], None]
+    index: int = 0  # choice index within its request
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens already in the slot's cache
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float = 0.0  # first token emitted (monotonic), 0 before
+    finished: bool = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.state.history) - self.state.n_prompt
+
+
+class Scheduler:
+    def __init__(self, llm: LLM, metrics: ServerMetrics, max_queue: int) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.n_slots = llm.engine.n_slots
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        self.slot_used = [0.0] * self.n_slots  # last use (monotonic), for least-recently-used choice
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.healthy = True
+        self.thread: threading.Thread | None = None
+
+    # -- called from the HTTP side -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run the loop in a new thread (the server runs it in the thread that loaded the model:
+        worker processes get PR_SET_PDEATHSIG, which fires when the thread that started them ends)."""
+        self.thread = threading.Thread(target=self.run, name="powerinfer-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue all jobs of one request, or none (QueueFullError / ShuttingDownError)."""
+        with self.cond:
+            if self.stopping:
+                raise ShuttingDownError("the server is shutting down")
+            if len(self.waiting) + len(jobs) > self.max_queue:
+                raise QueueFullError(f"the queue is full ({len(self.waiting)} waiting, --queue {self.max_queue})")
+            self.waiting.extend(jobs)
+            self.metrics.waiting.set(len(self.waiting))
+            self.cond.notify()
+
+    def cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.cancelled.set()
+        with self.cond:
+            self.cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Abort every job and end the thread."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(timeout)
+
+    # -- the loop (scheduler thread) -----------------------------------------------------------
+
+    def run(self) -> None:
+        """The loop; returns after stop()."""
+        last_check = time.monotonic()
+        while True:
+            with self.cond:
+                if self.stopping:
+                    break
+                if not self.active and not self.waiting:
+                    self.cond.wait(HEALTH_CHECK_S)
+                    if time.monotonic() - last_check >= HEALTH_CHECK_S:
+                        last_check = time.monotonic()
+                        self._check_workers()
+                    continue
+            try:
+                self._step()
+            except (WorkerDiedError, WorkerError) as e:
+                log.error("worker failure: %s", e)
+                self._fail_active(e)
+                self._restart()
+            except Exception as e:  # noqa: BLE001 - a bug must fail the requests in flight, not kill the server
+                log.exception("scheduler step failed")
+                self._fail_active(e)
+        err = ShuttingDownError("the server is shutting down")
+        with self.cond:
+            jobs, self.waiting = [*self.active, *self.waiting], collections.deque()
+            self.active = []
+        for job in jobs:
+            self._end(job, err)
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        prefilling = [j for j in self.active if j.prefilled < len(j.prompt)]
+        if prefilling:
+            self._prefill_chunk(min(prefilling, key=lambda j: j.t_submit))
+        decoding = [j for j in self.active if j.prefilled == len(j.prompt) and j.state.next_token is not None]
+        if decoding:
+            self._decode(decoding)
+
+    def _drop_cancelled(self) -> None:
+        with self.cond:
+            gone = [j for j in self.waiting if j.cancelled.is_set()]
+            for j in gone:
+                self.waiting.remove(j)
+            self.metrics.waiting.set(len(self.waiting))
+        for j in [j for j in self.active if j.cancelled.is_set()]:
+            self._release(j)
+            self.metrics.requests.labels("cancelled").inc()
+
+    def _admit(self) -> None:
+        with self.cond:
+            while self.waiting and len(self.active) < self.n_slots:
+                job = self.waiting.popleft()
+                job.slot = self._pick_slot(job.prompt)
+                self.active.append(job)
+                # a prefix the slot already holds is reused; at least the last prompt token is
+                # recomputed, since its logits are needed
+                keep = min(self.engine.common_prefix(job.prompt, job.slot), len(job.prompt) - 1)
+                self.engine.rewind(keep, job.slot)
+                job.prefilled = keep
+            self.metrics.waiting.set(len(self.waiting))
+            self.metrics.running.set(len(self.active))
+
+    def _pick_slot(self, prompt: list[int]) -> int:
+        busy = {j.slot for j in self.active}
+        free = [s for s in range(self.n_slots) if s not in busy]
+        return max(free, key=lambda s: (self.engine.common_prefix(prompt, s), -self.slot_used[s]))
+
+    def _prefill_chunk(self, job: Job) -> None:
+        chunk = job.prompt[job.prefilled : job.prefilled + self.engine.n_batch]
+        logits = self.engine.eval(chunk, slot=job.slot)
+        job.prefilled += len(chunk)
+        self.metrics.prompt_tokens.inc(len(chunk))
+        if job.prefilled == len(job.prompt):
+            self._emit(job, logits[-1])
+
+    def _decode(self, jobs: list[Job]) -> None:
+        tokens = [int(j.state.next_token) for j in jobs if j.state.next_token is not None]
+        logits = self.engine.decode(tokens, [j.slot for j in jobs])
+        self.metrics.batch_size.observe(len(jobs))
+        for job, row in zip(jobs, logits):
+            self._emit(job, row)
+
+    def _emit(self, job: Job, logits: np.ndarray) -> None:
+        full = len(self.engine.slot_tokens[job.slot]) + 1 >= self.engine.n_ctx
+        chunks = job.state.step(logits, context_full=full)
+        now = time.monotonic()
+        if not job.t_first:
+            job.t_first = now
+            self.metrics.ttft.observe(now - job.t_submit)
+        self.metrics.generation_tokens.inc()
+        for c in chunks:
+            job.sink(job, c)
+        if job.state.done:
+            n = job.completion_tokens
+            if n > 1:
+                self.metrics.tpot.observe((now - job.t_first) / (n - 1))
+            self.metrics.requests.labels("ok").inc()
+            job.finished = True
+            self._release(job)
+
+    def _release(self, job: Job) -> None:
+        if job in self.active:
+            self.active.remove(job)
+            self.slot_used[job.slot] = time.monotonic()
+        self.metrics.running.set(len(self.active))
+
+    def _end(self, job: Job, error: BaseException) -> None:
+        if not job.finished:
+            job.finished = True
+            self.metrics.requests.labels("error").inc()
+            job.sink(job, error)
+
+    def _fail_active(self, error: BaseException) -> None:
+        jobs, self.active = self.active, []
+        self.metrics.running.set(0)
+        for job in jobs:
+            self._end(job, error)
+
+    def _check_workers(self) -> None:
+        try:
+            self.llm.check_workers()
+        except (WorkerDiedError, WorkerError) as e:
+            log.error("worker check failed: %s", e)
+            self._restart()
+
+    def _restart(self) -> None:
+        """Restart the worker pool (new processes hold no KV cache: every slot starts empty)."""
+        self.healthy = False
+        self.metrics.healthy.set(0)
+        try:
+            self.llm.restart_workers()
+        except Exception:  # noqa: BLE001 - stay unhealthy; the next health check tries again
+            log.exception("restarting the workers failed")
+            return
+        self.healthy = True
+        self.metrics.healthy.set(1)
