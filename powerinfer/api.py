@@ -185,7 +185,7 @@ class LLM:
         """Evaluate ids, reusing the cached common prefix; -> logits [1, vocab] of the last token."""
         if not ids:
             raise InvalidArgumentError("the prompt is empty")
-        keep = min(self.engine.common_prefix(ids), len(ids) - 1)
+        keep = self.engine.reusable_prefix(ids)
         self.engine.rewind(keep)
         t0 = time.perf_counter()
         logits = self._eval(ids[keep:])

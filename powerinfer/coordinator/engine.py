@@ -106,6 +106,17 @@ class Engine:
             n += 1
         return n
 
+    def reusable_prefix(self, ids: Sequence[int], slot: int = 0) -> int:
+        """How many of ids to keep from slot's cache before evaluating the rest.
+
+        At least two prompt tokens are always recomputed: the last one because its logits are
+        needed, and one more so that the pass has T >= 2 queries. A one-query pass takes the decode
+        attention path (bmm + softmax), whose rounding differs from the prefill path (SDPA); with
+        two or more, the logits are bit-identical to evaluating the whole prompt from scratch
+        (measured), so a cached prefix never changes what a prompt generates.
+        """
+        return max(0, min(self.common_prefix(ids, slot), len(ids) - 2))
+
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int64)
         if arr.ndim != 1:

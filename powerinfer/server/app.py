@@ -13,7 +13,7 @@ import hmac
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from powerinfer.api import LLM
 from powerinfer.errors import PowerInferError
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.protocol import WorkerDiedError, WorkerError
+from powerinfer.sampling import SamplingParams
 from powerinfer.server.metrics import ServerMetrics
 from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, GenerationRequest, bad, parse_chat, parse_completion, parse_json
 from powerinfer.server.responses import ChoiceResult, Shapes, sse
@@ -256,7 +257,8 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
 
-    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, common.max_tokens, common.sampling, common.stop, common.logprobs), sink, index=i)
+    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, common.max_tokens, choice_sampling(common.sampling, i), common.stop,
+                                         common.logprobs), sink, index=i)
             for i in range(common.n)]
     try:
         sched.submit(jobs)
@@ -274,6 +276,11 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     finally:
         sched.cancel([j for j in jobs if not j.finished])
     return JSONResponse(shapes.final(results, len(ids), common.logprobs is not None, echo))
+
+
+def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of a seeded request samples with seed + i: reproducible, yet the n choices differ."""
+    return params if params.seed < 0 or index == 0 else replace(params, seed=(params.seed + index) % 2**32)
 
 
 def failure(e: BaseException) -> APIError:

@@ -17,6 +17,7 @@ import argparse
 import errno
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -103,6 +104,10 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
                                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose,
                                            lifespan="on"))
+    # uvicorn handles SIGTERM (graceful shutdown), then restores the previous handler and raises
+    # the signal again; with this no-op handler in place that last step is harmless and the
+    # daemon exits 0 after a clean stop instead of dying of its own SIGTERM.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         server.run(sockets=[sock])
     finally:

@@ -102,8 +102,10 @@ class Scheduler:
         with self.cond:
             if self.stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if len(self.waiting) + len(jobs) > self.max_queue:
-                raise QueueFullError(f"the queue is full ({len(self.waiting)} waiting, --queue {self.max_queue})")
+            # room = free slots + the queue beyond them
+            if len(self.active) + len(self.waiting) + len(jobs) > self.n_slots + self.max_queue:
+                raise QueueFullError(f"the server is full: {len(self.active)} sequences running, {len(self.waiting)} waiting "
+                                     f"(--parallel {self.n_slots}, --queue {self.max_queue})")
             self.waiting.extend(jobs)
             self.metrics.waiting.set(len(self.waiting))
             self.cond.notify()
@@ -168,8 +170,11 @@ class Scheduler:
             gone = [j for j in self.waiting if j.cancelled.is_set()]
             for j in gone:
                 self.waiting.remove(j)
+                j.finished = True
+                self.metrics.requests.labels("cancelled").inc()
             self.metrics.waiting.set(len(self.waiting))
         for j in [j for j in self.active if j.cancelled.is_set()]:
+            j.finished = True
             self._release(j)
             self.metrics.requests.labels("cancelled").inc()
 
@@ -179,9 +184,7 @@ class Scheduler:
                 job = self.waiting.popleft()
                 job.slot = self._pick_slot(job.prompt)
                 self.active.append(job)
-                # a prefix the slot already holds is reused; at least the last prompt token is
-                # recomputed, since its logits are needed
-                keep = min(self.engine.common_prefix(job.prompt, job.slot), len(job.prompt) - 1)
+                keep = self.engine.reusable_prefix(job.prompt, job.slot)
                 self.engine.rewind(keep, job.slot)
                 job.prefilled = keep
             self.metrics.waiting.set(len(self.waiting))

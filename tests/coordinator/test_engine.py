@@ -99,3 +99,54 @@ def test_bad_token_ids_rejected(make_model: Callable[..., Path]) -> None:
     with pytest.raises(InvalidArgumentError, match="empty"):
         eng.eval([])
     assert eng.tokens == []
+
+
+def build_slots(path: Path, n_slots: int, n_ctx: int = 64) -> Engine:
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    return Engine(f, cfg, InProcessExecutor(f, cfg, n_ctx, n_slots=n_slots), n_ctx=n_ctx, n_batch=512, n_slots=n_slots)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_decode_is_bit_identical_to_each_sequence_alone(make_model: Callable[..., Path], arch: str) -> None:
+    """Continuous batching must not change any sequence's numbers: decode(B tokens, B slots) == B solo steps."""
+    eng = build_slots(make_model(arch=arch, qtype=QT.Q4_0, n_layers=2), n_slots=3)
+    prompts = [IDS[:7], IDS[3:15], IDS[10:12]]
+    rng = np.random.default_rng(0)
+    steps = [rng.integers(0, eng.cfg.vocab_size, 5).tolist() for _ in prompts]
+    solo = []
+    for p, s in zip(prompts, steps):
+        eng.rewind(0, slot=0)
+        eng.eval(p, slot=0)
+        solo.append(np.concatenate([eng.eval([t], slot=0) for t in s]))
+    for i, p in enumerate(prompts):
+        eng.rewind(0, slot=i)
+        eng.eval(p, slot=i)
+    batched = np.stack([eng.decode([s[k] for s in steps], [0, 1, 2]) for k in range(5)], axis=1)  # [B, steps, V]
+    for i in range(3):
+        assert np.array_equal(batched[i], solo[i])
+    assert [len(t) for t in eng.slot_tokens] == [12, 17, 7]
+
+
+def test_cached_prefix_gives_bit_identical_logits(make_model: Callable[..., Path]) -> None:
+    """reusable_prefix recomputes >= 2 tokens, so a cached prefix never changes a prompt's logits."""
+    eng = build_slots(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_slots=1)
+    full = eng.eval(IDS)
+    for cut in (5, 10, len(IDS)):
+        keep = eng.reusable_prefix(IDS[:cut] + IDS[cut:])
+        assert keep == len(IDS) - 2
+        eng.rewind(keep)
+        assert np.array_equal(eng.eval(IDS[keep:]), full)
+
+
+def test_decode_checks_slots(make_model: Callable[..., Path]) -> None:
+    eng = build_slots(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_slots=2, n_ctx=8)
+    eng.eval(IDS[:4], slot=0)
+    eng.eval(IDS[:8], slot=1)
+    with pytest.raises(InvalidArgumentError, match="distinct"):
+        eng.decode([1, 2], [0, 0])
+    with pytest.raises(InvalidArgumentError, match="slot 2 out of range"):
+        eng.decode([1], [2])
+    with pytest.raises(ContextOverflowError, match="slot 1 is full"):
+        eng.decode([1, 2], [0, 1])
+    assert len(eng.slot_tokens[0]) == 4  # a refused step changes nothing

@@ -111,3 +111,20 @@ def test_workers_exit_when_coordinator_dies(make_model: Callable[..., Path], how
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_slots_and_batched_decode_over_workers(make_model: Callable[..., Path]) -> None:
+    """Protocol v3: ATTN carries each token's KV slot; workers keep one cache per slot."""
+    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=2)
+    oracle = LLM(path, n_ctx=32, executor="inprocess", n_slots=2, n_shards=2)
+    llm = LLM(path, n_ctx=32, n_threads=2, pin=False, n_slots=2)
+    try:
+        for eng in (oracle.engine, llm.engine):
+            eng.eval(IDS[:5], slot=0)
+            eng.eval(IDS[2:11], slot=1)
+        want = oracle.engine.decode([7, 9], [0, 1])
+        got = llm.engine.decode([7, 9], [0, 1])
+        np.testing.assert_allclose(got, want, atol=1e-3, rtol=0)
+        assert [len(t) for t in llm.engine.slot_tokens] == [6, 10]
+    finally:
+        llm.close()

@@ -1,0 +1,43 @@
+"""`powerinfer-server` / `powerinfer serve` argument handling: one-line errors, before any model loads."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from powerinfer.cli.main import main as cli_main
+from powerinfer.server.main import main
+
+
+def test_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert main(["-m", "missing.gguf", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: port {port} on 127.0.0.1 is already in use (another server?); choose another with --port\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "--port must be in 0..65535"),
+    (["--queue", "-1"], "--queue must be >= 0"),
+    (["-c", "-5"], "--ctx-size must be >= 0"),
+    (["--api-key", " "], "--api-key must not be empty"),
+    (["-ngl", "4"], "need an NVIDIA GPU"),
+])
+def test_bad_values(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-m", "x.gguf", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_serve_subcommand_and_help() -> None:
+    out = subprocess.run([sys.executable, "launch.py", "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "--parallel" in out and "--api-key" in out and "usage: powerinfer serve" in out
+    with pytest.raises(SystemExit) as e:
+        cli_main(["serve", "--parallel", "0", "-m", "x"])
+    assert e.value.code == 2

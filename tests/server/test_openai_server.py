@@ -1,0 +1,225 @@
+"""The running server driven by the official `openai` client (strict response validation) and raw HTTP.
+
+Runs in: the pytest process; the server is a subprocess (tests/server/conftest.py) on SmolLM2.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.server.conftest import RunningServer, start_server
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(server: RunningServer, key: str = "unused", strict: bool = True) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=key, max_retries=0, timeout=120, _strict_response_validation=strict)
+
+
+def completion_stream(server: RunningServer, **kwargs: object) -> list[openai.types.Completion]:
+    """Streamed legacy completions. Their intermediate chunks carry "finish_reason": null, as OpenAI's
+    own API (and llama.cpp) send them, but the SDK types the field as non-null, so strict validation
+    would reject every such stream: these chunks are read non-strictly and checked here instead."""
+    chunks = list(client(server, strict=False).completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    for ch in chunks[:-1]:
+        assert ch.object == "text_completion" and ch.model == MODEL and ch.id == chunks[0].id
+        for c in ch.choices:
+            assert isinstance(c.text, str) and c.finish_reason in (None, "stop", "length") and isinstance(c.index, int)
+    return chunks
+
+
+def metric(server: RunningServer, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_models_and_health(smollm2_server: RunningServer) -> None:
+    c = client(smollm2_server)
+    ids = [m.id for m in c.models.list()]
+    assert ids == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(smollm2_server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_non_streaming(smollm2_server: RunningServer) -> None:
+    r = client(smollm2_server).chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    choice = r.choices[0]
+    assert "Paris" in (choice.message.content or "")
+    assert choice.finish_reason == "stop" and choice.message.role == "assistant"
+    assert r.usage is not None and r.usage.prompt_tokens > 10 and 0 < r.usage.completion_tokens < 24
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_equals_non_streaming(smollm2_server: RunningServer) -> None:
+    c = client(smollm2_server)
+    full = c.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    parts, finish, usage = [], None, None
+    stream = c.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, stream=True,  # type: ignore[arg-type]
+                                       stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == full.choices[0].message.content
+    assert finish == "stop"
+    assert usage is not None and full.usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completion_max_tokens_and_stop(smollm2_server: RunningServer) -> None:
+    c = client(smollm2_server)
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 5
+    text = r.choices[0].text
+    assert text.startswith(" Paris")
+    s = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."])
+    assert s.choices[0].finish_reason == "stop"
+    assert s.choices[0].text == text.split(".")[0]
+    # a stop string split across tokens, streamed: nothing of it leaks out
+    chunks = completion_stream(smollm2_server, model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["is:"])
+    streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["stop"]
+    assert streamed == text.split("is:")[0] and "is:" not in streamed
+
+
+def test_logprobs_n_and_seed(smollm2_server: RunningServer) -> None:
+    c = client(smollm2_server)
+    r = c.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)  # type: ignore[arg-type]
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert content[0].token == content[0].top_logprobs[0].token  # greedy picks the most likely
+    many = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7, n=3, logprobs=2)
+    assert sorted(ch.index for ch in many.choices) == [0, 1, 2]
+    assert many.usage is not None and many.usage.completion_tokens == 18
+    again = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7, n=3)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in many.choices]  # seeded: reproducible
+    assert len({ch.text for ch in many.choices}) > 1  # ... yet the choices differ
+
+
+def test_errors_in_openai_shape(smollm2_server: RunningServer) -> None:
+    c = client(smollm2_server)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model=MODEL, messages=CHAT, temperature=5)  # type: ignore[arg-type]
+    assert bad.value.status_code == 400 and bad.value.param == "temperature"  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as long:
+        c.completions.create(model=MODEL, prompt="hello " * 600, max_tokens=4)
+    assert long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="gpt-4o", messages=CHAT)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        c.get("/nothing-here", cast_to=object)
+    raw = httpx.post(smollm2_server.base_url + "/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
+    big = httpx.post(smollm2_server.base_url + "/completions", content=b'{"prompt": "' + b"a" * (2 << 20) + b'"}')
+    assert big.status_code == 413 and set(big.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(smollm2_server.url + "/health").status_code == 200  # still serving
+
+
+def _stream_text(server: RunningServer, prompt: str, max_tokens: int) -> str:
+    chunks = completion_stream(server, model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return "".join(ch.text for chunk in chunks for ch in chunk.choices)
+
+
+PROMPTS = [f"Write a sentence about {t}." for t in ("cats", "the sea", "Paris", "rain", "a robot", "tea", "winter", "music", "bread", "trains")]
+
+
+def test_concurrent_streams_equal_solo_and_batch(smollm2_server: RunningServer) -> None:
+    """8 concurrent streaming clients, 40 requests, temperature 0: each text equals the request alone."""
+    n_tokens = 24
+    t0 = time.perf_counter()
+    solo = {p: _stream_text(smollm2_server, p, n_tokens) for p in PROMPTS}
+    solo_s = time.perf_counter() - t0
+    requests = [PROMPTS[i % len(PROMPTS)] for i in range(40)]
+    batch0 = metric(smollm2_server, "powerinfer_decode_batch_size_sum")
+    steps0 = metric(smollm2_server, "powerinfer_decode_batch_size_count")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: _stream_text(smollm2_server, p, n_tokens), requests))
+    conc_s = time.perf_counter() - t0
+    assert texts == [solo[p] for p in requests]
+    mean_batch = (metric(smollm2_server, "powerinfer_decode_batch_size_sum") - batch0) / (
+        metric(smollm2_server, "powerinfer_decode_batch_size_count") - steps0)
+    assert mean_batch > 3  # the decode steps really were shared
+    print(f"\n1 client: {len(PROMPTS) * n_tokens / solo_s:.1f} tok/s; 8 clients: {len(requests) * n_tokens / conc_s:.1f} tok/s "
+          f"aggregate, mean decode batch {mean_batch:.1f}")
+
+
+def test_cancelled_stream_frees_its_slot(smollm2_server: RunningServer) -> None:
+    with httpx.stream("POST", smollm2_server.base_url + "/completions",
+                      json={"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(smollm2_server, "powerinfer_requests_running") == 1
+    deadline = time.monotonic() + 5
+    while metric(smollm2_server, "powerinfer_requests_running") != 0:
+        assert time.monotonic() < deadline, "the cancelled stream kept its slot"
+        time.sleep(0.05)
+    assert metric(smollm2_server, 'powerinfer_sequences_total{outcome="cancelled"}') >= 1
+
+
+def test_api_key_queue_full_and_sigterm(smollm2_path: Path, tmp_path: Path) -> None:
+    server = start_server(smollm2_path, tmp_path, "-c", "256", "--parallel", "1", "--queue", "0", "-t", "1", "--api-key", "sekrit")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client(server, "wrong").models.list()
+        assert httpx.get(server.base_url + "/models").status_code == 401
+        c = client(server, "sekrit")
+        assert [m.id for m in c.models.list()] == [MODEL]
+        # one long stream holds the only slot; the next request is refused with Retry-After
+        started = threading.Event()
+
+        def hold() -> None:
+            with httpx.stream("POST", server.base_url + "/completions", headers={"Authorization": "Bearer sekrit"},
+                              json={"prompt": "1, 2, 3,", "max_tokens": 200, "temperature": 0, "stream": True}) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i == 4:
+                        started.set()
+                        break
+
+        t = threading.Thread(target=hold)
+        t.start()
+        assert started.wait(60)
+        busy = httpx.post(server.base_url + "/completions", headers={"Authorization": "Bearer sekrit"},
+                          json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        t.join()
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["type"] == "rate_limit_error"
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        assert children, "the server should have worker processes"
+    finally:
+        assert server.stop() == 0
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def test_dead_worker_turns_health_503_until_restarted(smollm2_server: RunningServer) -> None:
+    worker = next(p for p in psutil.Process(smollm2_server.proc.pid).children() if "cpu_workers.worker" in " ".join(p.cmdline()))
+    worker.kill()
+    codes: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        codes.append(httpx.get(smollm2_server.url + "/health").status_code)
+        if 503 in codes and codes[-1] == 200:
+            break
+        time.sleep(0.05)
+    assert 503 in codes and codes[-1] == 200, codes
+    r = client(smollm2_server).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert r.choices[0].text.startswith(" Paris")

@@ -1,0 +1,148 @@
+"""Continuous batching on a synthetic model in process: results, cancellation, queue bound, worker failure."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.api import LLM
+from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.protocol import WorkerDiedError
+from powerinfer.sampling import SamplingParams
+from powerinfer.server.metrics import ServerMetrics
+from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = [[256, 72, 101, 108], [256, 119, 111, 114, 108, 100, 33], [256, 65, 66], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9], [256, 10]]
+
+
+@pytest.fixture(scope="module")
+def llm(make_model: Callable[..., Path]) -> Iterator[LLM]:
+    m = LLM(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_ctx=48, executor="inprocess", n_slots=3, n_batch=4)
+    yield m
+    m.close()
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: dict[int, list[Event]] = {}
+        self.done = threading.Event()
+        self.expected = 0
+        self.lock = threading.Lock()
+
+    def sink(self, job: Job, ev: Event) -> None:
+        with self.lock:
+            self.events.setdefault(id(job), []).append(ev)
+            if isinstance(ev, BaseException) or (isinstance(ev, GenerationChunk) and ev.finish_reason is not None):
+                self.expected -= 1
+                if self.expected == 0:
+                    self.done.set()
+
+    def jobs(self, llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Job]:
+        self.expected += len(prompts)
+        return [Job(p, SequenceState(llm.tokenizer, p, max_tokens, GREEDY), self.sink, index=i) for i, p in enumerate(prompts)]
+
+    def tokens(self, job: Job) -> list[int]:
+        return [e.token for e in self.events[id(job)] if isinstance(e, GenerationChunk) and e.token >= 0]
+
+
+def run(llm: LLM, max_queue: int = 16) -> Scheduler:
+    s = Scheduler(llm, ServerMetrics(llm.engine.n_slots), max_queue)
+    s.start()
+    return s
+
+
+def test_batched_jobs_equal_lone_generation(llm: LLM) -> None:
+    """5 jobs over 3 slots (so some wait and join later), prompts longer than n_batch (chunked prefill)."""
+    alone = [[c.token for c in llm.generate(p, 12, temperature=0) if c.token >= 0] for p in PROMPTS]
+    col = Collector()
+    sched = run(llm)
+    try:
+        jobs = col.jobs(llm, PROMPTS, 12)
+        sched.submit(jobs)
+        assert col.done.wait(60)
+        assert [col.tokens(j) for j in jobs] == alone
+        reg = sched.metrics.registry
+        assert reg.get_sample_value("powerinfer_decode_batch_size_sum") > reg.get_sample_value("powerinfer_decode_batch_size_count")
+        assert not sched.active and not sched.waiting
+    finally:
+        sched.stop()
+
+
+def test_cancel_frees_the_slot_within_one_step_and_queue_is_bounded(llm: LLM) -> None:
+    col = Collector()
+    sched = run(llm, max_queue=1)
+    try:
+        jobs = col.jobs(llm, PROMPTS[:3], 40)
+        seen: dict[int, int] = {}
+        plain = col.sink
+
+        def cancelling(job: Job, ev: Event) -> None:  # the client "disconnects" after its 2nd token
+            plain(job, ev)
+            seen[job.index] = seen.get(job.index, 0) + 1
+            if seen[job.index] == 2:
+                sched.cancel([job])
+                col.expected -= 1
+                if col.expected == 0:
+                    col.done.set()
+
+        for j in jobs:
+            j.sink = cancelling
+        sched.submit(jobs)
+        with pytest.raises(QueueFullError, match="--parallel 3, --queue 1"):
+            sched.submit(col.jobs(llm, PROMPTS[:2], 4))
+        col.expected -= 2
+        assert col.done.wait(60)
+        for _ in range(500):
+            if not sched.active:
+                break
+            threading.Event().wait(0.01)
+        assert not sched.active
+        assert all(len(col.tokens(j)) <= 3 for j in jobs)  # gone within one decode step
+        assert sched.metrics.registry.get_sample_value("powerinfer_sequences_total", {"outcome": "cancelled"}) == 3
+        col.done.clear()
+        more = col.jobs(llm, [PROMPTS[0]], 3)
+        sched.submit(more)
+        assert col.done.wait(60)
+        assert len(col.tokens(more[0])) == 3
+    finally:
+        sched.stop()
+    with pytest.raises(ShuttingDownError):
+        sched.submit(col.jobs(llm, [PROMPTS[0]], 3))
+
+
+def test_worker_failure_fails_jobs_in_flight_and_recovers(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = llm.engine.decode
+    calls = {"n": 0, "restarts": 0}
+
+    def flaky(ids: list[int], slots: list[int]):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise WorkerDiedError("worker 0 (pid 1) killed by SIGKILL while computing layer 1")
+        return real(ids, slots)
+
+    def restart() -> None:
+        calls["restarts"] += 1
+        llm.engine.rewind_all()
+
+    monkeypatch.setattr(llm.engine, "decode", flaky)
+    monkeypatch.setattr(llm, "restart_workers", restart)
+    col = Collector()
+    sched = run(llm)
+    try:
+        first = col.jobs(llm, PROMPTS[:2], 8)
+        sched.submit(first)
+        assert col.done.wait(60)
+        assert all(isinstance(col.events[id(j)][-1], WorkerDiedError) for j in first)
+        assert calls["restarts"] == 1 and sched.healthy
+        col.done.clear()
+        after = col.jobs(llm, PROMPTS[2:3], 4)
+        sched.submit(after)
+        assert col.done.wait(60)
+        assert len(col.tokens(after[0])) == 4
+    finally:
+        sched.stop()
