@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("powerinfer")
 
-SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "serve")
+SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "serve", "loadtest")
 
 
 class CLIError(PowerInferError):
@@ -203,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from powerinfer.server.main import serve
 
             return serve(argv[1:], prog="powerinfer serve")
+        if argv and argv[0] == "loadtest":
+            from powerinfer.server.loadtest import main as run_loadtest
+
+            return run_loadtest(argv[1:])
         if argv and argv[0] == "bench":
             from powerinfer.cli.bench import run_bench
 

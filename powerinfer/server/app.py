@@ -70,6 +70,11 @@ class ServerState:
         if self.closing:
             llm.close()
             return
+        try:  # one small forward pass: the first request should not pay for lazy initialisation
+            llm.engine.eval([0, 0], slot=0)
+            llm.engine.rewind(0, slot=0)
+        except PowerInferError as e:
+            log.warning("warm-up pass failed: %s", e)
         sched = Scheduler(llm, self.metrics, self.config.queue)
         self.llm, self.scheduler = llm, sched
         self.metrics.healthy.set(1)
