@@ -71,9 +71,9 @@ def run_chat(llm: LLM, params: SamplingParams, system: str | None, n_predict: in
                 out.write("\n> ")
                 out.flush()
                 line = stdin.readline()
-            except KeyboardInterrupt:
-                out.write("\n")
-                return 0
+            except KeyboardInterrupt:  # at the prompt there is no answer to stop: say how to quit
+                out.write("\n[Ctrl+C stops an answer; Ctrl+D or /exit quits]")
+                continue
         if not line:  # Ctrl+D
             out.write("\n")
             return 0

@@ -130,6 +130,33 @@ def test_interactive_chat_turns_commands_and_eof(make_model: Callable[..., Path]
     assert proc.returncode == 0 and proc.stdout.count("> ") == 2
 
 
+def test_interactive_ctrl_c_at_the_prompt_says_how_to_quit(make_model: Callable[..., Path]) -> None:
+    import io
+
+    from powerinfer.api import LLM
+    from powerinfer.cli.interactive import run_chat
+    from powerinfer.sampling import SamplingParams
+
+    class Keys(io.StringIO):
+        """Ctrl+C at the first prompt, then a message, then /exit."""
+
+        def __init__(self) -> None:
+            super().__init__("hi\n/exit\n")
+            self.first = True
+
+        def readline(self, size: int = -1) -> str:  # type: ignore[override]
+            if self.first:
+                self.first = False
+                raise KeyboardInterrupt
+            return super().readline(size)
+
+    out, err = io.StringIO(), io.StringIO()
+    with LLM(make_model(arch="llama"), n_ctx=64, executor="inprocess") as llm:
+        assert run_chat(llm, SamplingParams(temperature=0), None, 2, stdin=Keys(), out=out, err=err) == 0
+    assert "[Ctrl+C stops an answer; Ctrl+D or /exit quits]" in out.getvalue()
+    assert out.getvalue().count("> ") == 3  # the chat went on after Ctrl+C
+
+
 def test_interactive_drops_old_turns_when_context_fills(make_model: Callable[..., Path]) -> None:
     model = str(make_model(arch="llama"))
     turns = "".join(f"message number {i} with some words\n" for i in range(6))
@@ -162,7 +189,7 @@ def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path
     assert bad.returncode != 0 and "no such file" in bad.stderr
 
 
-@pytest.mark.parametrize("sub", ["fetch", "bench", "inspect"])
+@pytest.mark.parametrize("sub", ["fetch", "bench", "inspect", "calibrate", "perplexity", "serve", "loadtest"])
 def test_subcommand_help(sub: str) -> None:
     proc = run(sub, "--help")
     assert proc.returncode == 0 and "usage: powerinfer" in proc.stdout
