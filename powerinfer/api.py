@@ -18,7 +18,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.sampling import SamplingParams
 from powerinfer.sparsity.predictor_file import read_predictor
 from powerinfer.tokenizer import GGUFTokenizer
+
+if TYPE_CHECKING:
+    from powerinfer.coordinator.hybrid_executor import GpuOptions
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ class LLM:
         pin: bool = True,
         progress: bool = False,
         n_slots: int = 1,
+        gpu: "GpuOptions | None" = None,
     ) -> None:
         t0 = time.perf_counter()
         if n_threads is not None and n_threads < 1:
@@ -107,7 +111,18 @@ class LLM:
         self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
         use = self.predictor if sparse else None
         ex: Executor
-        if executor == "inprocess":
+        if gpu is not None:
+            from powerinfer.coordinator.hybrid_executor import build_hybrid_executor
+
+            # hot neurons (and the attention of offloaded layers) on the GPU worker, cold ones here
+            if n_threads is not None:
+                import torch
+
+                torch.set_num_threads(n_threads)
+            ex = build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
+                                       predictor_path=predictor, sparse=sparse, n_slots=n_slots, progress=progress,
+                                       log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        elif executor == "inprocess":
             if n_threads is not None:
                 import torch
 

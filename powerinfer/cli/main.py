@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Sequence
 from powerinfer.errors import PowerInferError
 
 if TYPE_CHECKING:
-    from powerinfer.api import LLM  # imported lazily at run time: `fetch` and `--help` stay light
+    from powerinfer.api import LLM
+    from powerinfer.coordinator.hybrid_executor import GpuOptions  # imported lazily at run time: `fetch` and `--help` stay light
 
 log = logging.getLogger("powerinfer")
 
@@ -83,27 +84,48 @@ def build_generate_parser() -> argparse.ArgumentParser:
                    help="chat with the model's chat template (Ctrl+C stops an answer; Ctrl+D or /exit quits; "
                         "when the context fills up the oldest turns are dropped, the system prompt is kept)")
     p.add_argument("--system", default=None, help="system prompt for -i")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers whose hot neurons go to the GPU (default 0: CPU only)")
-    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use (default: free memory minus a margin)")
+    add_gpu_args(p)
     p.add_argument("--predictor", default=None, help="a .predictor file (from `powerinfer calibrate`, or PowerInfer's): sparse FFN")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron even when a predictor is given (dense, exact)")
     return p
 
 
+def add_gpu_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
+                   help="layers that take part in GPU offload, from the first (default 0: CPU only; -1 or 99: all)")
+    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use (default: free memory minus a margin)")
+    p.add_argument("--split", choices=["neuron", "layer"], default="neuron",
+                   help="neuron: hot neurons on the GPU, cold on the CPU (PowerInfer, default); layer: whole layers (llama.cpp)")
+    p.add_argument("--reset-gpu-index", action="store_true", help="re-solve the hot-neuron placement even if the cached one matches")
+    p.add_argument("--gpu-backend", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: the NVIDIA GPU (default); cpu: a numpy stand-in of the GPU worker, to check a placement without one")
+
+
 def check_gpu_flags(args: argparse.Namespace) -> None:
     """-ngl / --vram-budget need an NVIDIA GPU; say so plainly instead of failing deep inside."""
-    if args.n_gpu_layers < 0:
-        raise CLIError(f"-ngl must be >= 0, got {args.n_gpu_layers}")
+    if args.n_gpu_layers < -1:
+        raise CLIError(f"-ngl must be >= 0 (or -1 for all layers), got {args.n_gpu_layers}")
     if args.vram_budget is not None and not args.vram_budget > 0:
         raise CLIError(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
     if args.n_gpu_layers == 0 and args.vram_budget is None:
+        return
+    if getattr(args, "gpu_backend", "cuda") == "cpu":
         return
     from powerinfer.gpu_worker.device import find_gpu
 
     probe = find_gpu()
     if probe.name is None:
         raise CLIError(f"-ngl/--vram-budget need an NVIDIA GPU, and none was found ({probe.reason}); use -ngl 0")
-    raise CLIError(f"found {probe.name}, but this version has no GPU worker yet; use -ngl 0")
+
+
+def gpu_options(args: argparse.Namespace) -> "GpuOptions | None":
+    if args.n_gpu_layers == 0 and args.vram_budget is None:
+        return None
+    from powerinfer.coordinator.hybrid_executor import GpuOptions
+
+    ngl = -1 if args.n_gpu_layers in (0, -1) else args.n_gpu_layers  # only --vram-budget given: every layer may take part
+    return GpuOptions(backend=args.gpu_backend, split=args.split, vram_budget_gib=args.vram_budget, n_gpu_layers=ngl,
+                      reset_index=args.reset_gpu_index)
 
 
 def configure_logging(level: str, verbose: bool) -> None:
@@ -121,7 +143,8 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
                worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
-               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1))
+               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
+               gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None)
 
 
 def run_generate(argv: Sequence[str]) -> int:

@@ -54,7 +54,18 @@ def load_summary(llm: LLM) -> str:
         f"context    {llm.n_ctx} tokens (trained: {cfg.context_length}); batch {llm.engine.n_batch}",
         _mode_line(llm),
     ]
-    if pids:
+    pl = getattr(ex, "placement", None)
+    if pl is not None:  # hybrid: GPU worker + cold neurons here
+        gpu = getattr(ex, "gpu", None)
+        proc = getattr(gpu, "proc", None)
+        if proc is not None:
+            pids.append(proc.pid)
+        hot = sum(len(h) for h in pl.hot)
+        lines.append(f"placement  GPU worker{f' (pid {proc.pid})' if proc is not None else ' (in process)'}, {pl.mode} split: "
+                     f"attention of {sum(pl.gpu_layers)}/{cfg.n_layers} layers, {hot}/{cfg.n_ff * cfg.n_layers} FFN neurons hot "
+                     f"({100 * pl.mass_on_gpu:.0f}% of the activation mass), {_mib(pl.used)} of a {_mib(pl.budget)} budget")
+        lines.append("           cold neurons and the other layers' attention: this process; coordinator: embeddings, norms, head, sampling")
+    elif pids:
         placements = getattr(ex, "placements", ())
         where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in placements) or "not pinned"
         lines.append(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling")
@@ -97,6 +108,15 @@ def layer_figures(llm: LLM) -> str:
     stats = getattr(llm.engine.executor, "stats", None)
     if stats is None:
         return "per-layer figures: in-process executor (no IPC); see `powerinfer bench` for speed"
+    if hasattr(stats, "ffn_calls"):  # hybrid executor
+        n = max(1, stats.ffn_calls)
+        pl = llm.engine.executor.placement  # type: ignore[attr-defined]
+        ratio = sum(len(h) for h in pl.hot) / (llm.config.n_ff * llm.config.n_layers)
+        return "\n".join([
+            f"hot-neuron ratio {100 * ratio:.1f}% ({100 * pl.mass_on_gpu:.0f}% of the activation mass); per FFN call (n={stats.ffn_calls}):",
+            f"  CPU cold neurons {stats.cpu_ffn_s / n * 1e6:10.1f} µs   waiting for the GPU's hot partial {stats.gpu_ffn_wait_s / n * 1e6:10.1f} µs",
+            f"  attention: GPU {stats.gpu_attention_s / n * 1e6:10.1f} µs, CPU {stats.cpu_attention_s / n * 1e6:10.1f} µs per layer call",
+        ])
     rows = ["per request (averaged over this run)   calls   round trip µs   worker compute µs   IPC µs"]
     for name in ("attention", "ffn", "head"):
         st = getattr(stats, name)

@@ -15,16 +15,17 @@ import torch
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, neox_to_norm_perm
-from powerinfer.model.sharding import HeadRange
+from powerinfer.model.sharding import HeadRange, down_columns, packs_as_columns
 from powerinfer.model.linears import load_linear
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
-from powerinfer.quants import PackedLinear
+from powerinfer.quants import Int8Packer, PackedLinear
 
 
 class AttentionShard:
     """kv heads [kv_start, kv_stop) of one layer, their query heads, and their KV cache."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, heads: HeadRange, n_ctx: int, ropes: dict[tuple[float, float], RopeTable]) -> None:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, heads: HeadRange, n_ctx: int, ropes: dict[tuple[float, float], RopeTable],
+                 n_slots: int = 1) -> None:
         self.cfg, self.layer, self.heads = cfg, layer, heads
         D, Dv = cfg.head_dim, cfg.v_head_dim
         # Row order inside each q/k head: identity, or the permutation that lets NEOX-style models
@@ -65,18 +66,23 @@ class AttentionShard:
             ropes[key] = RopeTable(cfg.rope_dim, key[0], key[1])
         self.rope = ropes[key]
         self.window = 0 if cfg.global_layers[layer] else cfg.sliding_window
-        # KV cache indexed by absolute position: [Hkv_local, n_ctx, D], head-major so each head's
-        # keys are one contiguous matrix for the score matmul. Positions past the current length
-        # hold stale values that no mask ever lets a query see.
-        self.k_cache = torch.zeros(heads.n_kv, n_ctx, D)
-        self.v_cache = torch.zeros(heads.n_kv, n_ctx, Dv)
+        # KV cache per slot (sequence), indexed by absolute position: [slots, Hkv_local, n_ctx, D],
+        # head-major so each head's keys are one contiguous matrix for the score matmul. Only
+        # positions a sequence has written are ever read (attention slices [lo, stop)), so the
+        # cache is left uninitialised: its pages are touched only as sequences grow into them.
+        self.k_cache = torch.empty(n_slots, heads.n_kv, n_ctx, D)
+        self.v_cache = torch.empty(n_slots, heads.n_kv, n_ctx, Dv)
 
     @property
     def nbytes(self) -> int:
         return self.qkv.nbytes + self.out.nbytes + self.k_cache.nbytes + self.v_cache.nbytes
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, d] (already normed), positions [T] consecutive -> partial output [T, d]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, d] (already normed), positions [T], slots [T] (None: all slot 0) -> partial output [T, d].
+
+        Either every token is in one slot at consecutive positions (a prompt chunk), or each token
+        is in its own slot (a batched decode step: one token of each of T sequences).
+        """
         cfg, T = self.cfg, x.shape[0]
         qkv = self.qkv(x)
         if self.bias is not None:
@@ -90,31 +96,65 @@ class AttentionShard:
         qk = self.rope.apply(qk, positions)
         n_qh = self.n_q // D
         q, k = qk[:, :n_qh], qk[:, n_qh:]
+        first = 0 if slots is None else int(slots[0])
+        if T == 1 or slots is None or bool((slots == first).all()):
+            return self.out(self._attend_one(first, q, k, v, positions))
+        # batched decode: each sequence attends over its own cache (the projections above and the
+        # output projection below are what batching shares)
+        outs = [self._attend_one(int(slots[i]), q[i : i + 1], k[i : i + 1], v[i : i + 1], positions[i : i + 1]) for i in range(T)]
+        return self.out(torch.cat(outs))
+
+    def _attend_one(self, slot: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One sequence's tokens q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] at consecutive positions -> [T, Hq * Dv]."""
+        if not 0 <= slot < self.k_cache.shape[0]:
+            raise ValueError(f"KV-cache slot {slot} out of range (this worker holds {self.k_cache.shape[0]})")
         start, stop = int(positions[0]), int(positions[-1]) + 1
-        self.k_cache[:, start:stop] = k.transpose(0, 1)
-        self.v_cache[:, start:stop] = v.transpose(0, 1)
+        if stop - start != positions.shape[0] or stop > self.k_cache.shape[2] or start < 0:
+            raise ValueError(f"positions {start}..{stop - 1} are not consecutive or exceed the context of {self.k_cache.shape[2]}")
+        kc, vc = self.k_cache[slot], self.v_cache[slot]
+        kc[:, start:stop] = k.transpose(0, 1)
+        vc[:, start:stop] = v.transpose(0, 1)
         # Sliding-window layers need only the last `window` keys; skip the rest of the cache.
         lo = max(0, start - self.window + 1) if self.window else 0
         mask = attention_mask(positions, lo, stop, self.window)
-        out = attend(q, self.k_cache[:, lo:stop], self.v_cache[:, lo:stop], mask, cfg.attn_scale)
-        return self.out(out)
+        return attend(q, kc[:, lo:stop], vc[:, lo:stop], mask, self.cfg.attn_scale)
 
 
 class FFNShard:
-    """A set of FFN neurons of one layer: their gate/up rows and their down-projection columns."""
+    """A set of FFN neurons of one layer: their gate/up rows and their down-projection columns.
+
+    A range on the quantization groups packs the down columns like the unsharded matrix. Any other
+    set (the cold neurons next to a GPU worker's hot ones) gathers its columns into int8 with the
+    full rows' scales: exactly those columns where the unsharded down is int8 (Q6_K), a fine
+    requantization of them otherwise.
+    """
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray) -> None:
         self.cfg, self.layer = cfg, layer
         self.neurons = neurons
         self.n = len(neurons)
-        if self.n == 0 or neurons[-1] - neurons[0] + 1 != self.n:
-            raise ValueError("an FFN shard is a non-empty contiguous neuron range")
+        if self.n == 0 or np.any(np.diff(neurons) <= 0):
+            raise ValueError("an FFN shard is a non-empty sorted set of distinct neurons")
         start, stop = int(neurons[0]), int(neurons[-1]) + 1
+        contiguous = packs_as_columns(f, layer, neurons)
         # gate and up rows are neuron-major already: [T, d] -> [T, 2n]
-        rows = slice(start, stop)
+        rows: slice | np.ndarray = slice(start, stop) if contiguous else np.asarray(neurons, dtype=np.int64)
         self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows), (layer_tensor(layer, "ffn_up"), rows)])
         # down [d, n_ff]: this shard's columns, [T, n] -> [T, d]
-        self.down: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop))
+        if contiguous:
+            self.down: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop))
+        else:
+            self.down = self._gathered_down(f, layer, np.asarray(neurons, dtype=np.int64))
+
+    @staticmethod
+    def _gathered_down(f: GGUFFile, layer: int, neurons: np.ndarray) -> PackedLinear:
+        cols, absmax = down_columns(f, layer, neurons)  # float32 [d, n], [d]
+        # int8 with the full rows' scales: exact for an int8 matrix (Q6_K), else a requantization
+        # (<= 0.4% of a row's range); bf16 would be exact for 4-bit files but torch's CPU bf16
+        # matmul is ~50x slower than its int8 kernel (measured 16 ms vs 0.3 ms per SmolLM2 layer)
+        packer = Int8Packer(cols.shape[0], cols.shape[1])
+        packer.add(cols, absmax)
+        return packer.finish()
 
     @property
     def nbytes(self) -> int:

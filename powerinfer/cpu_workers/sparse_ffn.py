@@ -25,6 +25,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import activation
+from powerinfer.model.sharding import down_columns, packs_as_columns
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import Int8Linear, PackedLinear
 from powerinfer.sparsity.predictor_file import LayerPredictor
@@ -33,7 +34,7 @@ from powerinfer.sparsity.predictor_file import LayerPredictor
 def _int8_rows(lin: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [N, K], float32 scales [N]) of a linear, requantized per row when it is not int8 already."""
     if isinstance(lin, Int8Linear):
-        return lin.weight, lin.scales.float()
+        return lin.weight[:, : lin.in_features].contiguous(), lin.scales.float()
     w = lin.dequantized()  # [N, K] float32, one matrix at a time
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
@@ -46,30 +47,39 @@ def _rows(w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class SparseFFNShard:
-    """Neurons [start, stop) of one layer, computed sparsely at decode time."""
+    """A set of neurons of one layer (a range, or any sorted set: the cold neurons next to a GPU
+    worker's hot ones), computed sparsely at decode time."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray, pred: LayerPredictor, mode: str) -> None:
         if mode not in ("predictor", "gate"):
             raise ValueError(f"unknown sparse mode {mode!r}")
         self.cfg, self.layer, self.mode = cfg, layer, mode
-        start, stop = int(neurons[0]), int(neurons[-1]) + 1
-        self.start, self.n = start, stop - start
-        rows = slice(start, stop)
+        idx = np.asarray(neurons, dtype=np.int64)
+        if idx.size == 0 or np.any(np.diff(idx) <= 0):
+            raise ValueError("a sparse FFN shard is a non-empty sorted set of distinct neurons")
+        start, stop = int(idx[0]), int(idx[-1]) + 1
+        self.start, self.n = start, len(idx)
+        contiguous = packs_as_columns(f, layer, idx)
+        rows: slice | np.ndarray = slice(start, stop) if contiguous else idx
         gate = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows)], kind="int8")
         # gate mode computes the whole gate every step: keep it packed like the dense shard (the
         # file's own codes, half the bytes of int8) and use the int8 rows only in predictor mode
         self.gate_dense: PackedLinear | None = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows)]) if mode == "gate" else None
         up = load_linear(f, [(layer_tensor(layer, "ffn_up"), rows)], kind="int8")
-        down_t = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop), kind="f32")
         self.gate_w, self.gate_s = _int8_rows(gate)  # [n, d] int8, [n]
         self.up_w, self.up_s = _int8_rows(up)
         # down [d, n] -> neuron-major [n, d]: requantized per neuron (one scale per output direction)
-        dt = down_t.dequantized().T.contiguous()
+        if contiguous:
+            down_t = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop), kind="f32")
+            dt = down_t.dequantized().T.contiguous()
+            del down_t
+        else:
+            dt = torch.from_numpy(np.ascontiguousarray(down_columns(f, layer, idx)[0].T))
         self.down_s = dt.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [n]
         self.down_w = torch.round(dt / self.down_s[:, None]).clamp(-127, 127).to(torch.int8)  # [n, d]
-        del dt, down_t
+        del dt
         self.threshold = float(pred.threshold)
-        sl = slice(start, stop)
+        sl = rows
         # owned float32 copies (the file's arrays are read-only views of the mapped predictor)
         self.fc1_w = torch.from_numpy(np.array(pred.fc1_w, dtype=np.float32))  # [r, d]
         self.fc1_b = torch.from_numpy(np.array(pred.fc1_b, dtype=np.float32))

@@ -1,2 +1,3 @@
-"""GPU worker: hot neurons and offloaded layers on the GPU (PyCUDA kernels). Runs in the GPU worker
-process. Not built yet: the engine core runs every shard on the CPU (see docs/architecture.md)."""
+"""GPU worker: offloaded layers' attention and the hot neurons on the GPU (our CUDA kernels through
+pycuda, or the numpy backend that stands in for them). Runs in the GPU worker process (or the
+coordinator, in-process); see docs/gpu.md."""

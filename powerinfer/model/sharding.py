@@ -7,6 +7,10 @@ A worker's attention share is a range of kv heads together with the query heads 
 share is a set of neurons; ranges are cut on multiples of 32 so that the down projection's
 columns split on quantization-group boundaries. Its output-head share is a range of vocabulary
 rows, so the biggest matmul of a decode step is split too.
+
+With a GPU worker (coordinator/hybrid_executor.py) the CPU side of a layer holds its *cold*
+neurons, the complement of the GPU's hot set: any sorted set, not a range. ``cold_neurons`` and
+``split_neurons`` plan those shards; ``down_columns`` reads such a set's down-projection columns.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from powerinfer.config import ModelConfig
 from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.weights import layer_tensor
+from powerinfer.quants import dequantize_rows
+from powerinfer.quants.formats import FLOAT_TYPES
 
 NEURON_ALIGN = 32
 
@@ -70,3 +79,50 @@ def plan_shards(cfg: ModelConfig, n_workers: int) -> ShardPlan:
     neurons = tuple(np.arange(a, b, dtype=np.int64) for a, b in _split(cfg.n_ff, n_workers, align))
     vocab = tuple(_split(cfg.vocab_size, n_workers))
     return ShardPlan(tuple(heads), neurons, vocab)
+
+
+def cold_neurons(hot: np.ndarray, n_ff: int) -> np.ndarray:
+    """Sorted int64 neurons of [0, n_ff) that are not in hot (the CPU's share of a layer)."""
+    mask = np.ones(n_ff, dtype=bool)
+    mask[np.asarray(hot, dtype=np.int64)] = False
+    return np.flatnonzero(mask).astype(np.int64)
+
+
+def split_neurons(neurons: np.ndarray, parts: int) -> tuple[np.ndarray, ...]:
+    """Split a sorted neuron set into `parts` consecutive pieces (some may be empty)."""
+    if parts < 1:
+        raise InvalidArgumentError(f"need at least one part, got {parts}")
+    return tuple(neurons[a:b] for a, b in _split(len(neurons), parts))
+
+
+DOWN_CHUNK = 1024  # rows of ffn_down [d, n_ff] dequantized at a time
+
+
+def packs_as_columns(f: GGUFFile, layer: int, neurons: np.ndarray) -> bool:
+    """True when neurons are one range whose bounds sit on the down projection's quantization
+    groups, so the packed columns of the file's blocks can be used as they are."""
+    start, stop = int(neurons[0]), int(neurons[-1]) + 1
+    if stop - start != len(neurons):
+        return False
+    qtype = f.tensor(layer_tensor(layer, "ffn_down")).qtype
+    group = 1 if qtype in FLOAT_TYPES else 16 if qtype == GGMLQuantizationType.Q6_K else 32
+    return start % group == 0 and stop % group == 0
+
+
+def down_columns(f: GGUFFile, layer: int, neurons: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(float32 [d, len(neurons)] exact down-projection columns, float32 [d] max |w| of each full row).
+
+    The row maxima let an int8 requantization of a column subset keep the unsharded matrix's row
+    scales (as contiguous column shards do), so any neuron set is exactly those columns.
+    """
+    name = layer_tensor(layer, "ffn_down")
+    info = f.tensor(name)
+    raw = f.raw(name)
+    idx = np.asarray(neurons, dtype=np.int64)
+    cols = np.empty((info.n_rows, len(idx)), dtype=np.float32)
+    absmax = np.empty(info.n_rows, dtype=np.float32)
+    for i in range(0, info.n_rows, DOWN_CHUNK):
+        full = dequantize_rows(info.qtype, raw[i : i + DOWN_CHUNK], info.n_cols)  # [m, n_ff]
+        cols[i : i + DOWN_CHUNK] = full[:, idx]
+        absmax[i : i + DOWN_CHUNK] = np.maximum(full.max(axis=1), -full.min(axis=1))
+    return cols, absmax

@@ -43,6 +43,7 @@ INT4_GROUP = 32  # the only group size whose GGML codes map 1:1 onto the int4 ke
 _INT4_ROW_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: pad, then slice output
 _INT4_BLOCK_N = 64  # the packed layout interleaves rows in blocks of 64 (tail block: pairs of rows)
 _INT4_PACK_ROWS = 4096  # rows converted per torch call; a multiple of 64 so chunks pack like the whole
+INT8_K_ALIGN = 32
 _FAST_M = 32  # int8: from this many input rows on, bf16 widening + dense matmul beats the kernel
 _FAST_CHUNK = 4096  # int8 fast path: rows widened to bf16 at a time (keeps the bf16 copy cache-sized)
 
@@ -133,14 +134,21 @@ class Int8Linear:
     kind = "int8"
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor) -> None:
-        self.weight = weight  # int8 [N, K]
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        # torch's int8 kernel reads K in blocks of 32 and crashes (SIGSEGV, torch 2.13) on other
+        # widths with M > 1; such matrices get zero columns, their inputs zero features
+        self.pad = -self.in_features % INT8_K_ALIGN
+        if self.pad:
+            weight = torch.nn.functional.pad(weight, (0, self.pad))
+        self.weight = weight  # int8 [N, K + pad]
         self.scales = scales  # bf16 [N]
         self.scales_f32 = scales.float()  # float32 [N], same values, for the prefill path
-        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.nbytes = int(weight.nbytes + scales.nbytes + self.scales_f32.nbytes)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xb, lead = _flatten(x, self.in_features)
+        if self.pad:
+            xb = torch.nn.functional.pad(xb, (0, self.pad))
         if xb.shape[0] < _FAST_M:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.weight, self.scales).float()
         else:
@@ -154,7 +162,7 @@ class Int8Linear:
         return y.reshape(*lead, self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        return self.weight.float() * self.scales.float()[:, None]
+        return self.weight[:, : self.in_features].float() * self.scales.float()[:, None]
 
 
 class DenseLinear:

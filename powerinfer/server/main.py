@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from powerinfer.cli.main import CLIError, _Parser, add_model_args, check_gpu_flags, configure_logging, load_llm, positive_int
+from powerinfer.cli.main import CLIError, _Parser, add_gpu_args, add_model_args, check_gpu_flags, configure_logging, load_llm, positive_int
 from powerinfer.errors import PowerInferError
 
 log = logging.getLogger("powerinfer.server")
@@ -42,8 +42,7 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("--alias", default=None, help="model name in /v1/models and requests (default: the model file's name)")
     p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM (default 10)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers whose hot neurons go to the GPU (default 0: CPU only)")
-    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use")
+    add_gpu_args(p)
     p.add_argument("--predictor", default=None, help="a .predictor file: sparse FFN")
     p.add_argument("--no-sparse", action="store_true", help="ignore the predictor's sparsity (dense, exact)")
     return p

@@ -2,19 +2,29 @@
 
 Runs in: the coordinator (before the GPU worker is started); numpy only.
 
-Neuron split: the first ``n_gpu_layers`` layers take part. Each pays a fixed cost on the GPU
-(attention weights and its KV cache); then neurons of those layers are chosen by expected
-activation mass per byte (the predictor file's ``act_mass``, or ``act_freq`` when mass is absent)
-until the budget is spent. All neurons of a layer cost the same (one gate row, one up row, one
-down column in the layer's quantization), so taking them in descending mass/byte order is the
-optimal fractional-knapsack choice; the only loss is the last neuron that does not fit, which is
-the knapsack's integrality gap of one neuron. Ties break on (layer, neuron) order, so the result
-is deterministic. Layers whose fixed cost would not fit are dropped from the end.
+Costs are the GPU worker's own byte counts (:mod:`powerinfer.gpu_worker.layout`): per layer a
+fixed cost for its attention (weights and KV cache), a cost for its first hot neuron (the
+predictor's first layer, in predictor mode) and a cost per hot neuron (gate and up rows,
+transposed down row, predictor row); once, the worker's scratch buffers (``overhead``) as soon
+as anything is placed. ``Placement.used`` is exactly what the worker's ledger shows after
+loading, and it never exceeds the budget.
+
+Neuron split: the first ``n_gpu_layers`` layers take part. Attention is dense (read for every
+token), so it is worth more per byte than any neuron that is not always active: the attention
+of layers 0..k-1 goes first, k as large as fits. Then the neurons of every taking-part layer
+compete by expected activation mass per byte (the predictor file's ``act_mass``, or
+``act_freq`` when mass is absent; uniform without a predictor) until the budget is spent; a
+layer's hot neurons do not need its attention on the GPU. Within a layer all neurons cost the
+same, so taking them in descending mass/byte order is the fractional-knapsack optimum up to the
+last neuron that does not fit (the integrality gap of one neuron, plus a layer's first-neuron
+cost). Ties break on (neuron, layer) order, so the result is deterministic and equal masses
+spread evenly over the layers.
 
 Layer split (the baseline): whole layers 0..k-1 on the GPU while they fit, as llama.cpp's -ngl.
 
-The result is cached beside the model as ``<model>.gpuidx.json`` with the budget, the layer count
-and the predictor/model fingerprints it was solved for; a cache that does not match is re-solved.
+The result is cached beside the model as ``<model>.gpuidx.json`` with the budget, the layer count,
+the costs and the predictor/model fingerprints it was solved for; a cache that does not match is
+re-solved (``--reset-gpu-index`` forces it).
 """
 
 from __future__ import annotations
@@ -31,20 +41,37 @@ import numpy as np
 from powerinfer.config import ModelConfig
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.weights import layer_tensor
+from powerinfer.gpu_worker.layout import (
+    DEFAULT_MAX_TOKENS,
+    attention_bytes,
+    kv_bytes,
+    neuron_bytes,
+    predictor_fixed_bytes,
+    workspace_bytes,
+)
 from powerinfer.sparsity.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 3  # 3: costs from the GPU worker's layout; hot neurons in any taking-part layer
 
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """Bytes on the GPU: fixed per offloaded layer (attention + KV cache) and per hot neuron."""
+    """Bytes on the GPU per layer (attention; first hot neuron; each hot neuron) and once (scratch)."""
 
-    fixed: np.ndarray  # int64 [n_layers]
+    fixed: np.ndarray  # int64 [n_layers]: attention weights + KV cache of a GPU layer
     per_neuron: np.ndarray  # int64 [n_layers]
+    overhead: int = 0  # the GPU worker's scratch buffers, once anything is placed
+    ffn_fixed: np.ndarray | None = None  # int64 [n_layers]: with a layer's first hot neuron (predictor fc1); None: 0
+
+    def first_neuron(self) -> np.ndarray:
+        return np.zeros_like(self.fixed) if self.ffn_fixed is None else self.ffn_fixed
+
+    def key(self) -> list[int]:
+        """A short fingerprint for the placement cache."""
+        w = np.arange(1, len(self.fixed) + 1)
+        return [int((self.fixed * w).sum()), int((self.per_neuron * w).sum()), int((self.first_neuron() * w).sum()), int(self.overhead)]
 
 
 @dataclass(frozen=True)
@@ -52,25 +79,26 @@ class Placement:
     mode: str  # "neuron" | "layer"
     budget: int  # bytes
     hot: tuple[np.ndarray, ...]  # per layer: sorted int32 indices of GPU neurons (all of them in layer mode)
-    gpu_layers: tuple[bool, ...]  # per layer: attention (and KV cache) on the GPU
+    gpu_layers: tuple[bool, ...]  # per layer: attention (and KV cache) on the GPU (a prefix of the layers)
     used: int  # bytes used on the GPU
     mass_on_gpu: float  # share of the expected activation mass served by the GPU (0..1)
 
 
-def layer_costs(f: GGUFFile, cfg: ModelConfig, n_ctx: int, kv_bytes: int = 2) -> LayerCosts:
-    """Costs from the file's own tensor sizes; KV cache at ``kv_bytes`` per element (f16: 2)."""
-    fixed, per = [], []
-    for i in range(cfg.n_layers):
-        attn = sum(f.tensor(layer_tensor(i, p)).nbytes for p in ("attn_q", "attn_k", "attn_v", "attn_output"))
-        kv = 2 * n_ctx * cfg.n_kv_heads * cfg.head_dim * kv_bytes
-        fixed.append(attn + kv)
-        per.append(sum(f.tensor(layer_tensor(i, p)).nbytes for p in ("ffn_gate", "ffn_up", "ffn_down")) // cfg.n_ff)
-    return LayerCosts(np.array(fixed, dtype=np.int64), np.array(per, dtype=np.int64))
+def layer_costs(f: GGUFFile, cfg: ModelConfig, n_ctx: int, *, n_slots: int = 1, predictor: PredictorFile | None = None,
+                sparse: bool = True, max_tokens: int = DEFAULT_MAX_TOKENS) -> LayerCosts:
+    """The GPU worker's bytes for this model and context (predictor mode adds the predictor's rows)."""
+    ranks = [lp.rank for lp in predictor.layers] if predictor is not None and sparse and predictor.mode == "predictor" else [0] * cfg.n_layers
+    kv = kv_bytes(cfg, n_ctx, n_slots)
+    fixed = [attention_bytes(f, cfg, i) + kv for i in range(cfg.n_layers)]
+    per = [neuron_bytes(f, cfg, i, ranks[i]) for i in range(cfg.n_layers)]
+    first = [predictor_fixed_bytes(cfg, r) for r in ranks]
+    return LayerCosts(np.array(fixed, dtype=np.int64), np.array(per, dtype=np.int64), workspace_bytes(cfg, max_tokens, max(ranks)),
+                      np.array(first, dtype=np.int64))
 
 
 def _values(pf: PredictorFile) -> np.ndarray:
     """[n_layers, n_ff] expected activation mass per neuron, each layer weighted equally."""
-    rows = []
+    rows: list[np.ndarray] = []
     for lp in pf.layers:
         v = lp.act_mass if float(np.sum(lp.act_mass)) > 0 else lp.act_freq
         s = float(np.sum(v))
@@ -78,39 +106,56 @@ def _values(pf: PredictorFile) -> np.ndarray:
     return np.stack(rows) / len(rows)
 
 
-def solve_neuron_split(pf: PredictorFile, costs: LayerCosts, budget: int, n_gpu_layers: int) -> Placement:
+def _empty(mode: str, budget: int, n_layers: int) -> Placement:
+    return Placement(mode, budget, tuple(np.zeros(0, np.int32) for _ in range(n_layers)), (False,) * n_layers, 0, 0.0)
+
+
+def solve_neuron_split(pf: PredictorFile | None, costs: LayerCosts, budget: int, n_gpu_layers: int, n_ff: int = 0) -> Placement:
+    """Neuron split; without a predictor file (pf None, n_ff given) every neuron has the same mass."""
     if budget <= 0:
         raise InvalidArgumentError(f"VRAM budget must be positive, got {budget} bytes")
-    n_layers = pf.n_layers
-    k = min(max(0, n_gpu_layers), n_layers)
-    # drop layers from the end until their fixed costs fit
-    while k and int(costs.fixed[:k].sum()) > budget:
+    n_layers = len(costs.fixed)
+    if pf is not None:
+        n_ff = pf.n_ff
+        values_all = _values(pf)
+    else:
+        values_all = np.full((n_layers, n_ff), 1.0 / (n_layers * n_ff))
+    m = min(max(0, n_gpu_layers), n_layers)  # layers taking part
+    k = m  # attention on the GPU for layers 0..k-1: as many as fit
+    while k and int(costs.fixed[:k].sum()) + costs.overhead > budget:
         k -= 1
-    if k == 0:
-        return Placement("neuron", budget, tuple(np.zeros(0, np.int32) for _ in range(n_layers)), (False,) * n_layers, 0, 0.0)
-    values = _values(pf)[:k]  # [k, n_ff]
-    density = values / costs.per_neuron[:k, None]
-    order = np.lexsort((np.arange(values.size), -density.ravel()))  # by density desc, then (layer, neuron)
-    cost = np.repeat(costs.per_neuron[:k], pf.n_ff)[order]
-    room = budget - int(costs.fixed[:k].sum())
-    take = order[np.cumsum(cost) <= room]
-    layer_of, neuron_of = np.divmod(take, pf.n_ff)
-    hot = [np.sort(neuron_of[layer_of == i]).astype(np.int32) for i in range(k)]
-    hot += [np.zeros(0, np.int32) for _ in range(n_layers - k)]
-    used = int(costs.fixed[:k].sum() + cost[: len(take)].sum())
-    mass = float(values.ravel()[take].sum())
+    if m == 0 or n_ff == 0:
+        return _empty("neuron", budget, n_layers)
+    values = values_all[:m]  # [m, n_ff]
+    density = values / costs.per_neuron[:m, None]
+    # by density desc, then (neuron, layer): ties are dealt round-robin over the layers
+    tie = (np.arange(n_ff)[None, :] * m + np.arange(m)[:, None]).ravel()
+    order = np.lexsort((tie, -density.ravel()))
+    layer_of, neuron_of = np.divmod(order, n_ff)
+    cost = costs.per_neuron[layer_of].copy()
+    _, first = np.unique(layer_of, return_index=True)  # each layer's first hot neuron pays its first-neuron cost
+    cost[first] += costs.first_neuron()[layer_of[first]]
+    room = budget - costs.overhead - int(costs.fixed[:k].sum())
+    n_take = int(np.searchsorted(np.cumsum(cost), room, side="right")) if room > 0 else 0  # a prefix of the order
+    if k == 0 and n_take == 0:
+        return _empty("neuron", budget, n_layers)
+    hot = [np.sort(neuron_of[:n_take][layer_of[:n_take] == i]).astype(np.int32) for i in range(m)]
+    hot += [np.zeros(0, np.int32) for _ in range(n_layers - m)]
+    used = costs.overhead + int(costs.fixed[:k].sum()) + int(cost[:n_take].sum())
+    mass = float(values.ravel()[order[:n_take]].sum())
     return Placement("neuron", budget, tuple(hot), tuple(i < k for i in range(n_layers)), used, mass)
 
 
 def solve_layer_split(n_ff: int, costs: LayerCosts, budget: int, n_gpu_layers: int) -> Placement:
     """llama.cpp -ngl: whole layers from the first while they fit."""
     n_layers = len(costs.fixed)
-    whole = costs.fixed + costs.per_neuron * n_ff
+    whole = costs.fixed + costs.first_neuron() + costs.per_neuron * n_ff
     k = 0
-    while k < min(n_gpu_layers, n_layers) and int(whole[: k + 1].sum()) <= budget:
+    while k < min(n_gpu_layers, n_layers) and int(whole[: k + 1].sum()) + costs.overhead <= budget:
         k += 1
     hot = tuple(np.arange(n_ff, dtype=np.int32) if i < k else np.zeros(0, np.int32) for i in range(n_layers))
-    return Placement("layer", budget, hot, tuple(i < k for i in range(n_layers)), int(whole[:k].sum()), k / n_layers)
+    used = int(whole[:k].sum()) + (costs.overhead if k else 0)
+    return Placement("layer", budget, hot, tuple(i < k for i in range(n_layers)), used, k / n_layers)
 
 
 def _cache_path(model: Path) -> Path:
@@ -118,9 +163,10 @@ def _cache_path(model: Path) -> Path:
 
 
 def cached_neuron_split(model: Path, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, budget: int, n_gpu_layers: int,
-                        n_ctx: int, reset: bool = False) -> Placement:
+                        n_ctx: int, reset: bool = False, costs: LayerCosts | None = None) -> Placement:
     """The neuron split for these settings, from the cache beside the model when it matches."""
-    key = {"version": CACHE_VERSION, "budget": budget, "n_gpu_layers": n_gpu_layers, "n_ctx": n_ctx,
+    costs = layer_costs(f, cfg, n_ctx, predictor=pf) if costs is None else costs
+    key = {"version": CACHE_VERSION, "budget": budget, "n_gpu_layers": n_gpu_layers, "n_ctx": n_ctx, "costs": costs.key(),
            "model": pf.fingerprint, "predictor": [pf.mode, pf.target_sparsity, pf.n_layers, pf.n_ff]}
     path = _cache_path(model)
     if not reset and path.exists():
@@ -132,7 +178,7 @@ def cached_neuron_split(model: Path, f: GGUFFile, cfg: ModelConfig, pf: Predicto
             log.info("placement cache %s was solved for other settings: re-solving", path)
         except (OSError, ValueError, KeyError, TypeError):
             log.warning("placement cache %s is unreadable: re-solving", path)
-    pl = solve_neuron_split(pf, layer_costs(f, cfg, n_ctx), budget, n_gpu_layers)
+    pl = solve_neuron_split(pf, costs, budget, n_gpu_layers)
     data = {"key": key, "hot": [h.tolist() for h in pl.hot], "gpu_layers": list(pl.gpu_layers), "used": pl.used, "mass": pl.mass_on_gpu}
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

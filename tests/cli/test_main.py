@@ -174,10 +174,23 @@ def test_verbose_prints_summary_timings_and_layer_figures(make_model: Callable[.
 
 
 @pytest.mark.parametrize("args,message", [(["-ngl", "10"], "need an NVIDIA GPU"), (["--vram-budget", "8"], "need an NVIDIA GPU"),
-                                          (["-ngl", "-1"], "-ngl must be >= 0"), (["--vram-budget", "0"], "--vram-budget must be a positive")])
+                                          (["-ngl", "-2"], "-ngl must be >= 0"), (["--vram-budget", "0"], "--vram-budget must be a positive")])
 def test_gpu_flags_without_gpu(make_model: Callable[..., Path], args: list[str], message: str) -> None:
     proc = run("-m", str(make_model(arch="llama")), "-p", "x", *args)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gpu_offload_on_the_cpu_backend(make_model: Callable[..., Path]) -> None:
+    """-ngl/--vram-budget with the GPU worker's numpy stand-in (its numbers are held against the CPU
+    path in tests/gpu_worker); here: the flags reach it and the summary says where parts live."""
+    model = str(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2))
+    for split in ("neuron", "layer"):
+        proc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", "1", "--vram-budget", "0.002", "--gpu-backend", "cpu",
+                   "--split", split, "--verbose")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("abc") and "eval time" in proc.stderr
+        assert f"placement  GPU worker (pid" in proc.stderr and f"{split} split: attention of 1/2 layers" in proc.stderr
+        assert "hot-neuron ratio" in proc.stderr
 
 
 def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path]) -> None:

@@ -91,8 +91,8 @@ def test_cache_beside_the_model(make_model: Callable[..., Path], tmp_path: Path)
     cfg = config_from_gguf(f)
     pf = predictor(np.random.default_rng(2).random((cfg.n_layers, cfg.n_ff)) + 0.1)
     costs = layer_costs(f, cfg, n_ctx=64)
-    assert (costs.per_neuron > 0).all() and (costs.fixed > 0).all()
-    budget = int(costs.fixed.sum() + costs.per_neuron.sum() * 40)
+    assert (costs.per_neuron > 0).all() and (costs.fixed > 0).all() and costs.overhead > 0
+    budget = int(costs.overhead + costs.fixed.sum() + costs.per_neuron.sum() * 40)
     first = cached_neuron_split(model, f, cfg, pf, budget, 2, 64)
     assert (tmp_path / "m.gguf.gpuidx.json").exists()
     again = cached_neuron_split(model, f, cfg, pf, budget, 2, 64)
@@ -111,3 +111,28 @@ def test_seventy_b_shape_solves(capsys: pytest.CaptureFixture[str]) -> None:
     pl = solve_neuron_split(pf, costs, 24 << 30, 80)
     print(f"70B-shaped placement: {time.perf_counter() - t:.2f}s, {pl.mass_on_gpu:.1%} of mass on GPU")
     assert pl.used <= 24 << 30
+
+
+def test_solvers_never_exceed_random_budgets() -> None:
+    # property test: random shapes, costs, masses, budgets and -ngl; the bytes used are exactly the
+    # priced ones and never more than the budget; attention is a prefix, hot neurons only in taking-part layers
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        n_layers, n_ff = int(rng.integers(1, 6)), int(rng.integers(1, 40))
+        costs = LayerCosts(rng.integers(0, 500, n_layers).astype(np.int64), rng.integers(1, 30, n_layers).astype(np.int64),
+                           int(rng.integers(0, 300)), rng.integers(0, 100, n_layers).astype(np.int64) if trial % 2 else None)
+        pf = predictor(rng.pareto(1.0, size=(n_layers, n_ff)) + 1e-6) if trial % 3 else None
+        whole = int(costs.overhead + costs.fixed.sum() + costs.first_neuron().sum() + n_ff * costs.per_neuron.sum())
+        budget, ngl = int(rng.integers(1, whole + 50)), int(rng.integers(0, n_layers + 2))
+        for pl in (solve_neuron_split(pf, costs, budget, ngl, n_ff=n_ff), solve_layer_split(n_ff, costs, budget, ngl)):
+            assert pl.used <= budget
+            gpu = np.array(pl.gpu_layers)
+            assert gpu.sum() <= ngl and not np.any(np.diff(gpu.astype(int)) > 0)  # a prefix of the layers
+            placed = gpu.any() or any(len(h) for h in pl.hot)
+            priced = (costs.overhead if placed else 0) + int(costs.fixed[gpu].sum())
+            priced += sum(int(c) * len(h) + (int(first) if len(h) else 0) for c, first, h in zip(costs.per_neuron, costs.first_neuron(), pl.hot))
+            assert pl.used == priced
+            for i, h in enumerate(pl.hot):
+                assert (len(h) == 0 or i < ngl) and np.all(np.diff(h) > 0) and (len(h) == 0 or (h.min() >= 0 and h.max() < n_ff))
+            if whole <= budget and ngl >= n_layers:
+                assert all(len(h) == n_ff for h in pl.hot) and all(pl.gpu_layers)  # everything fits: everything is placed

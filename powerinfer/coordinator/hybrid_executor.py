@@ -1,0 +1,239 @@
+"""Hybrid executor: hot neurons and offloaded layers on the GPU worker, cold neurons on the CPU.
+
+Runs in: the coordinator process (the CPU shards run here, with torch's intra-op threads; the GPU
+worker runs in its own process or, for tests, in this one).
+
+Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor`. From a
+:class:`powerinfer.sparsity.placement.Placement`:
+
+* attention of a GPU layer (``gpu_layers[i]``) is computed by the GPU worker with its KV cache;
+  of any other layer by an :class:`AttentionShard` here;
+* the FFN of every layer is split: the GPU worker computes the hot neurons (``hot[i]``), a
+  :class:`FFNShard` / :class:`SparseFFNShard` here the cold ones (the complement, any set). The
+  GPU request is sent first and the CPU shard computed while the GPU works; the merge is the sum
+  of the two partials (each a partial sum in model space), so it only changes the order of float
+  additions. Layer split (llama.cpp's -ngl) is the placement whose GPU layers have every neuron hot.
+
+The output head stays on the CPU. :func:`build_hybrid_executor` turns user options (budget,
+-ngl, split mode, backend) into a placement, starts the GPU worker and builds the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer.config import ModelConfig
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.gpu_worker.client import GpuHandle, GpuSetup, GpuWorkerProcess, LocalGpuWorker
+from powerinfer.gpu_worker.errors import GIB, gib, over_card
+from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS
+from powerinfer.gpu_worker.model import GpuPlan
+from powerinfer.model.sharding import HeadRange, ShardPlan, cold_neurons, plan_shards
+from powerinfer.sparsity.placement import Placement, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
+from powerinfer.sparsity.predictor_file import PredictorFile
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("neuron", "layer")
+
+
+@dataclass
+class HybridStats:
+    """Accumulated seconds: GPU attention round trips, CPU cold-neuron compute, waiting for the GPU's hot partial."""
+
+    gpu_attention_s: float = 0.0
+    cpu_attention_s: float = 0.0
+    cpu_ffn_s: float = 0.0
+    gpu_ffn_wait_s: float = 0.0  # time the GPU partial was still missing after the CPU finished
+    ffn_calls: int = 0
+
+
+class HybridExecutor:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, placement: Placement, gpu: GpuHandle, *,
+                 predictor: PredictorFile | None = None, n_slots: int = 1, progress: bool = False) -> None:
+        from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
+        from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
+        from powerinfer.model.ops import RopeTable
+
+        if len(placement.hot) != cfg.n_layers or len(placement.gpu_layers) != cfg.n_layers:
+            raise InvalidArgumentError(f"placement has {len(placement.hot)} layers, the model {cfg.n_layers}")
+        self.cfg, self.placement, self.gpu = cfg, placement, gpu
+        self.plan: ShardPlan = plan_shards(cfg, 1)  # the CPU side runs as one shard per layer, here
+        self.n_hot = [len(h) for h in placement.hot]
+        ropes: dict[tuple[float, float], RopeTable] = {}
+        self.attn: list[AttentionShard | None] = []
+        self.ffns: list[FFNShard | SparseFFNShard | None] = []
+        layers = range(cfg.n_layers)
+        if progress:
+            from tqdm import tqdm
+
+            layers = tqdm(layers, desc="loading CPU layers", unit="layer", leave=False)
+        heads = HeadRange(0, cfg.n_kv_heads, cfg.gqa_group)
+        for i in layers:
+            self.attn.append(None if placement.gpu_layers[i] else AttentionShard(f, cfg, i, heads, n_ctx, ropes, n_slots))
+            cold = cold_neurons(placement.hot[i], cfg.n_ff)
+            if not len(cold):
+                self.ffns.append(None)
+            elif predictor is None:
+                self.ffns.append(FFNShard(f, cfg, i, cold))
+            else:
+                self.ffns.append(SparseFFNShard(f, cfg, i, cold, predictor.layers[i], predictor.mode))
+        self.head: HeadShard = HeadShard(f, cfg, 0, cfg.vocab_size)
+        self.stats = HybridStats()
+
+    @property
+    def cpu_bytes(self) -> int:
+        shards = [s for s in (*self.attn, *self.ffns) if s is not None]
+        return sum(s.nbytes for s in shards) + self.head.nbytes
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.gpu.weight_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.cpu_bytes + self.gpu_bytes
+
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] normed, positions [T], slots [T] (None: slot 0) -> attention output [T, d]."""
+        import torch
+
+        t0 = time.perf_counter()
+        shard = self.attn[layer]
+        if shard is None:
+            out = self.gpu.attention_begin(layer, x, positions, slots).result()
+            self.stats.gpu_attention_s += time.perf_counter() - t0
+            return out
+        st = None if slots is None else torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+        y = shard.forward(torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int64)), st).numpy()
+        self.stats.cpu_attention_s += time.perf_counter() - t0
+        return y
+
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """x [T, d] normed -> hot partial (GPU) + cold partial (CPU) [T, d]."""
+        import torch
+
+        pending = self.gpu.ffn_begin(layer, x) if self.n_hot[layer] else None
+        out: np.ndarray | None = None
+        shard = self.ffns[layer]
+        t0 = time.perf_counter()
+        if shard is not None:
+            out = shard.forward(torch.from_numpy(x)).numpy()
+        t1 = time.perf_counter()
+        if pending is not None:
+            y = pending.result()
+            out = y if out is None else out + y
+        self.stats.cpu_ffn_s += t1 - t0
+        self.stats.gpu_ffn_wait_s += time.perf_counter() - t1
+        self.stats.ffn_calls += 1
+        assert out is not None  # every neuron is on one side
+        return out
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        return self.head.forward(torch.from_numpy(x)).numpy()
+
+    def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
+        """CPU shards only: the GPU worker's sparsity is fixed when it loads."""
+        for shard in self.ffns:
+            if shard is not None and dense is not None and hasattr(shard, "force_dense"):
+                shard.force_dense = dense
+            if shard is not None and oracle is not None and hasattr(shard, "oracle"):
+                shard.oracle = oracle
+
+    def close(self) -> None:
+        self.gpu.close()
+        self.attn.clear()
+        self.ffns.clear()
+
+
+@dataclass(frozen=True)
+class GpuOptions:
+    """The GPU flags: backend, split mode, --vram-budget (GiB), -ngl, --reset-gpu-index."""
+
+    backend: str = "cuda"  # "cuda" | "cpu" (numpy stand-in: CI, or checking a placement without a GPU)
+    split: str = "neuron"  # "neuron" (PowerInfer) | "layer" (llama.cpp -ngl)
+    vram_budget_gib: float | None = None  # None: the card's free memory minus a margin
+    n_gpu_layers: int = -1  # layers that may take part, from the first; -1: all
+    reset_index: bool = False  # re-solve the neuron split even when the cache beside the model matches
+    process: bool = True  # the GPU worker in its own process (False: in the coordinator's)
+    max_tokens: int = DEFAULT_MAX_TOKENS  # tokens per GPU call (bounds its scratch buffers)
+    capacity_gib: float | None = None  # cpu backend: the simulated card's memory (None: host RAM)
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise InvalidArgumentError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
+            raise InvalidArgumentError(f"--vram-budget must be positive, got {self.vram_budget_gib}")
+        if self.max_tokens < 1:
+            raise InvalidArgumentError(f"max_tokens must be positive, got {self.max_tokens}")
+
+
+def _device_room(opts: GpuOptions) -> tuple[str, int, int]:
+    """(device name, free bytes, default budget) of the chosen backend."""
+    from powerinfer.gpu_worker.device import DeviceMemory, device_memory
+
+    if opts.backend == "cuda":
+        mem = device_memory()
+    else:
+        from powerinfer.gpu_worker.backend import host_memory
+
+        cap = host_memory() if opts.capacity_gib is None else int(opts.capacity_gib * GIB)
+        mem = DeviceMemory("the CPU backend's simulated device", cap, cap)
+    return mem.name, mem.free, mem.default_budget()
+
+
+def solve_placement(model_path: str | Path, f: GGUFFile, cfg: ModelConfig, n_ctx: int, opts: GpuOptions, budget: int, *,
+                    predictor: PredictorFile | None = None, sparse: bool = True, n_slots: int = 1) -> Placement:
+    """The neuron split (cached beside the model when a predictor gives activation statistics) or
+    the layer split for this budget, priced with the GPU worker's own byte counts."""
+    costs = layer_costs(f, cfg, n_ctx, n_slots=n_slots, predictor=predictor, sparse=sparse, max_tokens=opts.max_tokens)
+    ngl = cfg.n_layers if opts.n_gpu_layers < 0 else opts.n_gpu_layers
+    if opts.split == "layer":
+        return solve_layer_split(cfg.n_ff, costs, budget, ngl)
+    if predictor is not None:
+        return cached_neuron_split(Path(model_path), f, cfg, predictor, budget, ngl, n_ctx, reset=opts.reset_index, costs=costs)
+    return solve_neuron_split(None, costs, budget, ngl, n_ff=cfg.n_ff)  # no statistics: every neuron alike
+
+
+def build_hybrid_executor(model_path: str | Path, f: GGUFFile, cfg: ModelConfig, n_ctx: int, opts: GpuOptions, *,
+                          predictor: PredictorFile | None = None, predictor_path: str | Path | None = None, sparse: bool = True,
+                          n_slots: int = 1, log_level: str = "WARNING", progress: bool = False) -> HybridExecutor:
+    """Placement for the budget, GPU worker started and loaded, CPU shards built.
+
+    ``predictor`` (read from ``predictor_path``) gives the activation statistics of the neuron
+    split and, when ``sparse``, makes both sides compute sparsely. Raises GpuMemoryError when the
+    budget exceeds the device's free memory, GpuUnavailableError without a usable GPU (cuda).
+    """
+    name, free, default = _device_room(opts)
+    budget = default if opts.vram_budget_gib is None else int(opts.vram_budget_gib * GIB)
+    if budget > free:
+        raise over_card(budget, free, name)
+    use = predictor if sparse else None
+    pl = solve_placement(model_path, f, cfg, n_ctx, opts, budget, predictor=predictor, sparse=sparse, n_slots=n_slots)
+    if not any(pl.gpu_layers):
+        log.warning("a VRAM budget of %s holds no layer (-ngl %d): everything runs on the CPU", gib(budget), opts.n_gpu_layers)
+    log.info("%s split: %d GPU layers, %d hot neurons, %s of %s, %.0f%% of the activation mass", pl.mode, sum(pl.gpu_layers),
+             sum(len(h) for h in pl.hot), gib(pl.used), gib(budget), 100 * pl.mass_on_gpu)
+    setup = GpuSetup(opts.backend, budget, GpuPlan(pl.hot, pl.gpu_layers, sparse, opts.max_tokens),
+                     None if opts.capacity_gib is None else int(opts.capacity_gib * GIB))
+    gpu: GpuHandle
+    if opts.process:
+        ppath = str(predictor_path) if use is not None and predictor_path is not None else ""
+        if use is not None and not ppath:
+            raise InvalidArgumentError("a GPU worker process needs the predictor's path (predictor_path)")
+        gpu = GpuWorkerProcess(str(model_path), setup, n_ctx, n_slots, ppath, log_level)
+    else:
+        gpu = LocalGpuWorker(f, cfg, setup, n_ctx, n_slots, use)
+    try:
+        return HybridExecutor(f, cfg, n_ctx, pl, gpu, predictor=use, n_slots=n_slots, progress=progress)
+    except BaseException:
+        gpu.close()
+        raise

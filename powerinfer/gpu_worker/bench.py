@@ -1,0 +1,145 @@
+"""Neuron split vs layer split: decode speed of a ReLU-sparse model larger than the VRAM budget.
+
+Runs in: the GPU check process (``python -m powerinfer.gpu_worker.check``); the GPU side in a GPU
+worker process, the CPU side in this process with one torch thread per core.
+
+The model is a planted-sparsity llama file (:mod:`powerinfer.sparsity.relu_model`, cached in the
+work directory). Its gate-mode predictor comes from a short profile of the file's own layers
+(numpy): per layer the activation frequency and mass of every neuron and a threshold just above
+the inactive neurons' |silu(gate)|. Both splits get the same budget, predictor and sparsity;
+only the placement differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.config import ModelConfig, config_from_gguf
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.weights import layer_tensor
+from powerinfer.quants import dequantize_rows
+from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile, model_fingerprint, write_predictor
+
+log = logging.getLogger(__name__)
+
+N_CTX = 256
+PROMPT = 32
+MIN_THRESHOLD = 1e-3  # |silu(gate)| of the planted inactive neurons is ~1e-6; active ones are O(1)
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str
+    case: str
+    value: str
+    ok: bool | None  # None: a measurement, not a check
+
+
+def make_model(workdir: Path, shape: str, n_layers: int, qtype: str) -> Path:
+    from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
+
+    path = workdir / f"relu-{shape}-{n_layers}L-{qtype}.gguf"
+    if not path.exists():
+        workdir.mkdir(parents=True, exist_ok=True)
+        spec = ReluSparseSpec.shape(shape, n_layers=n_layers, qtype=QT[qtype], calib_tokens=128)
+        tmp = path.with_name(path.name + ".part")
+        write_relu_sparse_gguf(tmp, spec)
+        os.replace(tmp, path)
+    return path
+
+
+def _down_norms(f: GGUFFile, layer: int) -> np.ndarray:
+    """float64 [n_ff]: the L2 norm of each neuron's down-projection column."""
+    name = layer_tensor(layer, "ffn_down")
+    info, raw = f.tensor(name), f.raw(name)
+    sq = np.zeros(info.n_cols)
+    for i in range(0, info.n_rows, 1024):
+        w = dequantize_rows(info.qtype, raw[i : i + 1024], info.n_cols)
+        sq += np.einsum("ij,ij->j", w, w)
+    return np.sqrt(sq)
+
+
+def profile_predictor(path: Path, f: GGUFFile, cfg: ModelConfig, n_tokens: int = 64, inactive: float = 0.85) -> PredictorFile:
+    """A gate-mode predictor from the file's own layers run on random byte tokens (numpy)."""
+    from powerinfer.sparsity.relu_measure import run_layers
+
+    ids = np.random.default_rng(0).integers(0, 256, (2, n_tokens // 2))
+    ids[:, 0] = 256  # <s>
+    layers = []
+    for a in run_layers(f, cfg, ids):
+        act = np.abs(a.gate / (1.0 + np.exp(-np.clip(a.gate, -80, 80))))  # |silu(gate)| [N, n_ff]
+        thr = max(MIN_THRESHOLD, float(np.quantile(act, inactive)))
+        mass = (act * np.abs(a.up)).sum(0) * _down_norms(f, a.layer)
+        layers.append(LayerPredictor(
+            fc1_w=np.zeros((0, cfg.d_model), np.float32), fc1_b=np.zeros(0, np.float32), fc2_w=np.zeros((cfg.n_ff, 0), np.float32),
+            fc2_b=np.zeros(cfg.n_ff, np.float32), threshold=thr, act_freq=(act > thr).mean(0).astype(np.float32),
+            act_mass=(mass / max(float(mass.sum()), 1e-30)).astype(np.float32)))
+    return PredictorFile(mode="gate", model_name=cfg.name, fingerprint=model_fingerprint(f), n_layers=cfg.n_layers,
+                         d_model=cfg.d_model, n_ff=cfg.n_ff, rank=0, target_sparsity=inactive,
+                         calibration={"source": "gpu check profile", "tokens": int(ids.size)}, layers=tuple(layers))
+
+
+def _decode(ex: object, f: GGUFFile, cfg: ModelConfig, n_tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of a greedy run from a fixed random prompt."""
+    from powerinfer.coordinator.engine import Engine
+
+    eng = Engine(f, cfg, ex, N_CTX, 64)  # type: ignore[arg-type]
+    prompt = [256] + np.random.default_rng(1).integers(0, 256, PROMPT - 1).tolist()
+    t0 = time.perf_counter()
+    tok = int(eng.eval(prompt)[-1].argmax())
+    t1 = time.perf_counter()
+    for _ in range(n_tokens):
+        tok = int(eng.eval([tok])[-1].argmax())
+    t2 = time.perf_counter()
+    return PROMPT / (t1 - t0), n_tokens / (t2 - t1)
+
+
+def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_gib: float, n_tokens: int,
+                  backend: str = "cuda") -> list[Row]:
+    import torch
+
+    from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
+
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    path = make_model(workdir, shape, n_layers, qtype)
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    rows = [Row("bench", "model", f"{shape} x{cfg.n_layers} layers {qtype}: {path.stat().st_size / 2**30:.2f} GiB vs budget "
+                f"{budget_gib:g} GiB ({time.perf_counter() - t0:.0f}s)", None)]
+    t0 = time.perf_counter()
+    pf = profile_predictor(path, f, cfg)
+    ppath = workdir / (path.stem + ".predictor")
+    write_predictor(ppath, pf)
+    share = float(np.mean([lp.act_freq.mean() for lp in pf.layers]))
+    rows.append(Row("bench", "profile", f"{share:.1%} of neurons active per token ({time.perf_counter() - t0:.0f}s)", None))
+    speeds = {}
+    for split in ("neuron", "layer"):
+        t0 = time.perf_counter()
+        opts = GpuOptions(backend=backend, split=split, vram_budget_gib=budget_gib, reset_index=True)
+        ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, predictor=pf, predictor_path=ppath)
+        try:
+            load = time.perf_counter() - t0
+            pl = ex.placement
+            hot = sum(len(h) for h in pl.hot) / (cfg.n_layers * cfg.n_ff)
+            rows.append(Row("bench", f"{split} split placement", f"{sum(pl.gpu_layers)} attn layers, {hot:.1%} of neurons, "
+                            f"{pl.mass_on_gpu:.1%} of mass, {pl.used / 2**30:.2f} GiB, load {load:.0f}s", pl.used <= int(budget_gib * (1 << 30))))
+            prefill, decode = _decode(ex, f, cfg, n_tokens)
+            st = ex.stats
+            per = max(1, st.ffn_calls // cfg.n_layers)
+            rows.append(Row("bench", f"{split} split speed", f"prefill {prefill:.1f}, decode {decode:.2f} tokens/s ({threads} CPU threads); "
+                            f"per token: CPU FFN {1e3 * st.cpu_ffn_s / per:.0f} ms, GPU wait {1e3 * st.gpu_ffn_wait_s / per:.0f} ms", None))
+            speeds[split] = decode
+        finally:
+            ex.close()
+    rows.append(Row("bench", "neuron vs layer split", f"{speeds['neuron'] / speeds['layer']:.2f}x decode speed", None))
+    return rows
+

@@ -1,0 +1,10 @@
+// F32 GEMV/axpy (quant_ops.cuh): rows of K float32 (float model files, the predictor's MLP).
+// Runs in: the GPU worker process.
+#define SUFFIX f32
+#include "common.cuh"
+
+__host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
+    return reinterpret_cast<const float*>(row)[c];  // rows start 4-byte aligned
+}
+
+#include "quant_ops.cuh"

@@ -1,0 +1,24 @@
+// Q4_K GEMV/axpy (quant_ops.cuh). Super-block of 256 weights, 144 bytes: d f16, dmin f16,
+// scales[12] (eight 6-bit scale/min pairs), qs[128]. Weight e: sub-block s = e / 32 uses nibble
+// s & 1 of qs[32 * (s / 2) + e % 32]; weight = d * sc[s] * code - dmin * m[s] (ggml get_scale_min_k4).
+// Runs in: the GPU worker process.
+#define SUFFIX q4_k
+#include "common.cuh"
+
+__host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
+    const unsigned char* b = row + (c >> 8) * 144;
+    const unsigned char* sc = b + 4;
+    const int e = c & 255, s = e >> 5, l = e & 31;
+    int scale, mn;
+    if (s < 4) {
+        scale = sc[s] & 63;
+        mn = sc[s + 4] & 63;
+    } else {
+        scale = (sc[s + 4] & 15) | ((sc[s - 4] >> 6) << 4);
+        mn = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+    }
+    const int q = (b[16 + 32 * (s >> 1) + l] >> (4 * (s & 1))) & 15;
+    return load_f16(b) * (float)scale * (float)q - load_f16(b + 2) * (float)mn;
+}
+
+#include "quant_ops.cuh"

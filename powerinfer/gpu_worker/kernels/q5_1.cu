@@ -1,0 +1,15 @@
+// Q5_1 GEMV/axpy (quant_ops.cuh). Block of 32 weights, 24 bytes: d f16, m f16, qh u32, qs[16];
+// code as Q5_0 (unsigned 0..31), weight = code * d + m.
+// Runs in: the GPU worker process.
+#define SUFFIX q5_1
+#include "common.cuh"
+
+__host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
+    const unsigned char* b = row + (c >> 5) * 24;
+    const int j = c & 31;
+    const int lo = j < 16 ? (b[8 + j] & 15) : (b[8 + j - 16] >> 4);
+    const int hi = (b[4 + (j >> 3)] >> (j & 7)) & 1;
+    return (float)(lo | (hi << 4)) * load_f16(b) + load_f16(b + 2);
+}
+
+#include "quant_ops.cuh"

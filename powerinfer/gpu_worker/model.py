@@ -1,0 +1,292 @@
+"""The GPU runtime: offloaded layers' attention and hot neurons, on any :class:`Backend`.
+
+Runs in: the GPU worker process (or the coordinator, for the in-process GPU worker).
+
+``attention`` and ``ffn`` return partial sums in model space [T, d], like the CPU shards: the
+attention of an offloaded layer is the whole layer's, the FFN partial covers the hot neurons, and
+the coordinator adds the CPU workers' partial for the cold ones. Hot neurons are computed the way
+:class:`powerinfer.cpu_workers.sparse_ffn.SparseFFNShard` computes its neurons, so hot + cold
+is the layer's sparse FFN:
+
+* dense (no predictor, or sparsity off) and prefill (T > 1): every hot neuron, masked when sparse;
+* decode, ``gate`` mode: the gate of every hot neuron, then up and down only for |act(gate)| > thr;
+* decode, ``predictor`` mode: the MLP picks the active hot neurons, only their rows are read.
+
+The active list is compacted on the device (``compact``) and consumed through a device-side
+count, so a sparse step has no host round trip. ``*_begin`` enqueue the work and return a pending
+result (on CUDA: kernels and copies on a stream, the host is free meanwhile); prompts longer
+than ``max_tokens`` run in chunks (each chunk's KV is written before the next one attends).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from powerinfer.config import ModelConfig
+from powerinfer.errors import ContextOverflowError, InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead
+from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS, qkv_width
+from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
+from powerinfer.sparsity.predictor_file import PredictorFile
+
+log = logging.getLogger(__name__)
+
+ACT_KIND = {"silu": 0, "gelu_tanh": 1}
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What the GPU holds: per layer the hot neurons and whether attention (+ KV cache) is there."""
+
+    hot: tuple[np.ndarray, ...]  # per layer: sorted int neuron ids on the GPU
+    gpu_layers: tuple[bool, ...]
+    sparse: bool = True  # compute hot neurons sparsely when a predictor file is given
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def to_json(self) -> str:
+        return json.dumps({"hot": [h.tolist() for h in self.hot], "gpu_layers": list(self.gpu_layers),
+                           "sparse": self.sparse, "max_tokens": self.max_tokens})
+
+    @classmethod
+    def from_json(cls, text: str) -> GpuPlan:
+        d = json.loads(text)
+        return cls(tuple(np.array(h, dtype=np.int64) for h in d["hot"]), tuple(bool(g) for g in d["gpu_layers"]),
+                   bool(d["sparse"]), int(d["max_tokens"]))
+
+
+@dataclass(frozen=True)
+class _Mat:
+    buf: Buf
+    suffix: str
+    row_bytes: int
+    n: int
+    k: int
+
+
+@dataclass
+class _Attn:
+    q: _Mat
+    k: _Mat
+    v: _Mat
+    o: _Mat
+    bias: Buf | None
+    q_norm: Buf | None
+    k_norm: Buf | None
+    inv_freq: Buf
+    window: int
+    k_cache: Buf
+    v_cache: Buf
+
+
+@dataclass
+class _Ffn:
+    gate: _Mat
+    up: _Mat
+    down_t: _Mat
+    threshold: float
+    fc1: _Mat | None = None  # predictor mode only
+    fc1_b: Buf | None = None
+    fc2: _Mat | None = None
+    fc2_b: Buf | None = None
+
+
+class _Pending:
+    """Chunks of a [T, d] result still being computed / copied back."""
+
+    def __init__(self, parts: list[PendingRead], d: int) -> None:
+        self.parts, self.d = parts, d
+
+    def result(self) -> np.ndarray:
+        outs = [p.result().reshape(-1, self.d) for p in self.parts]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+
+class GpuModel:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, backend: Backend, plan: GpuPlan, n_ctx: int, n_slots: int = 1,
+                 predictor: PredictorFile | None = None) -> None:
+        if len(plan.hot) != cfg.n_layers or len(plan.gpu_layers) != cfg.n_layers:
+            raise InvalidArgumentError(f"GPU plan has {len(plan.hot)} layers, the model {cfg.n_layers}")
+        if n_slots < 1 or n_ctx < 1 or plan.max_tokens < 1:
+            raise InvalidArgumentError("n_ctx, n_slots and max_tokens must be positive")
+        self.cfg, self.b, self.plan, self.n_ctx, self.n_slots = cfg, backend, plan, n_ctx, n_slots
+        self.mode = predictor.mode if predictor is not None and plan.sparse else "dense"
+        self.kind = ACT_KIND[cfg.activation]
+        ranks = [lp.rank for lp in predictor.layers] if predictor is not None and self.mode == "predictor" else [0] * cfg.n_layers
+        self.attn: list[_Attn | None] = [None] * cfg.n_layers
+        self.ffns: list[_Ffn | None] = [None] * cfg.n_layers
+        self.ws: dict[str, Buf] = {}
+        if any(plan.gpu_layers) or any(len(h) for h in plan.hot):
+            self._workspace(max(ranks))
+        for i in range(cfg.n_layers):
+            if plan.gpu_layers[i]:
+                self.attn[i] = self._upload_attention(f, i)
+            if len(plan.hot[i]):
+                self.ffns[i] = self._upload_ffn(f, i, np.asarray(plan.hot[i], dtype=np.int64), predictor, ranks[i])
+        log.info("GPU (%s): %d attention layers, %d hot neurons, %.1f MiB", backend.name, sum(plan.gpu_layers),
+                 sum(len(h) for h in plan.hot), self.nbytes / 2**20)
+
+    @property
+    def nbytes(self) -> int:
+        return self.b.ledger.used
+
+    # -- upload ------------------------------------------------------------------------------------
+
+    def _workspace(self, max_rank: int) -> None:
+        cfg, t, b = self.cfg, self.plan.max_tokens, self.b
+        sizes: dict[str, tuple[int, Any]] = {
+            "x": (t * cfg.d_model, np.float32), "y": (t * cfg.d_model, np.float32), "pos": (t, np.int64), "slots": (t, np.int64),
+            "qkv": (t * qkv_width(cfg), np.float32), "att": (t * cfg.n_heads * cfg.v_head_dim, np.float32),
+            "g": (t * cfg.n_ff, np.float32), "u": (t * cfg.n_ff, np.float32), "h": (t * cfg.n_ff, np.float32),
+            "idx": (cfg.n_ff, np.int32), "count": (1, np.int32),
+        }
+        if max_rank:
+            sizes.update(z=(t * max_rank, np.float32), logits=(t * cfg.n_ff, np.float32))
+        self.ws = {name: b.alloc(n, dt, f"scratch {name}") for name, (n, dt) in sizes.items()}
+
+    def _mat(self, m: DeviceMatrix, what: str) -> _Mat:
+        return _Mat(self.b.upload(m.data, what), m.suffix, m.row_bytes, m.n, m.k)
+
+    def _upload_attention(self, f: GGUFFile, layer: int) -> _Attn:
+        cfg, b = self.cfg, self.b
+        a = attention_arrays(f, cfg, layer)
+        w = f"layer {layer} attention"
+        kv = self.n_slots * cfg.n_kv_heads * self.n_ctx
+        return _Attn(
+            q=self._mat(a.q, w), k=self._mat(a.k, w), v=self._mat(a.v, w), o=self._mat(a.o, w),
+            bias=None if a.bias is None else b.upload(a.bias, w),
+            q_norm=None if a.q_norm is None else b.upload(a.q_norm, w), k_norm=None if a.k_norm is None else b.upload(a.k_norm, w),
+            inv_freq=b.upload(a.inv_freq, w), window=a.window,
+            k_cache=b.alloc(kv * cfg.head_dim, np.float16, f"layer {layer} KV cache"),
+            v_cache=b.alloc(kv * cfg.v_head_dim, np.float16, f"layer {layer} KV cache"),
+        )
+
+    def _upload_ffn(self, f: GGUFFile, layer: int, hot: np.ndarray, predictor: PredictorFile | None, rank: int) -> _Ffn:
+        h = hot_arrays(f, self.cfg, layer, hot)
+        w = f"layer {layer}: {len(hot)} hot neurons"
+        ffn = _Ffn(self._mat(h.gate, w), self._mat(h.up, w), self._mat(h.down_t, w),
+                   float(predictor.layers[layer].threshold) if predictor is not None else 0.0)
+        if rank:
+            assert predictor is not None
+            p = predictor_arrays(predictor.layers[layer], hot)
+            ffn.fc1, ffn.fc1_b = self._mat(p.fc1, w), self.b.upload(p.fc1_b, w)
+            ffn.fc2, ffn.fc2_b = self._mat(p.fc2, w), self.b.upload(p.fc2_b, w)
+        return ffn
+
+    # -- compute -----------------------------------------------------------------------------------
+
+    def _gemv(self, m: _Mat, x: Buf, t: int, y: Buf, ldy: int, rows: Buf | None = None, n_dev: Buf | None = None) -> None:
+        self.b.gemv(m.suffix, m.buf, m.row_bytes, rows, n_dev, m.n, x, m.k, t, y, ldy)
+
+    def _tail(self, name: str, offset: int) -> Buf:
+        buf = self.ws[name]
+        return self.b.view(buf, offset, buf.size - offset)
+
+    def _chunks(self, x: np.ndarray) -> list[tuple[int, int]]:
+        if x.ndim != 2 or x.shape[1] != self.cfg.d_model:
+            raise InvalidArgumentError(f"expected activations [T, {self.cfg.d_model}], got {list(x.shape)}")
+        mt = self.plan.max_tokens
+        return [(i, min(i + mt, x.shape[0])) for i in range(0, x.shape[0], mt)]
+
+    def attention_begin(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> _Pending:
+        """x [T, d] normed, positions [T], slots [T] (None: slot 0) -> pending attention output [T, d]."""
+        a = self.attn[layer]
+        if a is None:
+            raise InvalidArgumentError(f"layer {layer}'s attention is not on the GPU")
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        sl = np.zeros_like(pos) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+        if pos.shape[0] != x.shape[0] or sl.shape[0] != x.shape[0]:
+            raise InvalidArgumentError(f"{x.shape[0]} tokens but {pos.shape[0]} positions and {sl.shape[0]} slots")
+        if pos.size and (pos.min() < 0 or pos.max() >= self.n_ctx):
+            raise ContextOverflowError(f"position {int(pos.max())} does not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
+        if sl.size and (sl.min() < 0 or sl.max() >= self.n_slots):
+            raise InvalidArgumentError(f"KV-cache slot {int(sl.max())} out of range (the GPU worker holds {self.n_slots})")
+        return _Pending([self._attention_chunk(a, x[i:j], pos[i:j], sl[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
+
+    def _attention_chunk(self, a: _Attn, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> PendingRead:
+        cfg, b, ws, t = self.cfg, self.b, self.ws, x.shape[0]
+        Hq, Hkv, D, Dv, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim, qkv_width(cfg)
+        b.write(ws["x"], x)
+        b.write(ws["pos"], pos)
+        b.write(ws["slots"], sl)
+        # fused activations qkv [T, W]: q heads, then k heads, then v heads
+        self._gemv(a.q, ws["x"], t, ws["qkv"], W)
+        self._gemv(a.k, ws["x"], t, self._tail("qkv", Hq * D), W)
+        self._gemv(a.v, ws["x"], t, self._tail("qkv", (Hq + Hkv) * D), W)
+        if a.bias is not None:
+            b.bias_act(ws["qkv"], W, a.bias, t, W, 0)
+        if a.q_norm is not None and a.k_norm is not None:
+            b.rms_norm(ws["qkv"], W, t, Hq, D, a.q_norm, cfg.norm_eps)
+            b.rms_norm(self._tail("qkv", Hq * D), W, t, Hkv, D, a.k_norm, cfg.norm_eps)
+        b.rope(ws["qkv"], W, ws["pos"], t, Hq + Hkv, D, cfg.rope_dim, a.inv_freq)  # q and k heads are adjacent
+        b.kv_store(ws["qkv"], W, Hq * D, (Hq + Hkv) * D, ws["pos"], ws["slots"], t, Hkv, D, Dv, a.k_cache, a.v_cache, self.n_ctx)
+        b.attend(ws["qkv"], W, ws["pos"], ws["slots"], t, Hq, Hkv, D, Dv, a.k_cache, a.v_cache, self.n_ctx, a.window,
+                 cfg.attn_scale, ws["att"])
+        self._gemv(a.o, ws["att"], t, ws["y"], cfg.d_model)  # [T, Hq * Dv] -> [T, d]
+        return b.read(ws["y"], t * cfg.d_model)
+
+    def ffn_begin(self, layer: int, x: np.ndarray) -> _Pending:
+        """x [T, d] normed -> pending partial FFN output of this layer's hot neurons [T, d]."""
+        ffn = self.ffns[layer]
+        if ffn is None:
+            raise InvalidArgumentError(f"layer {layer} has no hot neurons on the GPU")
+        return _Pending([self._ffn_chunk(ffn, x[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
+
+    def _predict(self, ffn: _Ffn, t: int) -> None:
+        """ws.logits [T, n_hot] = fc2(relu(fc1(x))) for the hot neurons (active where > 0)."""
+        assert ffn.fc1 is not None and ffn.fc2 is not None and ffn.fc1_b is not None and ffn.fc2_b is not None
+        b, ws, r, n = self.b, self.ws, ffn.fc1.n, ffn.gate.n
+        self._gemv(ffn.fc1, ws["x"], t, ws["z"], r)
+        b.bias_act(ws["z"], r, ffn.fc1_b, t, r, 1)
+        self._gemv(ffn.fc2, ws["z"], t, ws["logits"], n)
+        b.bias_act(ws["logits"], n, ffn.fc2_b, t, n, 0)
+
+    def _ffn_chunk(self, ffn: _Ffn, x: np.ndarray) -> PendingRead:
+        b, ws, t, n, d = self.b, self.ws, x.shape[0], ffn.gate.n, self.cfg.d_model
+        b.write(ws["x"], x)
+        b.zero(self.b.view(ws["y"], 0, t * d))  # axpy accumulates into y
+        if self.mode == "dense" or t > 1:
+            # every hot neuron; masked (not skipped) when sparse, as the CPU's sparse shard does
+            self._gemv(ffn.gate, ws["x"], t, ws["g"], n)
+            self._gemv(ffn.up, ws["x"], t, ws["u"], n)
+            logits = None
+            if self.mode == "predictor":
+                self._predict(ffn, t)
+                logits = ws["logits"]
+            thr = ffn.threshold if self.mode == "gate" else -1.0
+            b.act_mul(ws["g"], ws["u"], ws["h"], t, n, self.kind, thr, logits)
+            b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, None, None, n, ws["h"], n, d, t, ws["y"])
+        else:
+            idx, count = ws["idx"], ws["count"]
+            if self.mode == "gate":
+                self._gemv(ffn.gate, ws["x"], 1, ws["g"], n)
+                b.act_inplace(ws["g"], n, self.kind)
+                b.compact(ws["g"], n, ffn.threshold, 1, idx, count)
+                self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
+                b.gather_mul(ws["g"], idx, count, n, ws["u"], ws["h"])
+            else:
+                self._predict(ffn, 1)
+                b.compact(ws["logits"], n, 0.0, 0, idx, count)
+                self._gemv(ffn.gate, ws["x"], 1, ws["g"], n, idx, count)
+                self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
+                b.act_mul(ws["g"], ws["u"], ws["h"], 1, n, self.kind, -1.0, None, count)
+            # down projection over the active neurons' transposed rows only
+            b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, idx, count, n, ws["h"], n, d, 1, ws["y"])
+        return b.read(ws["y"], t * d)
+
+    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        return self.attention_begin(layer, x, positions, slots).result()
+
+    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+        return self.ffn_begin(layer, x).result()
+
+    def close(self) -> None:
+        self.attn = [None] * self.cfg.n_layers
+        self.ffns = [None] * self.cfg.n_layers
+        self.ws = {}
+        self.b.close()

@@ -1,0 +1,121 @@
+"""The hybrid executor (coordinator/hybrid_executor.py) on the CPU backend: the engine's logits with hot
+neurons and offloaded layers on the "GPU" match the in-process executor and the float64 reference,
+for neuron split and layer split; loaded bytes never exceed the budget; clear budget errors.
+
+Runs in: the pytest process (the GPU runtime in-process; one test with the worker process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
+from powerinfer.gpu_worker.errors import GIB, GpuMemoryError
+from powerinfer.sparsity.placement import layer_costs
+from powerinfer.sparsity.predictor_file import write_predictor
+from tests.gpu_worker.helpers import load, make_predictor, rel
+from tests.reference_forward import reference_logits
+
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
+CTX = 64
+
+
+def _opts(split: str, budget: int, **kw: object) -> GpuOptions:
+    return GpuOptions(backend="cpu", split=split, vram_budget_gib=budget / GIB, process=False, max_tokens=8, **kw)  # type: ignore[arg-type]
+
+
+def _budget(f, cfg, split: str, pf=None) -> int:  # type: ignore[no-untyped-def]
+    """neuron: both layers' attention and about 40% of the neurons; layer: the first layer whole."""
+    c = layer_costs(f, cfg, CTX, predictor=pf, max_tokens=8)
+    if split == "neuron":
+        return int(c.overhead + c.fixed.sum() + 0.4 * cfg.n_ff * c.per_neuron.sum())
+    return int(c.overhead + c.fixed[0] + cfg.n_ff * c.per_neuron[0] + c.fixed[1] // 2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("split", ["neuron", "layer"])
+def test_engine_logits_match_inprocess_and_reference(make_model: Callable[..., Path], arch: str, split: str) -> None:
+    path = make_model(arch=arch, qtype=QT.Q4_0)
+    f, cfg = load(path)
+    budget = _budget(f, cfg, split)
+    ex = build_hybrid_executor(path, f, cfg, CTX, _opts(split, budget))
+    pl = ex.placement
+    if split == "neuron":
+        assert pl.gpu_layers == (True, True) and all(0 < len(h) < cfg.n_ff for h in pl.hot)
+    else:
+        assert pl.gpu_layers == (True, False) and len(pl.hot[0]) == cfg.n_ff and len(pl.hot[1]) == 0
+    assert ex.gpu_bytes == pl.used <= budget
+    ours = Engine(f, cfg, ex, CTX, 8).eval(IDS, all_logits=True)
+    oracle = Engine(f, cfg, InProcessExecutor(f, cfg, CTX), CTX, 8).eval(IDS, all_logits=True)
+    ref = reference_logits(f, cfg, IDS)
+    assert rel(ours, ref) <= rel(oracle, ref) + 0.01  # the GPU side computes in float32: no worse
+    assert rel(ours, oracle) < 0.03
+    assert np.mean(ours.argmax(-1) == oracle.argmax(-1)) >= 0.9
+    assert ex.stats.ffn_calls == cfg.n_layers * 3  # 20 tokens in batches of 8
+    ex.close()
+
+
+def test_incremental_decode_equals_the_full_pass(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="qwen2", qtype=QT.F32)
+    f, cfg = load(path)
+    opts = _opts("neuron", _budget(f, cfg, "neuron"))
+    full = Engine(f, cfg, build_hybrid_executor(path, f, cfg, CTX, opts), CTX, 64).eval(IDS, all_logits=True)
+    eng = Engine(f, cfg, build_hybrid_executor(path, f, cfg, CTX, opts), CTX, 3)
+    prefix = eng.eval(IDS[:10], all_logits=True)
+    steps = [eng.eval([t])[0] for t in IDS[10:]]
+    assert rel(np.concatenate([prefix, np.stack(steps)]), full) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_sparse_hybrid_in_a_worker_process_tracks_the_sparse_inprocess_engine(make_model: Callable[..., Path], tmp_path: Path,
+                                                                            mode: str) -> None:
+    path = make_model(arch="llama", qtype=QT.Q8_0)
+    f, cfg = load(path)
+    pf = make_predictor(f, cfg, mode)
+    write_predictor(tmp_path / "m.predictor", pf)
+    opts = GpuOptions(backend="cpu", split="neuron", vram_budget_gib=_budget(f, cfg, "neuron", pf) / GIB, max_tokens=8)
+    ex = build_hybrid_executor(path, f, cfg, CTX, opts, predictor=pf, predictor_path=tmp_path / "m.predictor")
+    try:
+        # hot neurons follow the predictor's activation mass: the hottest neuron of each layer is on the GPU
+        for lp, hot in zip(pf.layers, ex.placement.hot):
+            assert int(np.argmax(lp.act_mass)) in set(hot.tolist())
+        ours = Engine(f, cfg, ex, CTX, 8)
+        oracle = Engine(f, cfg, InProcessExecutor(f, cfg, CTX, predictor=pf), CTX, 8)
+        a, b = ours.eval(IDS[:12], all_logits=True), oracle.eval(IDS[:12], all_logits=True)
+        assert rel(a, b) < 0.1  # int8 CPU weights flip a few neurons across the threshold
+        steps = np.stack([ours.eval([t])[0] for t in IDS[12:]]), np.stack([oracle.eval([t])[0] for t in IDS[12:]])
+        assert rel(*steps) < 0.1 and np.mean(steps[0].argmax(-1) == steps[1].argmax(-1)) >= 0.75
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("split", ["neuron", "layer"])
+def test_loaded_bytes_never_exceed_random_budgets(make_model: Callable[..., Path], split: str) -> None:
+    path = make_model(arch="gemma3", qtype=QT.Q4_1)
+    f, cfg = load(path)
+    c = layer_costs(f, cfg, CTX, max_tokens=8)
+    whole = int(c.overhead + c.fixed.sum() + cfg.n_ff * c.per_neuron.sum())
+    rng = np.random.default_rng(7)
+    for budget in [int(b) for b in rng.integers(c.overhead // 2, whole + whole // 4, size=5)] + [whole]:
+        ngl = int(rng.integers(0, 3))
+        ex = build_hybrid_executor(path, f, cfg, CTX, _opts(split, budget, n_gpu_layers=ngl))
+        pl = ex.placement
+        assert ex.gpu_bytes == pl.used <= budget
+        assert all(len(h) == 0 for h in pl.hot[ngl:])  # -ngl bounds the layers that take part
+        x = np.ones((1, cfg.d_model), np.float32)
+        assert all(np.isfinite(ex.ffn(i, x)).all() for i in range(cfg.n_layers))  # every neuron on one side
+        ex.close()
+
+
+def test_a_budget_beyond_the_device_is_a_clear_error(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="llama")
+    f, cfg = load(path)
+    with pytest.raises(GpuMemoryError, match=r"more than the 1.00 GiB free .*--vram-budget.*-ngl"):
+        build_hybrid_executor(path, f, cfg, CTX, GpuOptions(backend="cpu", vram_budget_gib=2.0, capacity_gib=1.0, process=False))
