@@ -102,7 +102,9 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
           file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
                                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose,
-                                           lifespan="on"))
+                                           # longer than clients' pooled-connection idle time, so a reused
+                                           # connection is not closed under a request (a reset POST is not retried)
+                                           timeout_keep_alive=75, lifespan="on"))
     # uvicorn handles SIGTERM (graceful shutdown), then restores the previous handler and raises
     # the signal again; with this no-op handler in place that last step is harmless and the
     # daemon exits 0 after a clean stop instead of dying of its own SIGTERM.
