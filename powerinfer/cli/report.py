@@ -56,10 +56,7 @@ def load_summary(llm: LLM) -> str:
     ]
     pl = getattr(ex, "placement", None)
     if pl is not None:  # hybrid: GPU worker + cold neurons here
-        gpu = getattr(ex, "gpu", None)
-        proc = getattr(gpu, "proc", None)
-        if proc is not None:
-            pids.append(proc.pid)
+        proc = getattr(getattr(ex, "gpu", None), "proc", None)  # its pid is in ex.pids
         hot = sum(len(h) for h in pl.hot)
         lines.append(f"placement  GPU worker{f' (pid {proc.pid})' if proc is not None else ' (in process)'}, {pl.mode} split: "
                      f"attention of {sum(pl.gpu_layers)}/{cfg.n_layers} layers, {hot}/{cfg.n_ff * cfg.n_layers} FFN neurons hot "

@@ -148,6 +148,24 @@ class HybridExecutor:
             if shard is not None and oracle is not None and hasattr(shard, "oracle"):
                 shard.oracle = oracle
 
+    @property
+    def pids(self) -> list[int]:
+        """The GPU worker's process, when it runs in one."""
+        proc = getattr(self.gpu, "proc", None)
+        return [proc.pid] if proc is not None else []
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if the GPU worker process is gone or silent (between requests)."""
+        check = getattr(self.gpu, "check_health", None)
+        if check is not None:
+            check()
+
+    def restart(self) -> None:
+        """A fresh GPU worker after a failure (its KV caches start empty, as the engine's slots do)."""
+        restarted = getattr(self.gpu, "restarted", None)
+        if restarted is not None:
+            self.gpu = restarted()
+
     def close(self) -> None:
         self.gpu.close()
         self.attn.clear()

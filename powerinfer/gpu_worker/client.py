@@ -149,6 +149,7 @@ class GpuWorkerProcess:
 
     def __init__(self, model: str, setup: GpuSetup, n_ctx: int, n_slots: int = 1, predictor: str = "",
                  log_level: str = "WARNING", start_timeout: float = START_TIMEOUT_S) -> None:
+        self._args = (model, setup, n_ctx, n_slots, predictor, log_level, start_timeout)  # for restarted()
         self._dir = tempfile.mkdtemp(prefix="powerinfer-gpu-")  # mode 0700: only this user can connect
         self._ctx: zmq.Context | None = zmq.Context()
         self.router = self._ctx.socket(zmq.ROUTER)
@@ -271,6 +272,22 @@ class GpuWorkerProcess:
 
     def ffn_begin(self, layer: int, x: np.ndarray) -> Pending:
         return self._start(FfnMsg, layer, (np.ascontiguousarray(x, dtype=np.float32),), f"computing layer {layer} hot neurons")
+
+    def check_health(self) -> None:
+        """Between requests: raise WorkerDiedError if the worker exited or stopped beating."""
+        self._drain_beats()
+        code = self.proc.poll()
+        if code is not None:
+            raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) exited with status {code}")
+        idle = time.monotonic() - self.last_beat
+        if idle > HEARTBEAT_TIMEOUT_S:
+            raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) stopped answering for {idle:.1f}s")
+
+    def restarted(self) -> "GpuWorkerProcess":
+        """Stop this worker (SIGKILL if it does not answer, e.g. SIGSTOPped) and start a fresh one."""
+        log.warning("restarting the GPU worker")
+        self.close(timeout=1.0)
+        return GpuWorkerProcess(*self._args)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._ctx is None:
