@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("powerinfer")
 
-SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "serve", "loadtest")
+SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "sparsity-curve", "serve", "loadtest")
 
 
 class CLIError(PowerInferError):
@@ -226,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from powerinfer.server.main import serve
 
             return serve(argv[1:], prog="powerinfer serve")
+        if argv and argv[0] == "sparsity-curve":
+            from powerinfer.sparsity.curve import main as run_curve
+
+            return run_curve(argv[1:])
         if argv and argv[0] == "loadtest":
             from powerinfer.server.loadtest import main as run_loadtest
 

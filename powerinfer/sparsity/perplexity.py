@@ -59,7 +59,8 @@ def _nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
 
 
 def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = None, n_ctx: int = 512,
-               max_tokens: int = 0, progress: Callable[[str], None] = lambda _: None) -> PerplexityReport:
+               max_tokens: int = 0, progress: Callable[[str], None] = lambda _: None, dense: bool = True) -> PerplexityReport:
+    """Dense (unless dense=False: reported as nan) and, with a predictor, sparse perplexity of text."""
     f = GGUFFile(model)
     cfg = config_from_gguf(f)
     tok = GGUFTokenizer.from_metadata(f.metadata)
@@ -69,10 +70,13 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
     windows = windows_of(ids, n_ctx, tok.bos_id if tok.add_bos else None)
     if not windows:
         raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
-    progress(f"dense pass over {len(ids)} tokens in {len(windows)} windows")
-    dense = Engine(f, cfg, InProcessExecutor(f, cfg, n_ctx), n_ctx=n_ctx, n_batch=n_ctx)
-    nll, count = _nll(dense, windows)
-    dense.executor.close()
+    count = sum(len(w) - 1 for w in windows)
+    nll = math.nan
+    if dense:
+        progress(f"dense pass over {len(ids)} tokens in {len(windows)} windows")
+        engine = Engine(f, cfg, InProcessExecutor(f, cfg, n_ctx), n_ctx=n_ctx, n_batch=n_ctx)
+        nll, count = _nll(engine, windows)
+        engine.executor.close()
     sparse_ppl, layers = None, ()
     if predictor is not None:
         progress(f"sparse pass ({predictor.mode} mode)")
