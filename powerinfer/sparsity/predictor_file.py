@@ -37,10 +37,12 @@ read transparently by :func:`read_predictor`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,7 +53,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from powerinfer.config import config_from_gguf
-from powerinfer.errors import ModelFileError
+from powerinfer.errors import DiskWriteError, ModelFileError, quoted, write_failure
 from powerinfer.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -202,12 +204,19 @@ def validate_predictor(pf: PredictorFile) -> None:
 
 def write_predictor(path: str | Path, pf: PredictorFile) -> None:
     """Validate ``pf`` (ValueError) and write it atomically: a temp file in the same directory,
-    fsynced, then renamed over ``path``, so readers never see a half-written file."""
+    fsynced, then renamed over ``path``, so readers never see a half-written file.
+
+    A failed write (disk full, no permission) removes the temp file, leaves an existing ``path``
+    as it was and raises DiskWriteError ("no space left on device" when that is the cause)."""
     validate_predictor(pf)
     path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise DiskWriteError(f"could not write the predictor file {path}: {write_failure(e, path.parent)}") from None
     os.close(fd)
     tmp = Path(tmp_name)
+    w: GGUFWriter | None = None
     try:
         w = GGUFWriter(tmp, ARCHITECTURE)
         w.add_uint32(KEY + "version", FORMAT_VERSION)
@@ -240,11 +249,17 @@ def write_predictor(path: str | Path, pf: PredictorFile) -> None:
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
+        w = None
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        if w is not None:  # release the temp file; its flush fails again on a full disk
+            with contextlib.suppress(OSError, ValueError):
+                w.close()
+        tmp.unlink(missing_ok=True)  # nothing half-written stays behind; an older `path` is untouched
+        if isinstance(e, OSError):  # disk full (ENOSPC, or numpy's errno-less short write), permissions
+            raise DiskWriteError(f"could not write the predictor file {path}: {write_failure(e, path.parent)}") from e
         raise
     log.info("wrote %s: %s mode, %d layers, rank %d", path, pf.mode, pf.n_layers, pf.rank)
 
@@ -283,15 +298,16 @@ def _read_calibration(f: GGUFFile) -> dict[str, CalibrationValue]:
 
 def _read_own(f: GGUFFile) -> PredictorFile:
     arch = f.get("general.architecture")
-    if arch != ARCHITECTURE:
+    if not isinstance(arch, str) or arch != ARCHITECTURE:  # isinstance first: `array != str` is elementwise
         hint = " (this looks like a model file, not a predictor)" if f"{arch}.block_count" in f.metadata else ""
-        raise ModelFileError(f"{f.path}: not a predictor file: general.architecture is {arch!r}, expected {ARCHITECTURE!r}{hint}")
+        raise ModelFileError(
+            f"{f.path}: not a predictor file: general.architecture is {quoted(arch)}, expected {ARCHITECTURE!r}{hint}")
     version = f.require(KEY + "version", int)
     if version != FORMAT_VERSION:
         raise ModelFileError(f"{f.path}: predictor format version {version} is not supported (this build reads {FORMAT_VERSION})")
     mode = f.require(KEY + "mode", str)
     if mode not in MODES:
-        raise ModelFileError(f"{f.path}: unknown predictor mode {mode!r} (expected one of {', '.join(MODES)})")
+        raise ModelFileError(f"{f.path}: unknown predictor mode {quoted(mode)} (expected one of {', '.join(MODES)})")
     n_layers, d, n_ff = (_meta_int(f, KEY + k, 1) for k in ("n_layers", "d_model", "n_ff"))
     rank = _meta_int(f, KEY + "rank", 0)
     sparsity = float(f.require(KEY + "target_sparsity", (int, float)))
@@ -308,19 +324,24 @@ def _read_own(f: GGUFFile) -> PredictorFile:
         r = f.tensor(p + "fc1.weight").shape[0] if present else 0
         if r > rank:
             raise ModelFileError(f"{f.path}: tensor {p + 'fc1.weight'!r} has rank {r}, more than the file's rank {rank}")
+        # The statistics first: their shapes check n_ff and d against the file's own tensors before
+        # any array is sized by those metadata values (a uint32 max n_ff would be a 16 GiB zeros).
+        threshold = float(_tensor_f32(f, p + "threshold", (1,))[0])
+        act_freq, act_mass = _tensor_f32(f, p + "act_freq", (n_ff,)), _tensor_f32(f, p + "act_mass", (n_ff,))
         if present:
             fc = [_tensor_f32(f, p + part, s) for part, s in zip(_FC_PARTS, ((r, d), (r,), (n_ff, r), (n_ff,)))]
         else:
             fc = [np.zeros((0, d), np.float32), np.zeros(0, np.float32),
                   np.zeros((n_ff, 0), np.float32), np.zeros(n_ff, np.float32)]
-        threshold = float(_tensor_f32(f, p + "threshold", (1,))[0])
-        layers.append(LayerPredictor(*fc, threshold=threshold, act_freq=_tensor_f32(f, p + "act_freq", (n_ff,)),
-                                     act_mass=_tensor_f32(f, p + "act_mass", (n_ff,))))
+        layers.append(LayerPredictor(*fc, threshold=threshold, act_freq=act_freq, act_mass=act_mass))
         expected.update(p + part for part in _LAYER_PARTS)
     unexpected = [name for name in f.tensors if name not in expected]
     if unexpected:
-        raise ModelFileError(f"{f.path}: unexpected tensor {unexpected[0]!r} (the file declares {n_layers} layers)")
-    pf = PredictorFile(mode=mode, model_name=f.require(KEY + "model_name", str), fingerprint=f.require(KEY + "fingerprint", str),
+        raise ModelFileError(f"{f.path}: unexpected tensor {quoted(unexpected[0])} (the file declares {n_layers} layers)")
+    fingerprint = f.require(KEY + "fingerprint", str)
+    if fingerprint and not re.fullmatch(r"[0-9a-f]{64}", fingerprint):  # it is shown in errors: no raw bytes
+        raise ModelFileError(f"{f.path}: metadata {KEY + 'fingerprint'!r} is {quoted(fingerprint)}, not a sha256 hex digest")
+    pf = PredictorFile(mode=mode, model_name=f.require(KEY + "model_name", str), fingerprint=fingerprint,
                        n_layers=n_layers, d_model=d, n_ff=n_ff, rank=rank, target_sparsity=sparsity,
                        calibration=MappingProxyType(_read_calibration(f)), layers=tuple(layers))
     try:
@@ -333,8 +354,8 @@ def _read_own(f: GGUFFile) -> PredictorFile:
 def check_against_model(pf: PredictorFile, model: GGUFFile, where: str | Path) -> None:
     """Refuse (ModelFileError, one line) a predictor made for another model or another shape."""
     cfg = config_from_gguf(model)
-    ours = f"{pf.model_name!r}"
-    theirs = f"{cfg.name!r} ({model.path})"
+    ours = quoted(pf.model_name)
+    theirs = f"{quoted(cfg.name)} ({model.path})"
     if pf.fingerprint:
         fp = model_fingerprint(model)
         if fp != pf.fingerprint:
