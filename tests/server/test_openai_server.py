@@ -184,14 +184,15 @@ def test_api_key_queue_full_and_sigterm(smollm2_path: Path, tmp_path: Path) -> N
         c = client(server, "sekrit")
         assert [m.id for m in c.models.list()] == [MODEL]
         # one long stream holds the only slot; the next request is refused with Retry-After
-        started = threading.Event()
+        started, release = threading.Event(), threading.Event()
 
-        def hold() -> None:
+        def hold() -> None:  # keeps its stream (and the slot) open until the refused request is done
             with httpx.stream("POST", server.base_url + "/completions", headers={"Authorization": "Bearer sekrit"},
                               json={"prompt": "1, 2, 3,", "max_tokens": 200, "temperature": 0, "stream": True}) as r:
                 for i, _ in enumerate(r.iter_lines()):
                     if i == 4:
                         started.set()
+                        release.wait(60)
                         break
 
         t = threading.Thread(target=hold)
@@ -199,6 +200,7 @@ def test_api_key_queue_full_and_sigterm(smollm2_path: Path, tmp_path: Path) -> N
         assert started.wait(60)
         busy = httpx.post(server.base_url + "/completions", headers={"Authorization": "Bearer sekrit"},
                           json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        release.set()
         t.join()
         assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["type"] == "rate_limit_error"
