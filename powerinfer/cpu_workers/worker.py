@@ -11,7 +11,6 @@ coordinator is gone, so a killed coordinator never leaves orphan workers.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -32,12 +31,10 @@ from powerinfer.memory import release_freed_memory
 from powerinfer.model.ops import RopeTable
 from powerinfer.model.sharding import plan_shards
 from powerinfer.protocol import (
-    HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
     AttnMsg,
     ErrorMsg,
     FfnMsg,
-    HeartbeatMsg,
     HelloMsg,
     LoadMsg,
     LogitsMsg,
@@ -51,48 +48,12 @@ from powerinfer.protocol import (
     socket_limits,
     worker_identity,
 )
+from powerinfer.protocol.lifecycle import die_with_parent, heartbeat
 from powerinfer.sparsity.predictor_file import read_predictor
 
 log = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1
 TRIM_ROWS = 32  # prefill chunks at least this long end with a malloc_trim (~1 ms)
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL us when the process that started us dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the heartbeat thread")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _heartbeat(ctx: zmq.Context, endpoint: str, index: int, coordinator: int, busy: threading.Event, stop: threading.Event) -> None:
-    """Beat every HEARTBEAT_S; exit the whole process when the coordinator disappears."""
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 10)
-    sock.connect(endpoint)
-    pid = os.getpid()
-    while not stop.wait(HEARTBEAT_INTERVAL_S):
-        if not _alive(coordinator) or os.getppid() == 1:
-            log.warning("worker %d: coordinator %d is gone, exiting", index, coordinator)
-            os._exit(0)
-        try:
-            send(sock, HeartbeatMsg(worker=index, pid=pid, busy=busy.is_set()), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # coordinator busy; a dropped beat is fine, the next one follows
-    sock.close()
 
 
 class _Shards:
@@ -165,7 +126,7 @@ def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event)
 
 def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, log_level: str = "WARNING") -> None:
     """Entry point of a worker process."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(levelname)s worker{index} %(name)s: %(message)s", stream=sys.stderr)
     # The coordinator handles Ctrl+C and tells us to stop; a terminal's SIGINT must not kill us mid-reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -176,7 +137,7 @@ def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, l
     socket_limits(sock)
     sock.connect(endpoint)
     busy, stop = threading.Event(), threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(ctx, hb_endpoint, index, coordinator, busy, stop), daemon=True)
+    beat = threading.Thread(target=heartbeat, args=(ctx, hb_endpoint, index, coordinator, busy, stop), daemon=True)
     beat.start()
     try:
         send(sock, HelloMsg(version=PROTOCOL_VERSION, worker=index, pid=os.getpid()))

@@ -13,7 +13,6 @@ coordinator disappears. No torch here: numpy, pyzmq and (for ``cuda``) pycuda.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -30,12 +29,10 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuSetup, make_backend
 from powerinfer.gpu_worker.model import GpuModel
 from powerinfer.protocol import (
-    HEARTBEAT_INTERVAL_S,
     PROTOCOL_VERSION,
     AttnMsg,
     ErrorMsg,
     FfnMsg,
-    HeartbeatMsg,
     HelloMsg,
     LoadMsg,
     PartialMsg,
@@ -47,46 +44,12 @@ from powerinfer.protocol import (
     socket_limits,
     worker_identity,
 )
+from powerinfer.protocol.lifecycle import die_with_parent, heartbeat
 from powerinfer.sparsity.predictor_file import read_predictor
 
 log = logging.getLogger(__name__)
 
 INDEX = 0  # the GPU worker's identity on the control socket (w0) and in its messages
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the heartbeat thread")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _heartbeat(ctx: zmq.Context, endpoint: str, coordinator: int, busy: threading.Event, stop: threading.Event) -> None:
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 10)
-    sock.connect(endpoint)
-    pid = os.getpid()
-    while not stop.wait(HEARTBEAT_INTERVAL_S):
-        if not _alive(coordinator) or os.getppid() == 1:
-            log.warning("GPU worker: coordinator %d is gone, exiting", coordinator)
-            os._exit(0)
-        try:
-            send(sock, HeartbeatMsg(worker=INDEX, pid=pid, busy=busy.is_set()), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # a dropped beat is fine, the next one follows
-    sock.close()
 
 
 def _f32(x: np.ndarray) -> np.ndarray:
@@ -139,7 +102,7 @@ def _serve(sock: zmq.Socket, model: GpuModel, busy: threading.Event) -> None:
 
 
 def worker_main(endpoint: str, hb_endpoint: str, coordinator: int, log_level: str, setup_path: str) -> None:
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s gpu-worker %(name)s: %(message)s", stream=sys.stderr)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator handles Ctrl+C and tells us to stop
     ctx = zmq.Context()
@@ -149,7 +112,7 @@ def worker_main(endpoint: str, hb_endpoint: str, coordinator: int, log_level: st
     socket_limits(sock)
     sock.connect(endpoint)
     busy, stop = threading.Event(), threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(ctx, hb_endpoint, coordinator, busy, stop), daemon=True)
+    beat = threading.Thread(target=heartbeat, args=(ctx, hb_endpoint, INDEX, coordinator, busy, stop, "GPU worker"), daemon=True)
     beat.start()
     model: GpuModel | None = None
     try:
