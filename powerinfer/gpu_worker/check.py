@@ -33,7 +33,7 @@ SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), 
 Case = Callable[[Backend], list[np.ndarray]]
 
 
-def random_weight_rows(qtype: QT, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+def random_weight_rows(qtype: QT, n: int, k: int, rng: np.random.Generator, max_scale: float = 0.05) -> np.ndarray:
     """uint8 [n, row_bytes]: random codes with finite, moderate float16 scales (F16/F32: normal floats)."""
     if qtype in (QT.F16, QT.F32):
         return rng.standard_normal((n, k)).astype(np.float16 if qtype == QT.F16 else np.float32).view(np.uint8)
@@ -41,7 +41,7 @@ def random_weight_rows(qtype: QT, n: int, k: int, rng: np.random.Generator) -> n
     raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
     blocks = raw.reshape(n, k // block, size)
     for off in SCALE_FIELDS[qtype]:
-        blocks[..., off : off + 2] = rng.uniform(1e-3, 0.05, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+        blocks[..., off : off + 2] = rng.uniform(1e-3, max_scale, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     return raw
 
 

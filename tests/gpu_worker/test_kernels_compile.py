@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
+from powerinfer.gpu_worker.check import random_weight_rows
 from powerinfer.gpu_worker.cuda_backend import SIGNATURES
 from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, source_files
 
@@ -24,7 +24,6 @@ NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 HARNESS = Path(__file__).with_name("dq1_host.cu")
 # byte offsets of the float16 scale fields of each block format (random bytes there may be inf/nan)
-SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,), QT.Q4_K: (0, 2), QT.Q6_K: (208,)}
 
 
 @needs_nvcc
@@ -50,15 +49,8 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def random_rows(qtype: QT, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """uint8 [n, row_bytes]: random codes with finite, moderate float16 scales."""
-    if qtype in (QT.F16, QT.F32):
-        return rng.standard_normal((n, k)).astype(np.float16 if qtype == QT.F16 else np.float32).view(np.uint8)
-    block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, (n, k // block * size), dtype=np.uint8)
-    blocks = raw.reshape(n, k // block, size)
-    for off in SCALE_FIELDS[qtype]:
-        blocks[..., off : off + 2] = rng.uniform(1e-3, 0.1, blocks.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
-    return raw
+    """uint8 [n, row_bytes]: random codes with finite float16 scales up to 0.1."""
+    return random_weight_rows(qtype, n, k, rng, max_scale=0.1)
 
 
 @pytest.mark.parametrize("qtype", list(SUFFIX), ids=lambda q: q.name)
