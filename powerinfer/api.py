@@ -165,10 +165,7 @@ class LLM:
         """engine.eval; after a worker failure the error goes to this request at once and the
         pool is restarted at the start of the next one (so the error is not delayed by a restart)."""
         if self._broken:
-            restart = getattr(self.engine.executor, "restart", None)
-            if restart is not None:
-                restart()
-            self._broken = False
+            self.restart_workers()
         try:
             return self.engine.eval(ids, all_logits=all_logits)
         except (WorkerDiedError, WorkerError):

@@ -87,10 +87,6 @@ class SequenceState:
         self.next_token = token
         return [chunk]
 
-    def cancel(self) -> None:
-        self.finish_reason = self.finish_reason or "cancelled"
-        self.next_token = None
-
     def _finish(self, reason: str) -> GenerationChunk:
         self.finish_reason = reason
         if reason == "length":

@@ -134,7 +134,6 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         await run_in_threadpool(state.close)
 
     app = FastAPI(title="powerinfer-server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.powerinfer = state
     app.add_middleware(StatusCounter, state=state)
 
     @app.exception_handler(APIError)
