@@ -2,7 +2,12 @@
 
 Runs in: a CPU worker process (or the coordinator for the in-process executor).
 
-Gate and up rows stay packed as in the dense shard (the file's own 4-bit codes); the down
+Where it can, the shard runs the native kernel (:mod:`powerinfer.cpu_workers.native`): gate, up
+and down all neuron-major in the file's own codes, each active neuron's bytes read in place, one
+call per layer. The torch path below is the fallback (no C compiler, a neuron set that cuts the
+down matrix's quantization groups, or a float tensor); both compute the same modes.
+
+Torch path: gate and up rows stay packed as in the dense shard (the file's own 4-bit codes); the down
 projection is kept transposed and neuron-major in float16, down_t [n, d] (row i is neuron i's
 output direction), so any subset of neurons is a row gather and a step reads only the selected
 rows of down_t:
@@ -24,12 +29,14 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer.config import ModelConfig
+from powerinfer.cpu_workers.native import NativeFFN, native_lib, pack_down, pack_rows, supported
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import activation
 from powerinfer.model.sharding import down_columns, packs_as_columns
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import Int8Linear, PackedLinear
+from powerinfer.quants.formats import decode
 from powerinfer.sparsity.predictor_file import LayerPredictor
 
 
@@ -55,7 +62,8 @@ class SparseFFNShard:
     """A set of neurons of one layer (a range, or any sorted set: the cold neurons next to a GPU
     worker's hot ones), computed sparsely at decode time."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray, pred: LayerPredictor, mode: str) -> None:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray, pred: LayerPredictor, mode: str,
+                 native: bool = True) -> None:
         if mode not in ("predictor", "gate"):
             raise ValueError(f"unknown sparse mode {mode!r}")
         self.cfg, self.layer, self.mode = cfg, layer, mode
@@ -66,6 +74,50 @@ class SparseFFNShard:
         self.start, self.n = start, len(idx)
         contiguous = packs_as_columns(f, layer, idx)
         rows: slice | np.ndarray = slice(start, stop) if contiguous else idx
+        self._load_predictor(pred, rows)
+        self.force_dense = False
+        self.oracle = False
+        self.track_quality = False  # multi-token calls also count true/false positives (perplexity)
+        self.last_active = 0.0  # share of this shard's neurons computed in the last call
+        # quality counters over multi-token calls: true positives, false positives, false negatives,
+        # (token, neuron) pairs seen, pairs computed; "true" = |act(gate) * up| > threshold
+        self.counts = np.zeros(5, dtype=np.int64)
+        self.decode_calls, self.decode_active = 0, 0.0  # decode steps and the sum of their active shares
+        self.native: NativeFFN | None = self._load_native(f, layer, start, stop) if native and contiguous else None
+        if self.native is None:
+            self._load_torch(f, layer, idx, rows, contiguous)
+
+    def _load_native(self, f: GGUFFile, layer: int, start: int, stop: int) -> NativeFFN | None:
+        lib = native_lib()
+        if lib is None:
+            return None
+
+        def dec(kind: str, rows: slice | None) -> object:
+            name = layer_tensor(layer, kind)
+            info = f.tensor(name)
+            raw = f.raw(name)
+            return decode(info.qtype, raw if rows is None else raw[rows], info.n_cols)
+
+        gate, up = dec("ffn_gate", slice(start, stop)), dec("ffn_up", slice(start, stop))
+        down = dec("ffn_down", None)
+        if not (supported(gate) and supported(up) and supported(down)):
+            return None
+        assert not isinstance(down, np.ndarray)
+        if start % down.group or (stop - start) % down.group or self.cfg.d_model % 32:
+            return None
+        return NativeFFN(lib, pack_rows(gate), pack_rows(up), pack_down(down.cols(start, stop)), self.cfg.activation)  # type: ignore[arg-type]
+
+    def _load_predictor(self, pred: LayerPredictor, rows: slice | np.ndarray) -> None:
+        self.threshold = float(pred.threshold)
+        # owned float32 copies (the file's arrays are read-only views of the mapped predictor)
+        self.fc1_w = torch.from_numpy(np.array(pred.fc1_w, dtype=np.float32))  # [r, d]
+        self.fc1_b = torch.from_numpy(np.array(pred.fc1_b, dtype=np.float32))
+        self.fc2_w = torch.from_numpy(np.array(pred.fc2_w[rows], dtype=np.float32))  # [n, r] (this shard's neurons)
+        self.fc2_b = torch.from_numpy(np.array(pred.fc2_b[rows], dtype=np.float32))
+
+    def _load_torch(self, f: GGUFFile, layer: int, idx: np.ndarray, rows: slice | np.ndarray, contiguous: bool) -> None:
+        start, stop = int(idx[0]), int(idx[-1]) + 1
+        mode = self.mode
         # gate and up rows packed like the dense shard (the file's own codes): act(gate) and up are
         # then exactly the dense model's numbers. Gate mode computes both for every neuron (one
         # fused int4 matmul) and skips the down rows of the inactive ones; predictor mode keeps
@@ -87,25 +139,14 @@ class SparseFFNShard:
             del down_t
         else:
             self.down_t = torch.from_numpy(np.ascontiguousarray(down_columns(f, layer, idx)[0].T)).half()
-        self.threshold = float(pred.threshold)
-        sl = rows
-        # owned float32 copies (the file's arrays are read-only views of the mapped predictor)
-        self.fc1_w = torch.from_numpy(np.array(pred.fc1_w, dtype=np.float32))  # [r, d]
-        self.fc1_b = torch.from_numpy(np.array(pred.fc1_b, dtype=np.float32))
-        self.fc2_w = torch.from_numpy(np.array(pred.fc2_w[sl], dtype=np.float32))  # [n, r] (this shard's neurons)
-        self.fc2_b = torch.from_numpy(np.array(pred.fc2_b[sl], dtype=np.float32))
-        self.force_dense = False
-        self.oracle = False
-        self.last_active = 0.0  # share of this shard's neurons computed in the last call
-        # quality counters over multi-token calls: true positives, false positives, false negatives,
-        # (token, neuron) pairs seen, pairs computed; "true" = |act(gate) * up| > threshold
-        self.counts = np.zeros(5, dtype=np.int64)
-        self.decode_calls, self.decode_active = 0, 0.0  # decode steps and the sum of their active shares
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.down_t, self.fc1_w, self.fc2_w] + [t for t in (self.gate_w, self.gate_s, self.up_w, self.up_s) if t is not None]
-        return sum(t.nbytes for t in tensors) + self.gate_up.nbytes
+        pred = self.fc1_w.nbytes + self.fc2_w.nbytes
+        if self.native is not None:
+            return self.native.nbytes + pred
+        tensors = [self.down_t] + [t for t in (self.gate_w, self.gate_s, self.up_w, self.up_s) if t is not None]
+        return sum(t.nbytes for t in tensors) + self.gate_up.nbytes + pred
 
     # -- pieces ----------------------------------------------------------------------------------
 
@@ -152,6 +193,8 @@ class SparseFFNShard:
         Every path computes a token's output the same way (its active neurons' down rows summed in
         one embedding_bag), so prefill, decode and batched decode agree to the bit.
         """
+        if self.native is not None:
+            return self._forward_native(x)
         T = x.shape[0]
         if self.force_dense:
             self.last_active = 1.0
@@ -185,6 +228,33 @@ class SparseFFNShard:
                                      mask.numel(), int(mask.sum())])
             self.last_active = float(mask.float().mean())
         return self._down(h, mask)
+
+    def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """One kernel call for all T tokens: per token, the same computation whatever T is."""
+        assert self.native is not None
+        T = x.shape[0]
+        mask = None
+        if self.force_dense:
+            kmode = "all"
+        elif self.oracle:
+            kmode = "oracle"
+        elif self.mode == "gate":
+            kmode = "gate"
+        else:
+            kmode, mask = "mask", self.predict(x)
+        y, active = self.native.forward(x, kmode, self.threshold, mask)
+        if T == 1:
+            self._count_decode(int(active[0]))
+        else:
+            self.last_active = float(active.sum()) / (T * self.n)
+            if self.track_quality:
+                g, h = self.native.activations(x)
+                true = h.abs() > self.threshold
+                chosen = {"all": torch.ones_like(true), "oracle": true, "gate": g.abs() > self.threshold}.get(kmode, mask)
+                assert chosen is not None
+                self.counts += np.array([int((chosen & true).sum()), int((chosen & ~true).sum()), int((~chosen & true).sum()),
+                                         chosen.numel(), int(active.sum())])
+        return y
 
     def _count_decode(self, active: int) -> None:
         self.last_active = active / self.n

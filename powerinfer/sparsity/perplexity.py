@@ -81,6 +81,9 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
     if predictor is not None:
         progress(f"sparse pass ({predictor.mode} mode)")
         ex = InProcessExecutor(f, cfg, n_ctx, predictor=predictor)
+        for shards in ex.ffns:
+            for shard in shards:
+                shard.track_quality = True  # true/false positives need every neuron's activation
         s_nll, _ = _nll(Engine(f, cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
         sparse_ppl = math.exp(s_nll / count)
         out = []

@@ -1,0 +1,142 @@
+"""The native sparse FFN kernel against its numpy statement, and inside the sparse shard.
+
+Runs in: the pytest process (the kernel is compiled into the cache on first use).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer.cpu_workers.native import NativeFFN, native_lib, pack_down, pack_rows, reference_ffn, supported
+from powerinfer.quants.grouped import Grouped
+
+pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: the native kernel is not built")
+
+D, N = 96, 128
+
+
+def _grouped(rng: np.random.Generator, n: int, k: int, kind: str) -> Grouped:
+    """Random codes in a format's range: q4 (0..15, group 32), q8 (int8, group 32), q6k-like (-32..31, group 16)."""
+    if kind == "q4":
+        q, group, bits = rng.integers(0, 16, (n, k)), 32, 4
+    elif kind == "q8":
+        q, group, bits = rng.integers(-128, 128, (n, k)), 32, 8
+    else:
+        q, group, bits = rng.integers(-32, 32, (n, k)), 16, 8
+    scale = rng.uniform(0.002, 0.02, (n, k // group)).astype(np.float32)
+    zero = (rng.uniform(-0.1, 0.1, (n, k // group)) if bits == 4 else np.zeros((n, k // group))).astype(np.float32)
+    return Grouped(q.astype(np.int8), scale, zero, group, bits)
+
+
+def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
+    rng = np.random.default_rng(seed)
+    gate, up, down = _grouped(rng, N, D, kinds[0]), _grouped(rng, N, D, kinds[1]), _grouped(rng, D, N, kinds[2])
+    lib = native_lib()
+    assert lib is not None
+    return NativeFFN(lib, pack_rows(gate), pack_rows(up), pack_down(down), activation), gate, up, down
+
+
+def _close(y: np.ndarray, ref: np.ndarray) -> None:
+    np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q8", "q8", "q6k"), ("q8", "q4", "q4"), ("q4", "q8", "q6k")])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int) -> None:
+    ffn, gate, up, down = _ffn(kinds, activation)
+    x = np.random.default_rng(1).standard_normal((3, D)).astype(np.float32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _, a_ref = reference_ffn(x, gate, up, down, activation, "all")
+        for mode in ("all", "gate", "oracle", "mask"):
+            mask = np.random.default_rng(2).random((3, N)) < 0.3
+            # a threshold halfway between two neighbouring |values| so float32 and float64 pick the same set
+            if mode == "gate":
+                g, _ = ffn.activations(torch.from_numpy(x))
+                v = np.sort(np.abs(g.numpy()).ravel())
+            else:
+                _, h = ffn.activations(torch.from_numpy(x))
+                v = np.sort(np.abs(h.numpy()).ravel())
+            i = int(np.argmax(np.diff(v[len(v) // 3 : 2 * len(v) // 3]))) + len(v) // 3
+            thr = float((v[i] + v[i + 1]) / 2)
+            ref, ref_active = reference_ffn(x, gate, up, down, activation, mode, thr, mask)
+            y, active = ffn.forward(torch.from_numpy(x), mode, thr, torch.from_numpy(mask))
+            _close(y.numpy(), ref)
+            assert active.tolist() == ref_active.tolist(), mode
+            if mode != "all":
+                assert 0 < int(active.sum()) < 3 * N  # the mode really skipped some neurons
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_a_token_gets_the_same_bits_whatever_shares_its_call() -> None:
+    ffn, *_ = _ffn(("q4", "q4", "q4"))
+    x = torch.randn(5, D)
+    batch, _ = ffn.forward(x, "gate", 0.05)
+    for t in range(5):
+        one, _ = ffn.forward(x[t : t + 1], "gate", 0.05)
+        assert torch.equal(one[0], batch[t])
+
+
+def test_masked_neurons_bytes_are_never_used() -> None:
+    """Gate and up rows of neurons outside the mask get NaN scales: a read would poison the output."""
+    rng = np.random.default_rng(3)
+    gate, up, down = _grouped(rng, N, D, "q4"), _grouped(rng, N, D, "q4"), _grouped(rng, D, N, "q4")
+    mask = np.zeros((1, N), dtype=bool)
+    mask[0, ::5] = True
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    ref, _ = reference_ffn(x, gate, up, down, "silu", "mask", 0.0, mask)
+    poisoned = [Grouped(m.q, np.where(mask[0][:, None], m.scale, np.nan).astype(np.float32), m.zero, m.group, m.bits) for m in (gate, up)]
+    lib = native_lib()
+    assert lib is not None
+    ffn = NativeFFN(lib, pack_rows(poisoned[0]), pack_rows(poisoned[1]), pack_down(down), "silu")
+    y, active = ffn.forward(torch.from_numpy(x), "mask", 0.0, torch.from_numpy(mask))
+    assert int(active[0]) == int(mask.sum())
+    _close(y.numpy(), ref)
+
+
+def test_layouts_the_kernel_does_not_take() -> None:
+    rng = np.random.default_rng(4)
+    assert supported(_grouped(rng, 4, 64, "q4"))
+    assert not supported(np.zeros((4, 64), np.float32))  # float tensors stay on the torch path
+    assert not supported(Grouped(np.zeros((4, 48), np.int8), np.ones((4, 3), np.float32), np.zeros((4, 3), np.float32), 16, 4))
+
+
+@pytest.fixture(scope="module")
+def q4_model(make_model: Callable[..., Path]) -> Path:
+    from gguf import GGMLQuantizationType
+
+    return make_model(arch="llama", n_layers=2, qtype=GGMLQuantizationType.Q4_0)
+
+
+def test_sparse_shard_native_and_torch_paths_agree(q4_model: Path, tmp_path: Path) -> None:
+    from powerinfer.config import config_from_gguf
+    from powerinfer.cpu_workers.shards import FFNShard
+    from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+
+    f = GGUFFile(q4_model)
+    cfg = config_from_gguf(f)
+    pf = calibrate(q4_model, CalibrationSettings(mode="gate", sparsity=0.5, tokens=32, window=32, steps=1))
+    neurons = np.arange(cfg.n_ff)
+    native = SparseFFNShard(f, cfg, 1, neurons, pf.layers[1], "gate")
+    fallback = SparseFFNShard(f, cfg, 1, neurons, pf.layers[1], "gate", native=False)
+    assert native.native is not None and fallback.native is None
+    x = torch.randn(4, cfg.d_model)
+    dense = FFNShard(f, cfg, 1, neurons).forward(x)
+    for shard in (native, fallback):
+        shard.force_dense = True
+        # the paths differ only in how x is rounded (int16 per 32 vs bfloat16): well under 2%
+        assert float((shard.forward(x) - dense).norm() / dense.norm()) < 0.02
+        shard.force_dense = False
+    ys = [s.forward(x) for s in (native, fallback)]
+    assert float((ys[0] - ys[1]).norm() / ys[1].norm()) < 0.05  # a few borderline neurons may flip
+    assert 0.3 < native.last_active < 0.7
