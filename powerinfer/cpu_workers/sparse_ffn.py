@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native import NativeFFN, native_lib, pack_down, pack_rows, supported
+from powerinfer.cpu_workers.native import NativeFFN, native_lib, supported
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import activation
@@ -105,7 +105,8 @@ class SparseFFNShard:
         assert not isinstance(down, np.ndarray)
         if start % down.group or (stop - start) % down.group or self.cfg.d_model % 32:
             return None
-        return NativeFFN(lib, pack_rows(gate), pack_rows(up), pack_down(down.cols(start, stop)), self.cfg.activation)  # type: ignore[arg-type]
+        return NativeFFN(lib, gate, up, down.cols(start, stop), self.cfg.activation,  # type: ignore[arg-type]
+                         gate_in_records=self.mode == "predictor")
 
     def _load_predictor(self, pred: LayerPredictor, rows: slice | np.ndarray) -> None:
         self.threshold = float(pred.threshold)

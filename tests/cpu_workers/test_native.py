@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from powerinfer.cpu_workers.native import NativeFFN, native_lib, pack_down, pack_rows, reference_ffn, supported
+from powerinfer.cpu_workers.native import NativeFFN, native_lib, reference_ffn, supported
 from powerinfer.quants.grouped import Grouped
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: the native kernel is not built")
@@ -33,12 +33,12 @@ def _grouped(rng: np.random.Generator, n: int, k: int, kind: str) -> Grouped:
     return Grouped(q.astype(np.int8), scale, zero, group, bits)
 
 
-def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
+def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0, gate_in_records: bool = True) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
     rng = np.random.default_rng(seed)
     gate, up, down = _grouped(rng, N, D, kinds[0]), _grouped(rng, N, D, kinds[1]), _grouped(rng, D, N, kinds[2])
     lib = native_lib()
     assert lib is not None
-    return NativeFFN(lib, pack_rows(gate), pack_rows(up), pack_down(down), activation), gate, up, down
+    return NativeFFN(lib, gate, up, down, activation, gate_in_records), gate, up, down
 
 
 def _close(y: np.ndarray, ref: np.ndarray) -> None:
@@ -48,8 +48,9 @@ def _close(y: np.ndarray, ref: np.ndarray) -> None:
 @pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q8", "q8", "q6k"), ("q8", "q4", "q4"), ("q4", "q8", "q6k")])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int) -> None:
-    ffn, gate, up, down = _ffn(kinds, activation)
+@pytest.mark.parametrize("gate_in_records", [True, False])
+def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int, gate_in_records: bool) -> None:
+    ffn, gate, up, down = _ffn(kinds, activation, gate_in_records=gate_in_records)
     x = np.random.default_rng(1).standard_normal((3, D)).astype(np.float32)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -76,6 +77,26 @@ def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], act
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q8", "q8", "q6k")])
+def test_given_activations_read_only_what_is_left(kinds: tuple[str, str, str]) -> None:
+    """given_gate: the caller's act(gate) picks neurons, up and down are read; given_h: only down."""
+    rng = np.random.default_rng(5)
+    gate, up, down = _grouped(rng, N, D, kinds[0]), _grouped(rng, N, D, kinds[1]), _grouped(rng, D, N, kinds[2])
+    lib = native_lib()
+    assert lib is not None
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    a = rng.standard_normal((2, N)).astype(np.float32)
+    h = rng.standard_normal((2, N)).astype(np.float32)
+    for mode, with_up in (("given_gate", True), ("given_h", False)):
+        ffn = NativeFFN(lib, gate, up, down, "silu", with_gate=False, with_up=with_up)
+        ref, ref_active = reference_ffn(x, gate, up, down, "silu", mode, 0.8, given_a=a, given_h=h)
+        y, active = ffn.forward(torch.from_numpy(x), mode, 0.8, given_a=torch.from_numpy(a), given_h=torch.from_numpy(h))
+        _close(y.numpy(), ref)
+        assert active.tolist() == ref_active.tolist() == (np.abs(a) > 0.8).sum(1).tolist()
+        with pytest.raises(ValueError, match="built without"):
+            ffn.forward(torch.from_numpy(x), "gate", 0.8)
+
+
 def test_a_token_gets_the_same_bits_whatever_shares_its_call() -> None:
     ffn, *_ = _ffn(("q4", "q4", "q4"))
     x = torch.randn(5, D)
@@ -96,7 +117,7 @@ def test_masked_neurons_bytes_are_never_used() -> None:
     poisoned = [Grouped(m.q, np.where(mask[0][:, None], m.scale, np.nan).astype(np.float32), m.zero, m.group, m.bits) for m in (gate, up)]
     lib = native_lib()
     assert lib is not None
-    ffn = NativeFFN(lib, pack_rows(poisoned[0]), pack_rows(poisoned[1]), pack_down(down), "silu")
+    ffn = NativeFFN(lib, poisoned[0], poisoned[1], down, "silu")
     y, active = ffn.forward(torch.from_numpy(x), "mask", 0.0, torch.from_numpy(mask))
     assert int(active[0]) == int(mask.sum())
     _close(y.numpy(), ref)

@@ -7,8 +7,8 @@
  * torch path either computes every neuron or first gathers the active rows into a copy. Here each
  * active neuron's gate/up row and down row are read in place, in the file's own 4/8-bit codes.
  *
- * Layouts (all neuron-major, so a neuron's bytes are contiguous; codes are the GGUF codes, so
- * every value is exactly the file's: w = q * scale + zero with per-group float16 scale and zero):
+ * Layouts (all neuron-major; codes are the GGUF codes, so every value is exactly the file's:
+ * w = q * scale + zero with per-group float16 scale and zero):
  *   gate, up  rows [n, d]: groups of `group` along d.  4-bit: 16 bytes per 32 values, byte b
  *             holds value b (low nibble) and value b + 16 (high nibble); 8-bit: one int8 each.
  *             scale, zero [n, d / group].
@@ -16,6 +16,9 @@
  *             groups run along the neurons, so scale, zero are [n / group, d]: down[i, j] =
  *             q[j, i] * scale[j / group, i] + zero[j / group, i].  Codes packed like gate/up in
  *             chunks of 32 along d (4-bit) or one int8 each.
+ *   Rows are reached through strides, so native.py stores each neuron's gate, up and down codes
+ *   and its gate/up scales as one record: a sparse step then touches one run of memory per active
+ *   neuron instead of three (scattered 4 KiB pages cost a TLB miss each).
  *   A unit is one down group of neurons: y[i] += scale[u, i] * sum_j h_j q[j, i] + zero[u, i] * sum_j h_j,
  *   so the file's scales are applied once per unit and the sum is exact to float rounding.
  *
@@ -32,14 +35,16 @@
 #endif
 
 typedef struct {
-    const uint8_t *codes;   /* 4-bit packed or int8, see above */
-    const uint16_t *scale;  /* float16 */
-    const uint16_t *zero;   /* float16 */
+    const uint8_t *codes;   /* 4-bit packed or int8, see above; row j at codes + j * stride */
+    const uint16_t *scale;  /* float16; row (gate/up) or unit (down) j at scale + j * sstride */
+    const uint16_t *zero;   /* float16, same strides as scale */
+    int64_t stride;         /* bytes from one row's codes to the next */
+    int64_t sstride;        /* float16 elements from one row's (unit's) scales to the next */
     int32_t bits;           /* 4 or 8 */
     int32_t group;          /* 4-bit: 32; 8-bit: 16 or 32 */
 } pi_mat;
 
-enum { PI_ALL = 0, PI_GATE = 1, PI_MASK = 2, PI_ORACLE = 3 };
+enum { PI_ALL = 0, PI_GATE = 1, PI_MASK = 2, PI_ORACLE = 3, PI_GIVEN_GATE = 4, PI_GIVEN_H = 5 };
 enum { PI_SILU = 0, PI_GELU = 1 };
 
 __attribute__((unused)) static float h2f(uint16_t h) {
@@ -120,7 +125,7 @@ static void quantize_x(const float *x, int d, int16_t *xq, float *xd) {
  * [d / group] (for the zeros): sum_g scale_g * xd * sum(q * xq) + zero_g * xs_g. Portable form. */
 static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const float *xd, const float *xs) {
     const int ng = d / m->group, gs = m->group;
-    const uint16_t *sc = m->scale + (size_t)j * ng, *zr = m->zero + (size_t)j * ng;
+    const uint16_t *sc = m->scale + (size_t)j * m->sstride, *zr = m->zero + (size_t)j * m->sstride;
     float tot = 0.0f;
     for (int g = 0; g < ng; g++) {
         int64_t a = 0;
@@ -128,10 +133,10 @@ static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const flo
             const int pos = g * gs + k;
             int q;
             if (m->bits == 4) {
-                const uint8_t byte = m->codes[(size_t)j * (d / 2) + (pos / 32) * 16 + (pos % 16)];
+                const uint8_t byte = m->codes[(size_t)j * m->stride + (pos / 32) * 16 + (pos % 16)];
                 q = (pos % 32) < 16 ? (byte & 15) : (byte >> 4);
             } else {
-                q = ((const int8_t *)m->codes)[(size_t)j * d + pos];
+                q = ((const int8_t *)m->codes)[(size_t)j * m->stride + pos];
             }
             a += (int64_t)q * xq[pos];
         }
@@ -148,7 +153,7 @@ static void row_dot4(const pi_mat *m, int d, const int32_t *j, const int16_t *xq
     float sf[4][512];  /* each group's scale times its block's xd */
     __m256 acc[4];
     for (int r = 0; r < 4; r++) {
-        const uint16_t *sc = m->scale + (size_t)j[r] * ng, *zr = m->zero + (size_t)j[r] * ng;
+        const uint16_t *sc = m->scale + (size_t)j[r] * m->sstride, *zr = m->zero + (size_t)j[r] * m->sstride;
         __m256 zt = _mm256_setzero_ps();
         float zs = 0.0f;
         int g8 = 0;
@@ -169,7 +174,7 @@ static void row_dot4(const pi_mat *m, int d, const int32_t *j, const int16_t *xq
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
             const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 16));
             for (int r = 0; r < 4; r++) {
-                __m128i b = _mm_loadu_si128((const __m128i *)(m->codes + (size_t)j[r] * (d / 2) + g * 16));
+                __m128i b = _mm_loadu_si128((const __m128i *)(m->codes + (size_t)j[r] * m->stride + g * 16));
                 __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m0f));
                 __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m0f));
                 __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
@@ -182,7 +187,7 @@ static void row_dot4(const pi_mat *m, int d, const int32_t *j, const int16_t *xq
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c));
             const int g = c / m->group;
             for (int r = 0; r < 4; r++) {
-                __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(m->codes + (size_t)j[r] * d + c)));
+                __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(m->codes + (size_t)j[r] * m->stride + c)));
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(q, xv)), _mm256_set1_ps(sf[r][g]), acc[r]);
             }
         }
@@ -195,11 +200,11 @@ static void row_dot4(const pi_mat *m, int d, const int32_t *j, const int16_t *xq
 /* Ask for a row's bytes (codes, scales, zeros) ahead of use: decode is bound by memory
  * bandwidth, and a sparse row set jumps where the hardware prefetcher cannot follow. */
 static inline void prefetch_row(const pi_mat *m, int d, int j) {
-    const size_t row = m->bits == 4 ? (size_t)d / 2 : (size_t)d, ng = (size_t)d / m->group;
-    const char *p = (const char *)m->codes + (size_t)j * row;
+    const size_t row = m->bits == 4 ? (size_t)d / 2 : (size_t)d;
+    const char *p = (const char *)m->codes + (size_t)j * m->stride;
     for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o);
-    __builtin_prefetch(m->scale + (size_t)j * ng);
-    __builtin_prefetch(m->zero + (size_t)j * ng);
+    __builtin_prefetch(m->scale + (size_t)j * m->sstride);
+    __builtin_prefetch(m->zero + (size_t)j * m->sstride);
 }
 
 /* out[i] = row_dot of rows j[i], i < k: four at a time where the CPU has AVX2. */
@@ -226,13 +231,13 @@ static void row_dots(const pi_mat *m, int d, const int32_t *j, int k, const int1
 
 static inline void prefetch_down(const pi_mat *m, int d, int j) {
     const size_t row = m->bits == 4 ? (size_t)d / 2 : (size_t)d;
-    const char *p = (const char *)m->codes + (size_t)j * row;
+    const char *p = (const char *)m->codes + (size_t)j * m->stride;
     for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o);
 }
 
 /* y [d] += scale[u] * sum_k h_k * row(idx_k) + zero[u] * sum_k h_k over one unit's active neurons. */
 static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const float *h, int k, float *y) {
-    const uint16_t *sc = m->scale + (size_t)u * d, *zr = m->zero + (size_t)u * d;
+    const uint16_t *sc = m->scale + (size_t)u * m->sstride, *zr = m->zero + (size_t)u * m->sstride;
     float hsum = 0.0f;
     for (int a = 0; a < k; a++) hsum += h[a];
 #ifdef PI_AVX2
@@ -247,7 +252,7 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
         if (a + 2 < k) prefetch_down(m, d, idx[a + 2]);
         const __m256 hv = _mm256_set1_ps(h[a]);
         if (m->bits == 4) {
-            const uint8_t *p = m->codes + (size_t)idx[a] * (d / 2);
+            const uint8_t *p = m->codes + (size_t)idx[a] * m->stride;
             for (int c = 0; c < d; c += 32) {
                 __m128i b = _mm_loadu_si128((const __m128i *)(p + c / 2));
                 __m128i lo = _mm_and_si128(b, m0f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m0f);
@@ -258,7 +263,7 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
                 _mm256_store_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), hv, _mm256_load_ps(o + 24)));
             }
         } else {
-            const int8_t *p = (const int8_t *)m->codes + (size_t)idx[a] * d;
+            const int8_t *p = (const int8_t *)m->codes + (size_t)idx[a] * m->stride;
             for (int c = 0; c < d; c += 8) {
                 __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + c))));
                 _mm256_store_ps(acc + c, _mm256_fmadd_ps(v, hv, _mm256_load_ps(acc + c)));
@@ -277,13 +282,13 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
         memset(acc, 0, sizeof acc);
         for (int a = 0; a < k; a++) {
             if (m->bits == 4) {
-                const uint8_t *p = m->codes + (size_t)idx[a] * (d / 2) + c / 2;
+                const uint8_t *p = m->codes + (size_t)idx[a] * m->stride + c / 2;
                 for (int b = 0; b < 16; b++) {
                     acc[b] += (float)(p[b] & 15) * h[a];
                     acc[b + 16] += (float)(p[b] >> 4) * h[a];
                 }
             } else {
-                const int8_t *p = (const int8_t *)m->codes + (size_t)idx[a] * d + c;
+                const int8_t *p = (const int8_t *)m->codes + (size_t)idx[a] * m->stride + c;
                 for (int b = 0; b < 32; b++) acc[b] += (float)p[b] * h[a];
             }
         }
@@ -315,12 +320,6 @@ static void prepare_x(const float *x, int T, int d, int gg, int ug, float *xs_g,
  * parts * T counters. */
 int64_t pi_ffn_scratch(int T, int d, int parts) { return (int64_t)(parts + 1) * T * d + (int64_t)parts * T; }
 
-/*
- * x [T, d] (normed input) -> y [T, d]; active [T] counts the neurons computed per token.
- * mode PI_ALL: every neuron. PI_GATE: neurons with |act(gate)| > thr. PI_MASK: mask [T, n] != 0
- * (gate and up of the others are never read). PI_ORACLE: |act(gate) * up| > thr.
- * Returns 0, or -1 for a shape this kernel does not take (checked by the caller too).
- */
 /* One call's arguments in one struct: the Python side keeps it and sets only what changes (a
  * ctypes call with fifteen arguments costs more than the kernel at high sparsity). */
 typedef struct {
@@ -328,85 +327,112 @@ typedef struct {
     float *y;              /* [T, d] */
     int32_t *active;       /* [T] */
     const uint8_t *mask;   /* [T, n] for PI_MASK, else unused */
+    const float *given_a;  /* [T, n] act(gate) for PI_GIVEN_GATE / PI_GIVEN_H */
+    const float *given_h;  /* [T, n] act(gate) * up for PI_GIVEN_H */
     float *scratch;        /* pi_ffn_scratch(T, d, parts) floats */
     pi_mat gate, up, down;
     int32_t T, d, n, act, mode, parts;
     float thr;
 } pi_call;
 
-static int ffn(const float *x, int T, int d, int n, const pi_mat *gate, const pi_mat *up, const pi_mat *down, int act, int mode,
-               float thr, const uint8_t *mask, float *y, float *scratch, int32_t *active, int parts) {
+/* The active neurons of unit u for token t: idx[k] and h[k] = act(gate) * up, returns k. */
+static int unit_active(const pi_call *c, int u, int t, const int16_t *xqt, const float *xdt, const float *xs_gt, const float *xs_ut,
+                       int32_t *idx, float *h) {
+    const int ug = c->down.group, n = c->n, d = c->d, mode = c->mode, j0 = u * ug;
+    const float thr = c->thr;
+    float a[64], gv[64], uv[64];
+    int k = 0;
+    if (mode == PI_GIVEN_GATE || mode == PI_GIVEN_H) {
+        /* the caller computed act(gate) (and up) densely: select, then read only the active up rows */
+        const float *at = c->given_a + (size_t)t * n + j0;
+        for (int i = 0; i < ug; i++) {
+            if (!(fabsf(at[i]) > thr)) continue;
+            idx[k] = j0 + i;
+            h[k++] = mode == PI_GIVEN_H ? c->given_h[(size_t)t * n + j0 + i] : at[i];
+        }
+        if (mode == PI_GIVEN_GATE) {
+            row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
+            for (int i = 0; i < k; i++) h[i] *= uv[i];
+        }
+        return k;
+    }
+    /* act(gate) of the unit's candidates (all, or the masked ones), activated 8 at a time */
+    const uint8_t *mt = mode == PI_MASK ? c->mask + (size_t)t * n + j0 : NULL;
+    int cand = 0;
+    for (int i = 0; i < ug; i++)
+        if (!mt || mt[i]) idx[cand++] = j0 + i;
+    if (!cand) return 0;
+    row_dots(&c->gate, d, idx, cand, xqt, xdt, xs_gt, gv);
+    for (int i = 0; i < ug; i++) a[i] = 0.0f;
+    for (int i = 0; i < cand; i++) a[idx[i] - j0] = gv[i];
+    act_inplace(a, ug, c->act);
+    /* the active ones: |act(gate)| > thr (gate mode), or every candidate */
+    for (int i = 0; i < cand; i++) {
+        const float ai = a[idx[i] - j0];
+        if (mode == PI_GATE && !(fabsf(ai) > thr)) continue;
+        idx[k] = idx[i];
+        h[k++] = ai;
+    }
+    row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
+    int kept = 0;
+    for (int i = 0; i < k; i++) {
+        const float hv = h[i] * uv[i];
+        if (mode == PI_ORACLE && !(fabsf(hv) > thr)) continue;
+        idx[kept] = idx[i];
+        h[kept++] = hv;
+    }
+    return kept;
+}
+
+/*
+ * x [T, d] (normed input) -> y [T, d]; active [T] counts the neurons computed per token.
+ * mode PI_ALL: every neuron. PI_GATE: neurons with |act(gate)| > thr. PI_MASK: mask [T, n] != 0
+ * (gate and up of the others are never read). PI_ORACLE: |act(gate) * up| > thr. PI_GIVEN_GATE:
+ * act(gate) comes in given_a (computed densely by the caller), |act(gate)| > thr picks the
+ * neurons whose up and down rows are read. PI_GIVEN_H: given_h holds act(gate) * up too, only
+ * down rows are read. Returns 0, or -1 for a shape this kernel does not take (checked by the
+ * caller too).
+ */
+int pi_ffn(const pi_call *c) {
+    const int T = c->T, d = c->d, n = c->n, parts = c->parts, ug = c->down.group;
+    const pi_mat *gate = &c->gate, *up = &c->up;
     /* row_dot keeps a row's scales on the stack (<= 512 groups); a unit's neurons too (<= 64) */
-    if (d % 32 || d > 8192 || d / gate->group > 512 || d / up->group > 512 || n % down->group || down->group > 64 || parts < 1) return -1;
-    const int units = n / down->group, ug = down->group;
+    if (d % 32 || d > 8192 || d / gate->group > 512 || d / up->group > 512 || n % ug || ug > 64 || parts < 1) return -1;
+    const int units = n / ug;
+    float *scratch = c->scratch;
     float *xs_g = scratch + (size_t)parts * T * d;  /* [T, d / gate group] */
     float *xs_u = xs_g + (size_t)T * (d / gate->group);  /* [T, d / up group] */
     float *xd = xs_u + (size_t)T * (d / up->group);  /* [T, d / 32] */
     int16_t *xq = (int16_t *)(xd + (size_t)T * (d / 32));  /* [T, d]: the four fit in T * d floats */
     int32_t *counts = (int32_t *)(scratch + (size_t)(parts + 1) * T * d);  /* [parts, T] */
-    prepare_x(x, T, d, gate->group, up->group, xs_g, xs_u, xq, xd);
+    prepare_x(c->x, T, d, gate->group, up->group, xs_g, xs_u, xq, xd);
     memset(scratch, 0, sizeof(float) * (size_t)parts * T * d);
     memset(counts, 0, sizeof(int32_t) * (size_t)parts * T);
 #pragma omp parallel for schedule(static, 1)
     for (int p = 0; p < parts; p++) {
         int32_t idx[64];
-        float h[64], a[64];
+        float h[64];
         const int u0 = (int)((int64_t)units * p / parts), u1 = (int)((int64_t)units * (p + 1) / parts);
         for (int u = u0; u < u1; u++) {
             for (int t = 0; t < T; t++) {
-                const int16_t *xqt = xq + (size_t)t * d;
-                const float *xdt = xd + (size_t)t * (d / 32);
-                const uint8_t *mt = mode == PI_MASK ? mask + (size_t)t * n + (size_t)u * ug : NULL;
-                /* act(gate) of the unit's candidates (all, or the masked ones), activated 8 at a time */
-                /* act(gate) of the unit's candidates (all, or the masked ones), activated 8 at a time */
-                int cand = 0;
-                for (int i = 0; i < ug; i++)
-                    if (!mt || mt[i]) idx[cand++] = u * ug + i;
-                if (!cand) continue;
-                float gv[64];
-                row_dots(gate, d, idx, cand, xqt, xdt, xs_g + (size_t)t * (d / gate->group), gv);
-                for (int i = 0; i < ug; i++) a[i] = 0.0f;
-                for (int c = 0; c < cand; c++) a[idx[c] - u * ug] = gv[c];
-                act_inplace(a, ug, act);
-                /* the active ones: |act(gate)| > thr (gate mode), or every candidate */
-                int k = 0;
-                for (int c = 0; c < cand; c++) {
-                    const int i = idx[c] - u * ug;
-                    if (mode == PI_GATE && !(fabsf(a[i]) > thr)) continue;
-                    idx[k] = idx[c];
-                    h[k++] = a[i];
-                }
-                float uv[64];
-                row_dots(up, d, idx, k, xqt, xdt, xs_u + (size_t)t * (d / up->group), uv);
-                int kept = 0;
-                for (int c = 0; c < k; c++) {
-                    const float hv = h[c] * uv[c];
-                    if (mode == PI_ORACLE && !(fabsf(hv) > thr)) continue;
-                    idx[kept] = idx[c];
-                    h[kept++] = hv;
-                }
-                k = kept;
+                const int k = unit_active(c, u, t, xq + (size_t)t * d, xd + (size_t)t * (d / 32), xs_g + (size_t)t * (d / gate->group),
+                                          xs_u + (size_t)t * (d / up->group), idx, h);
                 counts[(size_t)p * T + t] += k;
-                if (k) down_unit(down, d, u, idx, h, k, scratch + ((size_t)p * T + t) * d);
+                if (k) down_unit(&c->down, d, u, idx, h, k, scratch + ((size_t)p * T + t) * d);
             }
         }
     }
     for (int t = 0; t < T; t++) {
-        float *yt = y + (size_t)t * d;
+        float *yt = c->y + (size_t)t * d;
         memcpy(yt, scratch + (size_t)t * d, sizeof(float) * d);
-        active[t] = counts[t];
+        c->active[t] = counts[t];
         for (int p = 1; p < parts; p++) {
             const float *s = scratch + ((size_t)p * T + t) * d;
             for (int i = 0; i < d; i++) yt[i] += s[i];
-            active[t] += counts[(size_t)p * T + t];
+            c->active[t] += counts[(size_t)p * T + t];
         }
     }
     return 0;
-}
-
-int pi_ffn(const pi_call *c) {
-    return ffn(c->x, c->T, c->d, c->n, &c->gate, &c->up, &c->down, c->act, c->mode, c->thr, c->mask, c->y, c->scratch, c->active,
-               c->parts);
 }
 
 /* Every neuron's act(gate) and act(gate) * up for x [T, d]: g, h [T, n] (quality statistics). */
