@@ -217,9 +217,7 @@ def _build_int4(chunks: Iterable[Part], n: int, k: int) -> Int4Linear:
     """
     n_pad = -(-n // _INT4_ROW_ALIGN) * _INT4_ROW_ALIGN
     g = k // INT4_GROUP
-    # numpy's allocator advises transparent huge pages for big buffers (torch's does not): decode
-    # streams every weight each token, and 2 MiB pages spare it a TLB miss per 4 KiB
-    packed = torch.from_numpy(np.empty((n_pad, k // 2), dtype=np.uint8))
+    packed = torch.empty(n_pad, k // 2, dtype=torch.uint8)
     # Padding rows: code 8, scale 0, zero 0 -> weight 0; their outputs are sliced off anyway.
     sz = torch.zeros(g, n_pad, 2, dtype=torch.bfloat16)
     stage = np.empty((min(_INT4_PACK_ROWS, n_pad), k), dtype=np.uint8)  # uint8 [S, K] codes
