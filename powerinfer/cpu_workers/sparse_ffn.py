@@ -105,8 +105,7 @@ class SparseFFNShard:
         assert not isinstance(down, np.ndarray)
         if start % down.group or (stop - start) % down.group or self.cfg.d_model % 32:
             return None
-        return NativeFFN(lib, gate, up, down.cols(start, stop), self.cfg.activation,  # type: ignore[arg-type]
-                         gate_in_records=self.mode == "predictor")
+        return NativeFFN(lib, gate, up, down.cols(start, stop), self.cfg.activation)  # type: ignore[arg-type]
 
     def _load_predictor(self, pred: LayerPredictor, rows: slice | np.ndarray) -> None:
         self.threshold = float(pred.threshold)

@@ -33,12 +33,12 @@ def _grouped(rng: np.random.Generator, n: int, k: int, kind: str) -> Grouped:
     return Grouped(q.astype(np.int8), scale, zero, group, bits)
 
 
-def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0, gate_in_records: bool = True) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
+def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
     rng = np.random.default_rng(seed)
     gate, up, down = _grouped(rng, N, D, kinds[0]), _grouped(rng, N, D, kinds[1]), _grouped(rng, D, N, kinds[2])
     lib = native_lib()
     assert lib is not None
-    return NativeFFN(lib, gate, up, down, activation, gate_in_records), gate, up, down
+    return NativeFFN(lib, gate, up, down, activation), gate, up, down
 
 
 def _close(y: np.ndarray, ref: np.ndarray) -> None:
@@ -48,9 +48,8 @@ def _close(y: np.ndarray, ref: np.ndarray) -> None:
 @pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q8", "q8", "q6k"), ("q8", "q4", "q4"), ("q4", "q8", "q6k")])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("gate_in_records", [True, False])
-def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int, gate_in_records: bool) -> None:
-    ffn, gate, up, down = _ffn(kinds, activation, gate_in_records=gate_in_records)
+def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int) -> None:
+    ffn, gate, up, down = _ffn(kinds, activation)
     x = np.random.default_rng(1).standard_normal((3, D)).astype(np.float32)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -16,11 +16,12 @@
  *             groups run along the neurons, so scale, zero are [n / group, d]: down[i, j] =
  *             q[j, i] * scale[j / group, i] + zero[j / group, i].  Codes packed like gate/up in
  *             chunks of 32 along d (4-bit) or one int8 each.
- *   Rows are reached through strides, so native.py stores each neuron's gate, up and down codes
- *   and its gate/up scales as one record: a sparse step then touches one run of memory per active
- *   neuron instead of three (scattered 4 KiB pages cost a TLB miss each).
+ *   Each is one plain array: a run of rows is one sequential stream (one record per neuron
+ *   with all three rows, or scales interleaved with the codes, measured slower; native.py).
  *   A unit is one down group of neurons: y[i] += scale[u, i] * sum_j h_j q[j, i] + zero[u, i] * sum_j h_j,
- *   so the file's scales are applied once per unit and the sum is exact to float rounding.
+ *   so the file's scales are applied once per unit. The first sum is an integer one: the unit's
+ *   h are held as int16 with one scale (hq = rint(h / hs), hs = max |h| / 32767, 1.5e-5 of the
+ *   largest), two rows at a time in one multiply-add (madd_epi16); the second uses h exactly.
  *
  * Work is split into `parts` static ranges of units, each with its own partial y, summed in
  * order at the end: results depend on `parts` but never on T, on the OpenMP thread count, or on
@@ -43,6 +44,11 @@ typedef struct {
     int32_t bits;           /* 4 or 8 */
     int32_t group;          /* 4-bit: 32; 8-bit: 16 or 32 */
 } pi_mat;
+
+/* Row j's codes. */
+static inline const uint8_t *row_ptr(const pi_mat *m, int j) {
+    return m->codes + (size_t)j * m->stride;
+}
 
 enum { PI_ALL = 0, PI_GATE = 1, PI_MASK = 2, PI_ORACLE = 3, PI_GIVEN_GATE = 4, PI_GIVEN_H = 5 };
 enum { PI_SILU = 0, PI_GELU = 1 };
@@ -114,7 +120,7 @@ static void quantize_x(const float *x, int d, int16_t *xq, float *xd) {
     for (int b = 0; b < d / 32; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
-        for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(xb[k]));
+        for (int k = 0; k < 32; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
         const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         xd[b] = s;
         for (int k = 0; k < 32; k++) xq[b * 32 + k] = (int16_t)lrintf(xb[k] * inv);
@@ -133,10 +139,10 @@ static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const flo
             const int pos = g * gs + k;
             int q;
             if (m->bits == 4) {
-                const uint8_t byte = m->codes[(size_t)j * m->stride + (pos / 32) * 16 + (pos % 16)];
+                const uint8_t byte = row_ptr(m, j)[(pos / 32) * 16 + (pos % 16)];
                 q = (pos % 32) < 16 ? (byte & 15) : (byte >> 4);
             } else {
-                q = ((const int8_t *)m->codes)[(size_t)j * m->stride + pos];
+                q = ((const int8_t *)row_ptr(m, j))[pos];
             }
             a += (int64_t)q * xq[pos];
         }
@@ -145,155 +151,189 @@ static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const flo
     return tot;
 }
 
-#ifdef PI_AVX2
-/* Four rows j[0..3] at once (out[r] = row_dot of j[r]): the rows share each xq load and their
- * four independent chains keep the multiply-add units busy where one row waits on latency. */
-static void row_dot4(const pi_mat *m, int d, const int32_t *j, const int16_t *xq, const float *xd, const float *xs, float *out) {
-    const int ng = d / m->group;
-    float sf[4][512];  /* each group's scale times its block's xd */
-    __m256 acc[4];
-    for (int r = 0; r < 4; r++) {
-        const uint16_t *sc = m->scale + (size_t)j[r] * m->sstride, *zr = m->zero + (size_t)j[r] * m->sstride;
-        __m256 zt = _mm256_setzero_ps();
-        float zs = 0.0f;
-        int g8 = 0;
-        for (; g8 + 8 <= ng; g8 += 8) {
-            _mm256_storeu_ps(sf[r] + g8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g8))));
-            zt = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + g8))), _mm256_loadu_ps(xs + g8), zt);
-        }
-        for (; g8 < ng; g8++) {
-            sf[r][g8] = _cvtsh_ss(sc[g8]);
-            zs += _cvtsh_ss(zr[g8]) * xs[g8];
-        }
-        for (int g = 0; g < ng; g++) sf[r][g] *= xd[(g * m->group) / 32];
-        acc[r] = _mm256_add_ps(zt, _mm256_setr_ps(zs, 0, 0, 0, 0, 0, 0, 0));
-    }
-    if (m->bits == 4) {
-        const __m128i m0f = _mm_set1_epi8(0x0f);
-        for (int g = 0; g < ng; g++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * 32));
-            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + g * 32 + 16));
-            for (int r = 0; r < 4; r++) {
-                __m128i b = _mm_loadu_si128((const __m128i *)(m->codes + (size_t)j[r] * m->stride + g * 16));
-                __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m0f));
-                __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m0f));
-                __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sf[r][g]), acc[r]);
-            }
-        }
-    } else {
-        /* int32 lane k of a madd over 16 codes holds values 2k, 2k+1: one group of 16 */
-        for (int c = 0; c < d; c += 16) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + c));
-            const int g = c / m->group;
-            for (int r = 0; r < 4; r++) {
-                __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(m->codes + (size_t)j[r] * m->stride + c)));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(q, xv)), _mm256_set1_ps(sf[r][g]), acc[r]);
-            }
-        }
-    }
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+/* Ask for a row's bytes (codes, scales, zeros) ahead of use. Decode streams the weights once,
+ * faster than the hardware prefetcher ramps up at each 4 KiB page and each jump of a sparse row
+ * set, so every row loop asks for the row PI_AHEAD bytes ahead of the one it computes. */
+#define PI_AHEAD 2048
+static inline void prefetch_bytes(const void *p, size_t n) {
+    for (size_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o);
 }
-#endif
-
-/* Ask for a row's bytes (codes, scales, zeros) ahead of use: decode is bound by memory
- * bandwidth, and a sparse row set jumps where the hardware prefetcher cannot follow. */
+static inline size_t row_bytes(const pi_mat *m, int d) { return m->bits == 4 ? (size_t)d / 2 : (size_t)d; }
 static inline void prefetch_row(const pi_mat *m, int d, int j) {
-    const size_t row = m->bits == 4 ? (size_t)d / 2 : (size_t)d;
-    const char *p = (const char *)m->codes + (size_t)j * m->stride;
-    for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o);
+    prefetch_bytes(row_ptr(m, j), row_bytes(m, d));
     __builtin_prefetch(m->scale + (size_t)j * m->sstride);
     __builtin_prefetch(m->zero + (size_t)j * m->sstride);
 }
+/* How many rows ahead PI_AHEAD bytes is (at least 2). */
+static inline int rows_ahead(const pi_mat *m, int d) {
+    const int r = (int)(PI_AHEAD / row_bytes(m, d));
+    return r < 2 ? 2 : r;
+}
 
-/* out[i] = row_dot of rows j[i], i < k: four at a time where the CPU has AVX2. */
-static void row_dots(const pi_mat *m, int d, const int32_t *j, int k, const int16_t *xq, const float *xd, const float *xs, float *out) {
-    int i = 0;
-    for (int a = 0; a < k && a < 4; a++) prefetch_row(m, d, j[a]);
 #ifdef PI_AVX2
-    for (; i < k; i += 4) {
-        for (int a = i + 4; a < k && a < i + 8; a++) prefetch_row(m, d, j[a]);
-        if (i + 4 <= k) {
-            row_dot4(m, d, j + i, xq, xd, xs, out + i);
-        } else { /* the last 1-3 rows: pad with the last one (the same row dotted twice costs little) */
-            int32_t jj[4];
-            float o[4];
-            for (int a = 0; a < 4; a++) jj[a] = j[i + a < k ? i + a : k - 1];
-            row_dot4(m, d, jj, xq, xd, xs, o);
-            for (int a = 0; i + a < k; a++) out[i + a] = o[a];
+/* row_dot of row j with AVX2. One row at a time, start to end: a run of rows is then one
+ * sequential stream, which the hardware prefetcher follows at full bandwidth; four rows
+ * interleaved (sharing each x load) ran at ~half of it once the weights were out of cache
+ * (1.1B gate matrix, 8 layers: 780 vs 390 µs). Four accumulators hide the multiply-add latency. */
+static float row_dot1(const pi_mat *m, int d, int j, const int16_t *xq, const float *xd, const float *xs) {
+    const int ng = d / m->group;
+    const uint16_t *sc = m->scale + (size_t)j * m->sstride, *zr = m->zero + (size_t)j * m->sstride;
+    float sf[512] __attribute__((aligned(32)));  /* each group's scale times its x block's scale */
+    __m256 zt = _mm256_setzero_ps();
+    int g8 = 0;
+    if (m->group == 32) {
+        for (; g8 + 8 <= ng; g8 += 8) {
+            _mm256_store_ps(sf + g8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g8))), _mm256_loadu_ps(xd + g8)));
+            zt = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + g8))), _mm256_loadu_ps(xs + g8), zt);
         }
     }
-#else
-    for (; i < k; i++) out[i] = row_dot(m, d, j[i], xq, xd, xs);
+    float zs = 0.0f;
+    for (; g8 < ng; g8++) {
+        sf[g8] = _cvtsh_ss(sc[g8]) * xd[(g8 * m->group) / 32];
+        zs += _cvtsh_ss(zr[g8]) * xs[g8];
+    }
+    /* four accumulators, unrolled by hand so they stay in registers */
+    __m256 a0 = zt, a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    const uint8_t *row = row_ptr(m, j);
+    if (m->bits == 4) {
+        const __m128i m0f = _mm_set1_epi8(0x0f);
+#define PI_Q4_GROUP(g, acc)                                                                                                 \
+    do {                                                                                                                    \
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + (g) * 16));                                               \
+        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, m0f));                                                     \
+        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), m0f));                                  \
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xq + (g) * 32))),    \
+                                           _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xq + (g) * 32 + 16)))); \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sf + (g)), acc);                                   \
+    } while (0)
+        int g = 0;
+        for (; g + 4 <= ng; g += 4) {
+            PI_Q4_GROUP(g, a0);
+            PI_Q4_GROUP(g + 1, a1);
+            PI_Q4_GROUP(g + 2, a2);
+            PI_Q4_GROUP(g + 3, a3);
+        }
+        for (; g < ng; g++) PI_Q4_GROUP(g, a0);
+#undef PI_Q4_GROUP
+    } else {
+        /* int32 lane k of a madd over 16 codes holds values 2k, 2k+1: one group of 16 */
+#define PI_Q8_CHUNK(c, acc)                                                                                                  \
+    do {                                                                                                                     \
+        const __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + (c))));                               \
+        const __m256i p = _mm256_madd_epi16(q, _mm256_loadu_si256((const __m256i *)(xq + (c))));                             \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sf + (c) / m->group), acc);                         \
+    } while (0)
+        int c = 0;
+        for (; c + 64 <= d; c += 64) {
+            PI_Q8_CHUNK(c, a0);
+            PI_Q8_CHUNK(c + 16, a1);
+            PI_Q8_CHUNK(c + 32, a2);
+            PI_Q8_CHUNK(c + 48, a3);
+        }
+        for (; c < d; c += 16) PI_Q8_CHUNK(c, a0);
+#undef PI_Q8_CHUNK
+    }
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v) + zs;
+}
 #endif
+
+/* out[i] = row_dot of rows j[i], i < k. Past the end of the list the prefetch guesses the rows
+ * that follow j[k - 1] (the next unit's, which a dense gate pass reads next). */
+static void row_dots(const pi_mat *m, int d, const int32_t *j, int k, const int16_t *xq, const float *xd, const float *xs, float *out) {
+    const int ahead = rows_ahead(m, d);
+    for (int i = 0; i < k; i++) {
+        prefetch_row(m, d, i + ahead < k ? j[i + ahead] : j[k - 1] + (i + ahead - k + 1));
+#ifdef PI_AVX2
+        out[i] = row_dot1(m, d, j[i], xq, xd, xs);
+#else
+        out[i] = row_dot(m, d, j[i], xq, xd, xs);
+#endif
+    }
 }
 
-static inline void prefetch_down(const pi_mat *m, int d, int j) {
-    const size_t row = m->bits == 4 ? (size_t)d / 2 : (size_t)d;
-    const char *p = (const char *)m->codes + (size_t)j * m->stride;
-    for (size_t o = 0; o < row; o += 64) __builtin_prefetch(p + o);
-}
-
-/* y [d] += scale[u] * sum_k h_k * row(idx_k) + zero[u] * sum_k h_k over one unit's active neurons. */
+/* y [d] += scale[u] * sum_k h_k * row(idx_k) + zero[u] * sum_k h_k over one unit's active neurons
+ * (see the header: h as int16 codes with one scale, integer sums, the scales applied once). */
 static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const float *h, int k, float *y) {
     const uint16_t *sc = m->scale + (size_t)u * m->sstride, *zr = m->zero + (size_t)u * m->sstride;
-    float hsum = 0.0f;
-    for (int a = 0; a < k; a++) hsum += h[a];
-#ifdef PI_AVX2
-    /* rows outer, so each active row streams through once (a chunk-outer order touches all k
-     * rows per 32 outputs, and the strided misses cost ~3x in a memory-bound decode);
-     * acc [d] stays in L1 */
-    float acc[8192] __attribute__((aligned(32)));
-    memset(acc, 0, sizeof(float) * (size_t)d);
-    const __m128i m0f = _mm_set1_epi8(0x0f);
-    for (int a = 0; a < k && a < 2; a++) prefetch_down(m, d, idx[a]);
+    float hsum = 0.0f, hmax = 0.0f;
     for (int a = 0; a < k; a++) {
-        if (a + 2 < k) prefetch_down(m, d, idx[a + 2]);
-        const __m256 hv = _mm256_set1_ps(h[a]);
+        hsum += h[a];
+        const float v = fabsf(h[a]);
+        hmax = v > hmax ? v : hmax;  /* not fmaxf: a libm call at -O3 without -ffast-math */
+    }
+    const float hs = hmax / 32767.0f, inv = hs > 0.0f ? 1.0f / hs : 0.0f;
+    int16_t hq[66];
+    int32_t rows[66];
+    for (int a = 0; a < k; a++) {
+        hq[a] = (int16_t)lrintf(h[a] * inv);
+        rows[a] = idx[a];
+    }
+    if (k & 1) { /* an odd count: pair the last row with itself at weight 0 */
+        hq[k] = 0;
+        rows[k] = idx[k - 1];
+    }
+    const int kp = (k + 1) & ~1, ahead = rows_ahead(m, d);
+    /* the unit's scales and zeros are read last: ask for them first */
+    prefetch_bytes(sc, sizeof(uint16_t) * (size_t)d);
+    prefetch_bytes(zr, sizeof(uint16_t) * (size_t)d);
+    int32_t acc[8192] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof(int32_t) * (size_t)d);
+#ifdef PI_AVX2
+    /* rows outer (each active row streams through once, acc [d] stays in L1), two rows per pass:
+     * their codes interleaved byte by byte are the int16 pairs one madd_epi16 multiplies by
+     * (hq_a, hq_b) and sums, so a pass costs about half the float version's operations. Sums
+     * stay in int32: at most 64 rows * 128 * 32767 < 2^31. */
+    const __m128i m0f = _mm_set1_epi8(0x0f);
+    for (int a = 0; a < kp; a += 2) {
+        for (int b = a + ahead; b < a + ahead + 2 && b < kp; b++) prefetch_bytes(row_ptr(m, rows[b]), row_bytes(m, d));
+        const __m256i hv = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)hq[a] | ((uint32_t)(uint16_t)hq[a + 1] << 16)));
         if (m->bits == 4) {
-            const uint8_t *p = m->codes + (size_t)idx[a] * m->stride;
+            const uint8_t *p0 = row_ptr(m, rows[a]), *p1 = row_ptr(m, rows[a + 1]);
             for (int c = 0; c < d; c += 32) {
-                __m128i b = _mm_loadu_si128((const __m128i *)(p + c / 2));
-                __m128i lo = _mm_and_si128(b, m0f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m0f);
-                float *o = acc + c;
-                _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), hv, _mm256_load_ps(o)));
-                _mm256_store_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), hv, _mm256_load_ps(o + 8)));
-                _mm256_store_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), hv, _mm256_load_ps(o + 16)));
-                _mm256_store_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), hv, _mm256_load_ps(o + 24)));
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(p0 + c / 2)), b1 = _mm_loadu_si128((const __m128i *)(p1 + c / 2));
+                const __m128i lo0 = _mm_and_si128(b0, m0f), lo1 = _mm_and_si128(b1, m0f);  /* values c .. c + 15 */
+                const __m128i hi0 = _mm_and_si128(_mm_srli_epi16(b0, 4), m0f), hi1 = _mm_and_si128(_mm_srli_epi16(b1, 4), m0f);
+                __m256i *o = (__m256i *)(acc + c);
+                o[0] = _mm256_add_epi32(o[0], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(lo0, lo1)), hv));
+                o[1] = _mm256_add_epi32(o[1], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(lo0, lo1)), hv));
+                o[2] = _mm256_add_epi32(o[2], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(hi0, hi1)), hv));
+                o[3] = _mm256_add_epi32(o[3], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(hi0, hi1)), hv));
             }
         } else {
-            const int8_t *p = (const int8_t *)m->codes + (size_t)idx[a] * m->stride;
-            for (int c = 0; c < d; c += 8) {
-                __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + c))));
-                _mm256_store_ps(acc + c, _mm256_fmadd_ps(v, hv, _mm256_load_ps(acc + c)));
+            const int8_t *p0 = (const int8_t *)row_ptr(m, rows[a]), *p1 = (const int8_t *)row_ptr(m, rows[a + 1]);
+            for (int c = 0; c < d; c += 16) {
+                const __m128i b0 = _mm_loadu_si128((const __m128i *)(p0 + c)), b1 = _mm_loadu_si128((const __m128i *)(p1 + c));
+                __m256i *o = (__m256i *)(acc + c);
+                o[0] = _mm256_add_epi32(o[0], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b0, b1)), hv));
+                o[1] = _mm256_add_epi32(o[1], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_unpackhi_epi8(b0, b1)), hv));
             }
         }
     }
-    const __m256 hs = _mm256_set1_ps(hsum);
+    const __m256 hsv = _mm256_set1_ps(hsum), hqs = _mm256_set1_ps(hs);
     for (int c = 0; c < d; c += 8) {
-        __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + c)));
-        __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + c)));
-        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_fmadd_ps(sv, _mm256_load_ps(acc + c), _mm256_mul_ps(zv, hs))));
+        const __m256 sv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + c))), hqs);
+        const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + c)));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(acc + c)));
+        _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_fmadd_ps(sv, s, _mm256_mul_ps(zv, hsv))));
     }
 #else
-    float acc[32];
-    for (int c = 0; c < d; c += 32) {
-        memset(acc, 0, sizeof acc);
-        for (int a = 0; a < k; a++) {
+    for (int a = 0; a < kp; a++) {
+        for (int c = 0; c < d; c++) {
+            int q;
             if (m->bits == 4) {
-                const uint8_t *p = m->codes + (size_t)idx[a] * m->stride + c / 2;
-                for (int b = 0; b < 16; b++) {
-                    acc[b] += (float)(p[b] & 15) * h[a];
-                    acc[b + 16] += (float)(p[b] >> 4) * h[a];
-                }
+                const uint8_t byte = row_ptr(m, rows[a])[(c / 32) * 16 + (c % 16)];
+                q = (c % 32) < 16 ? (byte & 15) : (byte >> 4);
             } else {
-                const int8_t *p = (const int8_t *)m->codes + (size_t)idx[a] * m->stride + c;
-                for (int b = 0; b < 32; b++) acc[b] += (float)p[b] * h[a];
+                q = ((const int8_t *)row_ptr(m, rows[a]))[c];
             }
+            acc[c] += q * hq[a];
         }
-        for (int b = 0; b < 32; b++) y[c + b] += h2f(sc[c + b]) * acc[b] + h2f(zr[c + b]) * hsum;
     }
+    for (int c = 0; c < d; c++) y[c] += h2f(sc[c]) * hs * (float)acc[c] + h2f(zr[c]) * hsum;
 #endif
 }
 
@@ -335,53 +375,70 @@ typedef struct {
     float thr;
 } pi_call;
 
-/* The active neurons of unit u for token t: idx[k] and h[k] = act(gate) * up, returns k. */
-static int unit_active(const pi_call *c, int u, int t, const int16_t *xqt, const float *xdt, const float *xs_gt, const float *xs_ut,
-                       int32_t *idx, float *h) {
+/* Stage one for unit u, token t: the neurons to compute, idx[k], and what is known of them in
+ * h[k] (act(gate), or act(gate) * up for PI_GIVEN_H; nothing yet for PI_MASK). Gate-reading modes
+ * compute the unit's gate rows here (a sequential stream the hardware prefetches by itself). */
+static int select_unit(const pi_call *c, int u, int t, const int16_t *xqt, const float *xdt, const float *xs_gt, int32_t *idx, float *h) {
     const int ug = c->down.group, n = c->n, d = c->d, mode = c->mode, j0 = u * ug;
     const float thr = c->thr;
-    float a[64], gv[64], uv[64];
     int k = 0;
     if (mode == PI_GIVEN_GATE || mode == PI_GIVEN_H) {
-        /* the caller computed act(gate) (and up) densely: select, then read only the active up rows */
+        /* the caller computed act(gate) (and up) densely: select only */
         const float *at = c->given_a + (size_t)t * n + j0;
         for (int i = 0; i < ug; i++) {
             if (!(fabsf(at[i]) > thr)) continue;
             idx[k] = j0 + i;
             h[k++] = mode == PI_GIVEN_H ? c->given_h[(size_t)t * n + j0 + i] : at[i];
         }
-        if (mode == PI_GIVEN_GATE) {
-            row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
-            for (int i = 0; i < k; i++) h[i] *= uv[i];
-        }
         return k;
     }
-    /* act(gate) of the unit's candidates (all, or the masked ones), activated 8 at a time */
-    const uint8_t *mt = mode == PI_MASK ? c->mask + (size_t)t * n + j0 : NULL;
-    int cand = 0;
-    for (int i = 0; i < ug; i++)
-        if (!mt || mt[i]) idx[cand++] = j0 + i;
-    if (!cand) return 0;
-    row_dots(&c->gate, d, idx, cand, xqt, xdt, xs_gt, gv);
-    for (int i = 0; i < ug; i++) a[i] = 0.0f;
-    for (int i = 0; i < cand; i++) a[idx[i] - j0] = gv[i];
+    if (mode == PI_MASK) {
+        const uint8_t *mt = c->mask + (size_t)t * n + j0;
+        for (int i = 0; i < ug; i++)
+            if (mt[i]) idx[k++] = j0 + i;
+        return k;
+    }
+    /* act(gate) of every neuron of the unit, activated 8 at a time */
+    float a[64];
+    for (int i = 0; i < ug; i++) idx[i] = j0 + i;
+    row_dots(&c->gate, d, idx, ug, xqt, xdt, xs_gt, a);
     act_inplace(a, ug, c->act);
-    /* the active ones: |act(gate)| > thr (gate mode), or every candidate */
-    for (int i = 0; i < cand; i++) {
-        const float ai = a[idx[i] - j0];
-        if (mode == PI_GATE && !(fabsf(ai) > thr)) continue;
-        idx[k] = idx[i];
-        h[k++] = ai;
+    for (int i = 0; i < ug; i++) {
+        if (mode == PI_GATE && !(fabsf(a[i]) > thr)) continue;
+        idx[k] = j0 + i;
+        h[k++] = a[i];
     }
-    row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
-    int kept = 0;
-    for (int i = 0; i < k; i++) {
-        const float hv = h[i] * uv[i];
-        if (mode == PI_ORACLE && !(fabsf(hv) > thr)) continue;
-        idx[kept] = idx[i];
-        h[kept++] = hv;
+    return k;
+}
+
+/* Stage two: the rest of each selected neuron (PI_MASK: its gate; then up, unless given) and its
+ * down row into y [d]; PI_ORACLE drops those with |act(gate) * up| <= thr first. Returns the
+ * neurons whose down rows were summed. */
+static int finish_unit(const pi_call *c, int u, const int16_t *xqt, const float *xdt, const float *xs_gt, const float *xs_ut,
+                       int32_t *idx, float *h, int k, float *y) {
+    const int d = c->d, mode = c->mode;
+    float uv[64];
+    if (!k) return 0;
+    if (mode == PI_MASK) {
+        row_dots(&c->gate, d, idx, k, xqt, xdt, xs_gt, h);
+        for (int i = k; i < ((k + 7) & ~7); i++) h[i] = 0.0f;
+        act_inplace(h, (k + 7) & ~7, c->act);
     }
-    return kept;
+    if (mode != PI_GIVEN_H) {
+        row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
+        for (int i = 0; i < k; i++) h[i] *= uv[i];
+    }
+    if (mode == PI_ORACLE) {
+        int kept = 0;
+        for (int i = 0; i < k; i++) {
+            if (!(fabsf(h[i]) > c->thr)) continue;
+            idx[kept] = idx[i];
+            h[kept++] = h[i];
+        }
+        k = kept;
+    }
+    if (k) down_unit(&c->down, d, u, idx, h, k, y);
+    return k;
 }
 
 /*
@@ -415,10 +472,11 @@ int pi_ffn(const pi_call *c) {
         const int u0 = (int)((int64_t)units * p / parts), u1 = (int)((int64_t)units * (p + 1) / parts);
         for (int u = u0; u < u1; u++) {
             for (int t = 0; t < T; t++) {
-                const int k = unit_active(c, u, t, xq + (size_t)t * d, xd + (size_t)t * (d / 32), xs_g + (size_t)t * (d / gate->group),
-                                          xs_u + (size_t)t * (d / up->group), idx, h);
-                counts[(size_t)p * T + t] += k;
-                if (k) down_unit(&c->down, d, u, idx, h, k, scratch + ((size_t)p * T + t) * d);
+                const int16_t *xqt = xq + (size_t)t * d;
+                const float *xdt = xd + (size_t)t * (d / 32), *xs_gt = xs_g + (size_t)t * (d / gate->group);
+                const int k = select_unit(c, u, t, xqt, xdt, xs_gt, idx, h);
+                counts[(size_t)p * T + t] += finish_unit(c, u, xqt, xdt, xs_gt, xs_u + (size_t)t * (d / up->group), idx, h, k,
+                                                         scratch + ((size_t)p * T + t) * d);
             }
         }
     }
