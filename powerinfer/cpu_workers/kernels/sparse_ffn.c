@@ -50,6 +50,11 @@ static inline const uint8_t *row_ptr(const pi_mat *m, int j) {
     return m->codes + (size_t)j * m->stride;
 }
 
+/* Units per block: a block's selected neurons are finished together (finish_block), so up and
+ * down are walked in runs of 8 units rather than one (SmolLM2, 30 layers out of cache: 200 -> 126
+ * µs a layer with 4 and 8; 1.1B at 15% active: 1661 -> 1432 µs all, 600 -> 558 given_gate). */
+#define PI_BLOCK 8
+
 enum { PI_ALL = 0, PI_GATE = 1, PI_MASK = 2, PI_ORACLE = 3, PI_GIVEN_GATE = 4, PI_GIVEN_H = 5 };
 enum { PI_SILU = 0, PI_GELU = 1 };
 
@@ -256,8 +261,9 @@ static void row_dots(const pi_mat *m, int d, const int32_t *j, int k, const int1
 }
 
 /* y [d] += scale[u] * sum_k h_k * row(idx_k) + zero[u] * sum_k h_k over one unit's active neurons
- * (see the header: h as int16 codes with one scale, integer sums, the scales applied once). */
-static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const float *h, int k, float *y) {
+ * (see the header: h as int16 codes with one scale, integer sums, the scales applied once).
+ * next[knext]: the rows the following call will read, asked for once this list runs out. */
+static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const float *h, int k, const int32_t *next, int knext, float *y) {
     const uint16_t *sc = m->scale + (size_t)u * m->sstride, *zr = m->zero + (size_t)u * m->sstride;
     float hsum = 0.0f, hmax = 0.0f;
     for (int a = 0; a < k; a++) {
@@ -289,7 +295,10 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
      * stay in int32: at most 64 rows * 128 * 32767 < 2^31. */
     const __m128i m0f = _mm_set1_epi8(0x0f);
     for (int a = 0; a < kp; a += 2) {
-        for (int b = a + ahead; b < a + ahead + 2 && b < kp; b++) prefetch_bytes(row_ptr(m, rows[b]), row_bytes(m, d));
+        for (int b = a + ahead; b < a + ahead + 2; b++) {
+            if (b < kp) prefetch_bytes(row_ptr(m, rows[b]), row_bytes(m, d));
+            else if (b - kp < knext) prefetch_bytes(row_ptr(m, next[b - kp]), row_bytes(m, d));
+        }
         const __m256i hv = _mm256_set1_epi32((int32_t)((uint32_t)(uint16_t)hq[a] | ((uint32_t)(uint16_t)hq[a + 1] << 16)));
         if (m->bits == 4) {
             const uint8_t *p0 = row_ptr(m, rows[a]), *p1 = row_ptr(m, rows[a + 1]);
@@ -411,13 +420,15 @@ static int select_unit(const pi_call *c, int u, int t, const int16_t *xqt, const
     return k;
 }
 
-/* Stage two: the rest of each selected neuron (PI_MASK: its gate; then up, unless given) and its
- * down row into y [d]; PI_ORACLE drops those with |act(gate) * up| <= thr first. Returns the
- * neurons whose down rows were summed. */
-static int finish_unit(const pi_call *c, int u, const int16_t *xqt, const float *xdt, const float *xs_gt, const float *xs_ut,
-                       int32_t *idx, float *h, int k, float *y) {
-    const int d = c->d, mode = c->mode;
-    float uv[64];
+/* Stage two, for a block of units: the rest of each selected neuron (PI_MASK: its gate; then up,
+ * unless given) over the whole block's list at once, so each matrix is walked as one long
+ * stream rather than one per unit, then each unit's down rows into y [d]. PI_ORACLE drops
+ * those with |act(gate) * up| <= thr first. off[i] is where unit u + i's neurons start in
+ * idx/h (off[nu] = their count). Returns the neurons whose down rows were summed. */
+static int finish_block(const pi_call *c, int u, int nu, const int *off, const int16_t *xqt, const float *xdt, const float *xs_gt,
+                        const float *xs_ut, int32_t *idx, float *h, float *y) {
+    const int d = c->d, mode = c->mode, k = off[nu];
+    float uv[PI_BLOCK * 64];
     if (!k) return 0;
     if (mode == PI_MASK) {
         row_dots(&c->gate, d, idx, k, xqt, xdt, xs_gt, h);
@@ -428,17 +439,24 @@ static int finish_unit(const pi_call *c, int u, const int16_t *xqt, const float 
         row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
         for (int i = 0; i < k; i++) h[i] *= uv[i];
     }
-    if (mode == PI_ORACLE) {
-        int kept = 0;
-        for (int i = 0; i < k; i++) {
-            if (!(fabsf(h[i]) > c->thr)) continue;
-            idx[kept] = idx[i];
-            h[kept++] = h[i];
+    int done = 0;
+    for (int i = 0; i < nu; i++) {
+        int32_t *ui = idx + off[i];
+        float *hi = h + off[i];
+        int ku = off[i + 1] - off[i];
+        if (mode == PI_ORACLE) {
+            int kept = 0;
+            for (int a = 0; a < ku; a++) {
+                if (!(fabsf(hi[a]) > c->thr)) continue;
+                ui[kept] = ui[a];
+                hi[kept++] = hi[a];
+            }
+            ku = kept;
         }
-        k = kept;
+        if (ku) down_unit(&c->down, d, u + i, ui, hi, ku, idx + off[i + 1], k - off[i + 1], y);
+        done += ku;
     }
-    if (k) down_unit(&c->down, d, u, idx, h, k, y);
-    return k;
+    return done;
 }
 
 /*
@@ -467,16 +485,19 @@ int pi_ffn(const pi_call *c) {
     memset(counts, 0, sizeof(int32_t) * (size_t)parts * T);
 #pragma omp parallel for schedule(static, 1)
     for (int p = 0; p < parts; p++) {
-        int32_t idx[64];
-        float h[64];
+        int32_t idx[PI_BLOCK * 64];
+        float h[PI_BLOCK * 64 + 8];
+        int off[PI_BLOCK + 1];
         const int u0 = (int)((int64_t)units * p / parts), u1 = (int)((int64_t)units * (p + 1) / parts);
-        for (int u = u0; u < u1; u++) {
+        for (int ub = u0; ub < u1; ub += PI_BLOCK) {
+            const int nu = u1 - ub < PI_BLOCK ? u1 - ub : PI_BLOCK;
             for (int t = 0; t < T; t++) {
                 const int16_t *xqt = xq + (size_t)t * d;
                 const float *xdt = xd + (size_t)t * (d / 32), *xs_gt = xs_g + (size_t)t * (d / gate->group);
-                const int k = select_unit(c, u, t, xqt, xdt, xs_gt, idx, h);
-                counts[(size_t)p * T + t] += finish_unit(c, u, xqt, xdt, xs_gt, xs_u + (size_t)t * (d / up->group), idx, h, k,
-                                                         scratch + ((size_t)p * T + t) * d);
+                off[0] = 0;
+                for (int i = 0; i < nu; i++) off[i + 1] = off[i] + select_unit(c, ub + i, t, xqt, xdt, xs_gt, idx + off[i], h + off[i]);
+                counts[(size_t)p * T + t] += finish_block(c, ub, nu, off, xqt, xdt, xs_gt, xs_u + (size_t)t * (d / up->group), idx, h,
+                                                          scratch + ((size_t)p * T + t) * d);
             }
         }
     }
