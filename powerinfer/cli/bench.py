@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
     p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
     p.add_argument("--predictor", default=None, help="measure sparse decode with this .predictor file")
+    p.add_argument("--vs-dense", action="store_true",
+                   help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
+                        "and print the paired sparse/dense speed ratio (uses the first --workers value)")
+    p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense (default 12)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -185,6 +189,18 @@ def run_bench(argv: Sequence[str]) -> int:
     from powerinfer.fetch import resolve_model
 
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
+    if args.vs_dense:
+        if not args.predictor:
+            raise PowerInferError("--vs-dense compares against a sparse engine: give it --predictor FILE")
+        from powerinfer.sparsity.speed import compare_decode
+
+        cmp = compare_decode(model, args.predictor, threads=args.workers[0], executor=args.executor, prompt_tokens=args.prompt_tokens,
+                             gen_tokens=args.gen_tokens, rounds=args.rounds, worker_threads=args.worker_threads)
+        print(cmp.report())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(cmp.as_dict(), fh, indent=2)
+        return 0
     if args.one is not None:
         print(json.dumps(measure(model, args.one, args.executor, args.prompt_tokens, args.gen_tokens, args.repeat, args.batch_size,
                                  args.worker_threads, args.predictor)))
