@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
                         "and print the paired sparse/dense speed ratio (uses the first --workers value)")
     p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense (default 12)")
+    p.add_argument("--vs-llama-cpp", action="store_true",
+                   help="with --vs-dense: also decode with llama.cpp (llama-cpp-python) in the same rounds")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -195,7 +197,8 @@ def run_bench(argv: Sequence[str]) -> int:
         from powerinfer.sparsity.speed import compare_decode
 
         cmp = compare_decode(model, args.predictor, threads=args.workers[0], executor=args.executor, prompt_tokens=args.prompt_tokens,
-                             gen_tokens=args.gen_tokens, rounds=args.rounds, worker_threads=args.worker_threads)
+                             gen_tokens=args.gen_tokens, rounds=args.rounds, worker_threads=args.worker_threads,
+                             llama_cpp=args.vs_llama_cpp)
         print(cmp.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

@@ -40,7 +40,8 @@ class PiMat(ctypes.Structure):
     """pi_mat in sparse_ffn.c: one matrix's codes, float16 scales and zeros."""
 
     _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("stride", ctypes.c_int64), ("sstride", ctypes.c_int64), ("bits", ctypes.c_int32), ("group", ctypes.c_int32)]
+                ("stride", ctypes.c_int64), ("sstride", ctypes.c_int64), ("bits", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("zk", ctypes.c_float)]
 
 
 class PiCall(ctypes.Structure):
@@ -98,6 +99,9 @@ def native_lib() -> ctypes.CDLL | None:
             log.info("compiling the native sparse FFN kernel with %s", cc)
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
+        lib.pi_call_size.restype = ctypes.c_int
+        if lib.pi_call_size() != ctypes.sizeof(PiCall):  # a source newer than this module (upgraded mid-run)
+            raise OSError(f"kernel struct size {lib.pi_call_size()} != {ctypes.sizeof(PiCall)}")
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("native sparse kernel unavailable (%s): sparse FFNs use the slower torch path", e)
         return None
@@ -128,10 +132,11 @@ def supported(g: Grouped | np.ndarray) -> bool:
 class NeuronMajor:
     """One layer shard's weights in the kernel's layout: three neuron-major matrices.
 
-    gate, up: (codes uint8 [n, row bytes], scale, zero float16 [n, d / group]), the file's rows;
-    down: (codes uint8 [n, row bytes] (row j = the file's column j), scale, zero float16
-    [n / group, d]: the file's down scales, one row per unit of `group` neurons). A matrix the
-    caller computes itself (given_* modes) is left out: an empty tuple, and a PiMat with no codes.
+    gate, up: (codes uint8 [n, row bytes], scale[, zero] float16 [n, d / group]), the file's rows;
+    down: (codes uint8 [n, row bytes] (row j = the file's column j), scale[, zero] float16
+    [n / group, d]: the file's down scales, one row per unit of `group` neurons). Zeros that are a
+    fixed multiple of the scales (:func:`zero_multiple`) are not stored. A matrix the caller
+    computes itself (given_* modes) is left out: an empty tuple, and a PiMat with no codes.
 
     Plain arrays, read as sequential streams, measured fastest (SmolLM2, 30 layers, weights out
     of cache, 2 threads, in-process A/B): one record per neuron holding its gate, up and down
@@ -152,16 +157,43 @@ def _f16(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float16))
 
 
+# Multiples of the scale that a format's zeros may be: 0 (int8 formats), -8 (Q4_0), -16 (Q5_0), ...
+_ZERO_MULTIPLES = (0.0, -8.0, -16.0, -32.0, -4.0, -2.0, -1.0, -64.0, -128.0)
+
+
+def zero_multiple(scale: np.ndarray, zero: np.ndarray) -> float | None:
+    """zk when every float16 zero is exactly zk times its float16 scale (the kernel then derives
+    the zeros and never reads them: 10% fewer bytes for Q4_0, the down's per-unit scales halved),
+    else None. Powers of two times a float16 are exact, so the values the kernel uses are unchanged."""
+    s16 = np.asarray(scale, dtype=np.float16)
+    z16 = np.asarray(zero, dtype=np.float16)
+    with np.errstate(over="ignore"):
+        for zk in _ZERO_MULTIPLES:
+            if np.array_equal(z16, (s16.astype(np.float32) * np.float32(zk)).astype(np.float16)):
+                return zk
+    return None
+
+
+def _scales(scale: np.ndarray, zero: np.ndarray) -> tuple[tuple[torch.Tensor, ...], int, int, float]:
+    """(tensors to keep, scale address, zero address (0: derived), zk) for a matrix's scales and zeros."""
+    s = _f16(scale)
+    zk = zero_multiple(scale, zero)
+    if zk is not None:
+        return (s,), s.data_ptr(), 0, zk
+    z = _f16(zero)
+    return (s, z), s.data_ptr(), z.data_ptr(), 0.0
+
+
 def _row_matrix(m: Grouped) -> tuple[tuple[torch.Tensor, ...], PiMat]:
-    """gate or up [n, d] (groups along d) -> (codes, scale, zero) and the PiMat over them."""
+    """gate or up [n, d] (groups along d) -> (codes, scale[, zero]) and the PiMat over them."""
     codes = torch.from_numpy(np.ascontiguousarray(_pack_codes(m.q, m.bits)))
-    scale, zero = _f16(m.scale), _f16(m.zero)
-    mat = PiMat(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), codes.shape[1], m.shape[1] // m.group, m.bits, m.group)
-    return (codes, scale, zero), mat
+    kept, sp, zp, zk = _scales(m.scale, m.zero)
+    mat = PiMat(codes.data_ptr(), sp, zp or None, codes.shape[1], m.shape[1] // m.group, m.bits, m.group, zk)
+    return (codes, *kept), mat
 
 
 def _absent(m: Grouped) -> tuple[tuple[torch.Tensor, ...], PiMat]:
-    return (), PiMat(None, None, None, 0, 0, m.bits, m.group)
+    return (), PiMat(None, None, None, 0, 0, m.bits, m.group, 0.0)
 
 
 def pack_layer(gate: Grouped, up: Grouped, down: Grouped, with_gate: bool = True, with_up: bool = True) -> NeuronMajor:
@@ -176,9 +208,9 @@ def pack_layer(gate: Grouped, up: Grouped, down: Grouped, with_gate: bool = True
     g, gmat = _row_matrix(gate) if with_gate else _absent(gate)
     u, umat = _row_matrix(up) if with_up else _absent(up)
     dq = torch.from_numpy(np.ascontiguousarray(_pack_codes(np.ascontiguousarray(down.q.T), down.bits)))
-    ds, dz = _f16(down.scale.T), _f16(down.zero.T)
-    dmat = PiMat(dq.data_ptr(), ds.data_ptr(), dz.data_ptr(), dq.shape[1], d, down.bits, down.group)
-    return NeuronMajor(g, u, (dq, ds, dz), (gmat, umat, dmat))
+    kept, sp, zp, zk = _scales(down.scale.T, down.zero.T)
+    dmat = PiMat(dq.data_ptr(), sp, zp or None, dq.shape[1], d, down.bits, down.group, zk)
+    return NeuronMajor(g, u, (dq, *kept), (gmat, umat, dmat))
 
 
 class NativeFFN:

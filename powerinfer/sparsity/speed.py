@@ -7,7 +7,9 @@ Both engines are loaded from the same file, one dense and one with the predictor
 same greedy continuation of the same prompt in alternating rounds (dense first in even rounds,
 sparse first in odd ones). A shared machine's speed drifts by tens of percent over minutes; the
 ratio of two adjacent runs cancels most of that drift, so the figure reported is the median of
-the per-round ratios, with its quartiles, next to each engine's median tokens/s.
+the per-round ratios, with its quartiles, next to each engine's median tokens/s. With
+``llama_cpp=True`` llama.cpp (through llama-cpp-python, if installed) decodes the same tokens from
+the same file with the same thread count in the same rounds.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from powerinfer.errors import PowerInferError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +53,8 @@ class SpeedComparison:
     ratio_p75: float
     sparse_faster_rounds: int
     decode_share: float  # share of FFN neurons the sparse engine computed per decode step (1.0: unknown)
+    llama_cpp_tps: float | None = None  # median decode tokens/s of llama.cpp on the same file, when measured
+    sparse_vs_llama_cpp: float | None = None  # median over rounds of sparse / llama.cpp tokens/s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,7 +68,36 @@ class SpeedComparison:
             f"sparse / dense, paired per round: {self.ratio_median:.3f} (quartiles {self.ratio_p25:.3f} - {self.ratio_p75:.3f}); "
             f"sparse faster in {self.sparse_faster_rounds} of {self.rounds} rounds",
             f"FFN neurons computed per sparse decode step: {share}",
-        ])
+        ] + ([] if self.llama_cpp_tps is None else [
+            f"llama.cpp (llama-cpp-python) on the same file, same threads, same rounds: {self.llama_cpp_tps:.1f} tokens/s; "
+            f"sparse / llama.cpp, paired per round: {self.sparse_vs_llama_cpp:.3f}",
+        ]))
+
+
+class _LlamaCpp:
+    """llama.cpp through llama-cpp-python, decoding the same greedy continuation (optional)."""
+
+    def __init__(self, model: str, threads: int, n_ctx: int) -> None:
+        try:
+            import llama_cpp
+        except ImportError as e:
+            raise PowerInferError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python)") from e
+        self.llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                   logits_all=False, verbose=False)
+
+    def decode_tps(self, ids: list[int], gen_tokens: int) -> float:
+        llm = self.llm
+        llm.reset()
+        llm.eval(ids)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(gen_tokens):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return gen_tokens / (time.perf_counter() - t)
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
@@ -77,8 +112,8 @@ def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
 
 
 def compare_decode(model: str, predictor: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 64,
-                   gen_tokens: int = 32, rounds: int = 12, worker_threads: int = 1) -> SpeedComparison:
-    """Load `model` dense and with `predictor`, alternate decode rounds, return the figures."""
+                   gen_tokens: int = 32, rounds: int = 12, worker_threads: int = 1, llama_cpp: bool = False) -> SpeedComparison:
+    """Load `model` dense and with `predictor` (and in llama.cpp), alternate decode rounds, return the figures."""
     from powerinfer.api import LLM
 
     if rounds < 2:
@@ -90,17 +125,26 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
     except BaseException:
         dense.close()
         raise
+    ref: _LlamaCpp | None = None
     try:
         assert sparse.predictor is not None
         ids = dense.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
+        ref = _LlamaCpp(model, threads, prompt_tokens + gen_tokens + 8) if llama_cpp else None
+        runners: dict[str, Callable[[], float]] = {
+            "dense": lambda: _decode_tps(dense, ids, gen_tokens),
+            "sparse": lambda: _decode_tps(sparse, ids, gen_tokens),
+        }
+        if ref is not None:
+            runners["llama.cpp"] = lambda: ref.decode_tps(ids, gen_tokens)  # type: ignore[union-attr]
         _decode_tps(dense, ids, 2)  # first calls build kernels and touch pages: not measured
         _decode_tps(sparse, ids, 2)
-        d_tps, s_tps = [], []
+        tps: dict[str, list[float]] = {name: [] for name in runners}
+        order = list(runners)
         for r in range(rounds):
-            first_dense = r % 2 == 0
-            for is_dense in (first_dense, not first_dense):
-                (d_tps if is_dense else s_tps).append(_decode_tps(dense if is_dense else sparse, ids, gen_tokens))
-            log.info("round %d: dense %.1f, sparse %.1f tokens/s", r, d_tps[-1], s_tps[-1])
+            for name in (order if r % 2 == 0 else order[::-1]):
+                tps[name].append(runners[name]())
+            log.info("round %d: %s", r, ", ".join(f"{k} {v[-1]:.1f}" for k, v in tps.items()))
+        d_tps, s_tps = tps["dense"], tps["sparse"]
         ratios = np.array(s_tps) / np.array(d_tps)
         return SpeedComparison(
             model=dense.config.name, predictor=str(predictor), mode=sparse.predictor.mode,
@@ -109,8 +153,12 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
             ratio_median=round(float(np.median(ratios)), 4), ratio_p25=round(float(np.percentile(ratios, 25)), 4),
             ratio_p75=round(float(np.percentile(ratios, 75)), 4), sparse_faster_rounds=int((ratios > 1).sum()),
             decode_share=_share(sparse),
+            llama_cpp_tps=round(statistics.median(tps["llama.cpp"]), 2) if ref is not None else None,
+            sparse_vs_llama_cpp=round(float(np.median(np.array(s_tps) / np.array(tps["llama.cpp"]))), 4) if ref is not None else None,
         )
     finally:
+        if ref is not None:
+            ref.close()
         sparse.close()
         dense.close()
 

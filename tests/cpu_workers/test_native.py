@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from powerinfer.cpu_workers.native import NativeFFN, native_lib, reference_ffn, supported
+from powerinfer.cpu_workers.native import NativeFFN, native_lib, reference_ffn, supported, zero_multiple
 from powerinfer.quants.grouped import Grouped
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: the native kernel is not built")
@@ -21,7 +21,11 @@ D, N = 96, 128
 
 
 def _grouped(rng: np.random.Generator, n: int, k: int, kind: str) -> Grouped:
-    """Random codes in a format's range: q4 (0..15, group 32), q8 (int8, group 32), q6k-like (-32..31, group 16)."""
+    """Random codes in a format's range: q4 (0..15, group 32, free zeros), q40 (Q4_0: zeros -8 scales),
+    q8 (int8, group 32), q6k-like (-32..31, group 16)."""
+    if kind == "q40":
+        q, scale = rng.integers(0, 16, (n, k)), rng.uniform(0.002, 0.02, (n, k // 32)).astype(np.float16).astype(np.float32)
+        return Grouped(q.astype(np.int8), scale, -8 * scale, 32, 4)
     if kind == "q4":
         q, group, bits = rng.integers(0, 16, (n, k)), 32, 4
     elif kind == "q8":
@@ -45,7 +49,7 @@ def _close(y: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(y, ref, rtol=0, atol=2e-5 * float(np.abs(ref).max()))
 
 
-@pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q8", "q8", "q6k"), ("q8", "q4", "q4"), ("q4", "q8", "q6k")])
+@pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q40", "q40", "q40"), ("q8", "q8", "q6k"), ("q8", "q4", "q4"), ("q4", "q8", "q6k")])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int) -> None:
@@ -122,6 +126,20 @@ def test_masked_neurons_bytes_are_never_used() -> None:
     _close(y.numpy(), ref)
 
 
+def test_zeros_that_are_a_multiple_of_the_scales_are_not_stored() -> None:
+    rng = np.random.default_rng(6)
+    q40, q4, q8 = _grouped(rng, 32, 64, "q40"), _grouped(rng, 32, 64, "q4"), _grouped(rng, 32, 64, "q8")
+    assert zero_multiple(q40.scale, q40.zero) == -8.0
+    assert zero_multiple(q8.scale, q8.zero) == 0.0
+    assert zero_multiple(q4.scale, q4.zero) is None
+    lib = native_lib()
+    assert lib is not None
+    with_zeros = NativeFFN(lib, q4, q4, _grouped(rng, 64, 32, "q4"), "silu")
+    derived = NativeFFN(lib, q40, q40, _grouped(rng, 64, 32, "q40"), "silu")
+    assert all(m.zero for m in with_zeros.weights.mats) and not any(m.zero for m in derived.weights.mats)
+    assert derived.nbytes < with_zeros.nbytes
+
+
 def test_layouts_the_kernel_does_not_take() -> None:
     rng = np.random.default_rng(4)
     assert supported(_grouped(rng, 4, 64, "q4"))
@@ -150,7 +168,7 @@ def test_sparse_shard_native_and_torch_paths_agree(q4_model: Path, tmp_path: Pat
     native = SparseFFNShard(f, cfg, 1, neurons, pf.layers[1], "gate")
     fallback = SparseFFNShard(f, cfg, 1, neurons, pf.layers[1], "gate", native=False)
     assert native.native is not None and fallback.native is None
-    x = torch.randn(4, cfg.d_model)
+    x = torch.randn(4, cfg.d_model, generator=torch.Generator().manual_seed(0))
     dense = FFNShard(f, cfg, 1, neurons).forward(x)
     for shard in (native, fallback):
         shard.force_dense = True

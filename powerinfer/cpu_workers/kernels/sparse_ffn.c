@@ -38,11 +38,12 @@
 typedef struct {
     const uint8_t *codes;   /* 4-bit packed or int8, see above; row j at codes + j * stride */
     const uint16_t *scale;  /* float16; row (gate/up) or unit (down) j at scale + j * sstride */
-    const uint16_t *zero;   /* float16, same strides as scale */
+    const uint16_t *zero;   /* float16, same strides as scale; NULL: zero = zk * scale (Q4_0: -8, int8: 0) */
     int64_t stride;         /* bytes from one row's codes to the next */
     int64_t sstride;        /* float16 elements from one row's (unit's) scales to the next */
     int32_t bits;           /* 4 or 8 */
     int32_t group;          /* 4-bit: 32; 8-bit: 16 or 32 */
+    float zk;               /* the zeros' multiple of the scales when zero is NULL */
 } pi_mat;
 
 /* Row j's codes. */
@@ -136,7 +137,7 @@ static void quantize_x(const float *x, int d, int16_t *xq, float *xd) {
  * [d / group] (for the zeros): sum_g scale_g * xd * sum(q * xq) + zero_g * xs_g. Portable form. */
 static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const float *xd, const float *xs) {
     const int ng = d / m->group, gs = m->group;
-    const uint16_t *sc = m->scale + (size_t)j * m->sstride, *zr = m->zero + (size_t)j * m->sstride;
+    const uint16_t *sc = m->scale + (size_t)j * m->sstride, *zr = m->zero ? m->zero + (size_t)j * m->sstride : NULL;
     float tot = 0.0f;
     for (int g = 0; g < ng; g++) {
         int64_t a = 0;
@@ -151,7 +152,7 @@ static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const flo
             }
             a += (int64_t)q * xq[pos];
         }
-        tot += (float)a * (h2f(sc[g]) * xd[(g * gs) / 32]) + h2f(zr[g]) * xs[g];
+        tot += (float)a * (h2f(sc[g]) * xd[(g * gs) / 32]) + (zr ? h2f(zr[g]) : m->zk * h2f(sc[g])) * xs[g];
     }
     return tot;
 }
@@ -167,7 +168,7 @@ static inline size_t row_bytes(const pi_mat *m, int d) { return m->bits == 4 ? (
 static inline void prefetch_row(const pi_mat *m, int d, int j) {
     prefetch_bytes(row_ptr(m, j), row_bytes(m, d));
     __builtin_prefetch(m->scale + (size_t)j * m->sstride);
-    __builtin_prefetch(m->zero + (size_t)j * m->sstride);
+    if (m->zero) __builtin_prefetch(m->zero + (size_t)j * m->sstride);
 }
 /* How many rows ahead PI_AHEAD bytes is (at least 2). */
 static inline int rows_ahead(const pi_mat *m, int d) {
@@ -182,20 +183,24 @@ static inline int rows_ahead(const pi_mat *m, int d) {
  * (1.1B gate matrix, 8 layers: 780 vs 390 µs). Four accumulators hide the multiply-add latency. */
 static float row_dot1(const pi_mat *m, int d, int j, const int16_t *xq, const float *xd, const float *xs) {
     const int ng = d / m->group;
-    const uint16_t *sc = m->scale + (size_t)j * m->sstride, *zr = m->zero + (size_t)j * m->sstride;
+    const uint16_t *sc = m->scale + (size_t)j * m->sstride, *zr = m->zero ? m->zero + (size_t)j * m->sstride : NULL;
     float sf[512] __attribute__((aligned(32)));  /* each group's scale times its x block's scale */
     __m256 zt = _mm256_setzero_ps();
     int g8 = 0;
     if (m->group == 32) {
+        const __m256 zk = _mm256_set1_ps(m->zk);
         for (; g8 + 8 <= ng; g8 += 8) {
-            _mm256_store_ps(sf + g8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g8))), _mm256_loadu_ps(xd + g8)));
-            zt = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + g8))), _mm256_loadu_ps(xs + g8), zt);
+            const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g8)));
+            const __m256 z8 = zr ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + g8))) : _mm256_mul_ps(s8, zk);
+            _mm256_store_ps(sf + g8, _mm256_mul_ps(s8, _mm256_loadu_ps(xd + g8)));
+            zt = _mm256_fmadd_ps(z8, _mm256_loadu_ps(xs + g8), zt);
         }
     }
     float zs = 0.0f;
     for (; g8 < ng; g8++) {
-        sf[g8] = _cvtsh_ss(sc[g8]) * xd[(g8 * m->group) / 32];
-        zs += _cvtsh_ss(zr[g8]) * xs[g8];
+        const float s1 = _cvtsh_ss(sc[g8]);
+        sf[g8] = s1 * xd[(g8 * m->group) / 32];
+        zs += (zr ? _cvtsh_ss(zr[g8]) : m->zk * s1) * xs[g8];
     }
     /* four accumulators, unrolled by hand so they stay in registers */
     __m256 a0 = zt, a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
@@ -268,7 +273,7 @@ static void row_dots(const pi_mat *m, int d, const int32_t *j, int k, const int1
  * (see the header: h as int16 codes with one scale, integer sums, the scales applied once).
  * next[knext]: the rows the following call will read, asked for once this list runs out. */
 static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const float *h, int k, const int32_t *next, int knext, float *y) {
-    const uint16_t *sc = m->scale + (size_t)u * m->sstride, *zr = m->zero + (size_t)u * m->sstride;
+    const uint16_t *sc = m->scale + (size_t)u * m->sstride, *zr = m->zero ? m->zero + (size_t)u * m->sstride : NULL;
     float hsum = 0.0f, hmax = 0.0f;
     for (int a = 0; a < k; a++) {
         hsum += h[a];
@@ -289,7 +294,7 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
     const int kp = (k + 1) & ~1, ahead = rows_ahead(m, d), seq = 2 * k > m->group;
     /* the unit's scales and zeros are read last: ask for them first */
     prefetch_bytes(sc, sizeof(uint16_t) * (size_t)d);
-    prefetch_bytes(zr, sizeof(uint16_t) * (size_t)d);
+    if (zr) prefetch_bytes(zr, sizeof(uint16_t) * (size_t)d);
     int32_t acc[8192] __attribute__((aligned(32)));
     memset(acc, 0, sizeof(int32_t) * (size_t)d);
 #ifdef PI_AVX2
@@ -330,10 +335,11 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
             }
         }
     }
-    const __m256 hsv = _mm256_set1_ps(hsum), hqs = _mm256_set1_ps(hs);
+    const __m256 hsv = _mm256_set1_ps(hsum), hqs = _mm256_set1_ps(hs), zk = _mm256_set1_ps(m->zk);
     for (int c = 0; c < d; c += 8) {
-        const __m256 sv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + c))), hqs);
-        const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + c)));
+        const __m256 s8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + c)));
+        const __m256 sv = _mm256_mul_ps(s8, hqs);
+        const __m256 zv = zr ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(zr + c))) : _mm256_mul_ps(s8, zk);
         const __m256 s = _mm256_cvtepi32_ps(_mm256_load_si256((const __m256i *)(acc + c)));
         _mm256_storeu_ps(y + c, _mm256_add_ps(_mm256_loadu_ps(y + c), _mm256_fmadd_ps(sv, s, _mm256_mul_ps(zv, hsv))));
     }
@@ -350,7 +356,7 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
             acc[c] += q * hq[a];
         }
     }
-    for (int c = 0; c < d; c++) y[c] += h2f(sc[c]) * hs * (float)acc[c] + h2f(zr[c]) * hsum;
+    for (int c = 0; c < d; c++) y[c] += h2f(sc[c]) * hs * (float)acc[c] + (zr ? h2f(zr[c]) : m->zk * h2f(sc[c])) * hsum;
 #endif
 }
 
@@ -545,6 +551,9 @@ void pi_ffn_acts(const float *x, int T, int d, int n, const pi_mat *gate, const 
         }
     }
 }
+
+/* sizeof(pi_call): native.py refuses a build whose struct layout is not the one it was written for. */
+int pi_call_size(void) { return (int)sizeof(pi_call); }
 
 /* Threads of the OpenMP runtime this library resolved (native.py checks it is torch's). */
 int pi_max_threads(void) {
