@@ -8,14 +8,18 @@ same greedy continuation of the same prompt in alternating rounds (dense first i
 sparse first in odd ones). A shared machine's speed drifts by tens of percent over minutes; the
 ratio of two adjacent runs cancels most of that drift, so the figure reported is the median of
 the per-round ratios, with its quartiles, next to each engine's median tokens/s. With
-``llama_cpp=True`` llama.cpp (through llama-cpp-python, if installed) decodes the same tokens from
-the same file with the same thread count in the same rounds.
+``llama_cpp=True`` llama.cpp (through llama-cpp-python, if installed, in a child process of its own)
+decodes the same tokens from the same file with the same thread count in the same rounds.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -75,29 +79,40 @@ class SpeedComparison:
 
 
 class _LlamaCpp:
-    """llama.cpp through llama-cpp-python, decoding the same greedy continuation (optional)."""
+    """llama.cpp (llama-cpp-python) in a child process decoding the same tokens: see llama_cpp_runner."""
 
     def __init__(self, model: str, threads: int, n_ctx: int) -> None:
-        try:
-            import llama_cpp
-        except ImportError as e:
-            raise PowerInferError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python)") from e
-        self.llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
-                                   logits_all=False, verbose=False)
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise PowerInferError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python)")
+        self.proc = subprocess.Popen([sys.executable, "-m", "powerinfer.sparsity.llama_cpp_runner", model, str(threads), str(n_ctx)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._read()  # {"ready": true} once the model is loaded
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise PowerInferError(f"llama.cpp runner exited: {(err.strip().splitlines() or ['no output'])[-1]}")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise PowerInferError(f"llama.cpp runner: {reply['error']}")
+        return reply
 
     def decode_tps(self, ids: list[int], gen_tokens: int) -> float:
-        llm = self.llm
-        llm.reset()
-        llm.eval(ids)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        t = time.perf_counter()
-        for _ in range(gen_tokens):
-            llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        return gen_tokens / (time.perf_counter() - t)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"ids": ids, "gen_tokens": gen_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return float(self._read()["tps"])
 
     def close(self) -> None:
-        self.llm.close()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
