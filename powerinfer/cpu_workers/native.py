@@ -30,7 +30,8 @@ from powerinfer.quants.grouped import Grouped
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "sparse_ffn.c"
+SOURCE = Path(__file__).with_name("kernels") / "sparse_ffn.c"  # includes kernels/pi_rows.h
+HEADERS = (SOURCE.with_name("pi_rows.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MODES = {"all": 0, "gate": 1, "mask": 2, "oracle": 3, "given_gate": 4, "given_h": 5}
 ACTIVATIONS = {"silu": 0, "gelu": 1}
@@ -93,7 +94,8 @@ def native_lib() -> ctypes.CDLL | None:
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+        sources = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
+        key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
         path = _cache_dir() / f"sparse_ffn-{key}.so"
         if not path.exists():
             log.info("compiling the native sparse FFN kernel with %s", cc)
