@@ -41,20 +41,29 @@ from powerinfer.sparsity.predictor_file import LayerPredictor
 
 
 def _int8_rows(lin: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [N, K], float32 scales [N]) of a linear, requantized per row when it is not int8 already."""
+    """(int8 [N, K padded to a multiple of 32], float32 scales [N]) of a linear, requantized per row
+    when it is not int8 already (see :func:`_int8_per_row` for the padding)."""
     if isinstance(lin, Int8Linear):
-        return lin.weight[:, : lin.in_features].contiguous(), lin.scales.float()
-    w = lin.dequantized()  # [N, K] float32, one matrix at a time
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+        w = lin.weight[:, : lin.in_features]
+        return _pad_to(w, -(-w.shape[1] // 32) * 32).contiguous(), lin.scales.float()
+    q, scale = _int8_per_row(lin.dequantized().numpy())  # [N, K] float32, one matrix at a time
+    return q, scale.float()
 
 
 def _int8_per_row(w: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [m, k] -> (int8 [m, k], bfloat16 scales [m]): round(w / scale), scale = max |row| / 127
-    (rounded to bfloat16 first, as the int8 kernel applies it)."""
+    """float32 [m, k] -> (int8 [m, k padded to a multiple of 32 with zeros], bfloat16 scales [m]):
+    round(w / scale), scale = max |row| / 127 (rounded to bfloat16 first, as the int8 kernel
+    applies it). torch's int8 kernel reads past a k that is not a multiple of 16 (measured: NaN
+    outputs, and a crash), so the inputs are zero-padded to match (:func:`_pad_to`)."""
     scale = torch.from_numpy(np.maximum(np.abs(w).max(axis=1, initial=0.0), 1e-30).astype(np.float32) / np.float32(127.0)).bfloat16()
-    q = np.clip(np.rint(w / scale.float().numpy()[:, None]), -127, 127).astype(np.int8)
-    return torch.from_numpy(np.ascontiguousarray(q)), scale
+    q = np.zeros((w.shape[0], -(-w.shape[1] // 32) * 32), dtype=np.int8)
+    q[:, : w.shape[1]] = np.clip(np.rint(w / scale.float().numpy()[:, None]), -127, 127)
+    return torch.from_numpy(q), scale
+
+
+def _pad_to(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [T, j] zero-padded to [T, k] (k >= j)."""
+    return x if x.shape[1] == k else F.pad(x, (0, k - x.shape[1]))
 
 
 _ZERO_OFFSET = torch.zeros(1, dtype=torch.long)  # embedding_bag offsets of a single bag
@@ -120,9 +129,9 @@ class SparseFFNShard:
         # int8 with one scale per output row, bfloat16 activations: a decode step's predictor reads
         # a quarter of float32's bytes and runs on torch's int8 kernel (1.1B-shaped layer, rank 256:
         # 959 -> 114 µs); near-zero logits may flip, which the calibrated recall margin absorbs
-        self.fc1_w, self.fc1_s = _int8_per_row(np.asarray(pred.fc1_w, dtype=np.float32))  # [r, d], [r]
+        self.fc1_w, self.fc1_s = _int8_per_row(np.asarray(pred.fc1_w, dtype=np.float32))  # [r, d (padded)], [r]
         self.fc1_b = torch.from_numpy(np.array(pred.fc1_b, dtype=np.float32))
-        self.fc2_w, self.fc2_s = _int8_per_row(np.asarray(pred.fc2_w[rows], dtype=np.float32))  # [n, r] (this shard's neurons)
+        self.fc2_w, self.fc2_s = _int8_per_row(np.asarray(pred.fc2_w[rows], dtype=np.float32))  # [n, r (padded)]: this shard's neurons
         self.fc2_b = torch.from_numpy(np.array(pred.fc2_b[rows], dtype=np.float32))
 
     def _load_torch(self, f: GGUFFile, layer: int, idx: np.ndarray, rows: slice | np.ndarray, contiguous: bool) -> None:
@@ -161,8 +170,8 @@ class SparseFFNShard:
     # -- pieces ----------------------------------------------------------------------------------
 
     def _mm(self, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """x [T, d] @ (w [m, d] int8 * s [m]).T -> [T, m] float32."""
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), w, s.to(torch.bfloat16)).float()
+        """x [T, d] @ (w [m, d'] int8 * s [m]).T -> [T, m] float32 (d' >= d: w's zero-padded columns)."""
+        return torch.ops.aten._weight_int8pack_mm(_pad_to(x, w.shape[1]).to(torch.bfloat16), w, s.to(torch.bfloat16)).float()
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> bool [T, n]: neurons predicted active."""

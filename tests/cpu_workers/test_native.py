@@ -178,3 +178,29 @@ def test_sparse_shard_native_and_torch_paths_agree(q4_model: Path, tmp_path: Pat
     ys = [s.forward(x) for s in (native, fallback)]
     assert float((ys[0] - ys[1]).norm() / ys[1].norm()) < 0.05  # a few borderline neurons may flip
     assert 0.3 < native.last_active < 0.7
+
+
+def test_int8_predictor_with_any_rank_matches_float32(q4_model: Path) -> None:
+    """The shard's int8 predictor (inputs padded to a multiple of 32: torch's int8 kernel misreads
+    other widths) agrees with the float32 numpy statement wherever the logit is not near zero."""
+    from dataclasses import replace
+
+    from powerinfer.config import config_from_gguf
+    from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+
+    f = GGUFFile(q4_model)
+    cfg = config_from_gguf(f)
+    base = calibrate(q4_model, CalibrationSettings(mode="gate", sparsity=0.5, tokens=32, window=32, steps=1)).layers[0]
+    rng = np.random.default_rng(7)
+    for rank in (20, 36, 100):
+        lp = replace(base, fc1_w=rng.standard_normal((rank, cfg.d_model)).astype(np.float32), fc1_b=rng.standard_normal(rank).astype(np.float32),
+                     fc2_w=rng.standard_normal((cfg.n_ff, rank)).astype(np.float32), fc2_b=rng.standard_normal(cfg.n_ff).astype(np.float32))
+        shard = SparseFFNShard(f, cfg, 0, np.arange(cfg.n_ff), lp, "predictor")
+        x = rng.standard_normal((5, cfg.d_model)).astype(np.float32)
+        got = shard.predict(torch.from_numpy(x)).numpy()
+        logits = np.maximum(x @ lp.fc1_w.T + lp.fc1_b, 0) @ lp.fc2_w.T + lp.fc2_b
+        clear = np.abs(logits) > 0.05 * np.abs(logits).max()
+        assert clear.mean() > 0.8
+        assert (got[clear] == (logits > 0)[clear]).all()
