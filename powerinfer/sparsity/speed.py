@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import InvalidArgumentError, PowerInferError
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
     from powerinfer.api import LLM
 
     if rounds < 2:
-        raise ValueError("a paired comparison needs at least 2 rounds")
+        raise InvalidArgumentError(f"a paired comparison needs at least 2 rounds, got {rounds}")
     kwargs: dict[str, Any] = dict(n_ctx=prompt_tokens + gen_tokens + 8, n_threads=threads, executor=executor, worker_threads=worker_threads)
     dense = LLM(model, **kwargs)
     try:

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 import pytest
 
+from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.sparsity.predictor_file import write_predictor
 from powerinfer.sparsity.speed import compare_decode
@@ -41,7 +42,7 @@ def test_compare_decode_measures_both(model_and_predictor: tuple[Path, Path]) ->
     assert cmp.llama_cpp_tps is None
     text = cmp.report()
     assert "sparse / dense, paired per round" in text and f"{cmp.dense_tps:.1f}" in text
-    with pytest.raises(ValueError, match="at least 2 rounds"):
+    with pytest.raises(InvalidArgumentError, match="at least 2 rounds"):
         compare_decode(str(model), str(pred), rounds=1)
 
 
@@ -57,6 +58,8 @@ def test_cli(model_and_predictor: tuple[Path, Path], tmp_path: Path) -> None:
     assert data["sparse_tps"] > 0 and np.isfinite(data["ratio_median"])
     proc = subprocess.run([*cmd, "--vs-dense"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "give it --predictor" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([*cmd, "--predictor", str(pred), "--vs-dense", "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "at least 2 rounds" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_llama_cpp_side_by_side(tmp_path: Path) -> None:
