@@ -22,15 +22,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from powerinfer.errors import PowerInferError
+from powerinfer.sparsity.speed import PROMPT_TEXT
 
 log = logging.getLogger(__name__)
-
-# Deterministic prompt material; repeated until the requested token count is reached.
-_TEXT = (
-    "The history of computing is a story of machines that learned to do arithmetic faster than people, "
-    "then to store programs, then to talk to each other across the world. Each step made memory and "
-    "bandwidth, not raw arithmetic, the limit that mattered. "
-)
 
 
 def _int_list(text: str) -> list[int]:
@@ -122,7 +116,7 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
               worker_threads=worker_threads, predictor=predictor)
     load_s = time.perf_counter() - t0
     try:
-        ids = llm.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
+        ids = llm.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         eng = llm.engine
         stats = getattr(eng.executor, "stats", None)
         prefill, decode = [], []
@@ -191,6 +185,8 @@ def run_bench(argv: Sequence[str]) -> int:
     from powerinfer.fetch import resolve_model
 
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
+    if args.vs_llama_cpp and not args.vs_dense:
+        raise PowerInferError("--vs-llama-cpp is a column of the --vs-dense comparison: give --vs-dense --predictor FILE too")
     if args.vs_dense:
         if not args.predictor:
             raise PowerInferError("--vs-dense compares against a sparse engine: give it --predictor FILE")

@@ -271,7 +271,7 @@ class NativeFFN:
         xc = self._f32(x, (T, self.d), "x")  # a local: the buffers must outlive the call
         parts = max(1, torch.get_num_threads())
         y = torch.empty(T, self.d)
-        scratch, active, scratch_ptr, active_ptr = self._buffers(T, parts)
+        scratch, active, scratch_ptr, active_ptr = self._buffers(T, parts)  # locals: they must outlive the call
         c = self._call
         c.x, c.y, c.active, c.scratch = xc.data_ptr(), y.data_ptr(), active_ptr, scratch_ptr
         c.T, c.mode, c.parts, c.thr = T, MODES[mode], parts, threshold
@@ -293,7 +293,6 @@ class NativeFFN:
                 c.given_h = gh.data_ptr()
         if self.lib.pi_ffn(self._call_ref) != 0:
             raise ValueError(f"native FFN kernel refused shapes d={self.d}, n={self.n}, down group {self.down_group}")
-        del scratch  # kept alive until here
         return y, active.copy()
 
     def activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,8 @@ from powerinfer.errors import InvalidArgumentError, PowerInferError
 
 log = logging.getLogger(__name__)
 
-# Deterministic prompt material, repeated to the requested length.
-_TEXT = (
+# Deterministic prompt material, repeated to the requested length (also `powerinfer bench`'s).
+PROMPT_TEXT = (
     "The history of computing is a story of machines that learned to do arithmetic faster than people, "
     "then to store programs, then to talk to each other across the world. Each step made memory and "
     "bandwidth, not raw arithmetic, the limit that mattered. "
@@ -143,7 +143,7 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
     ref: _LlamaCpp | None = None
     try:
         assert sparse.predictor is not None
-        ids = dense.tokenize(_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
+        ids = dense.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         ref = _LlamaCpp(model, threads, prompt_tokens + gen_tokens + 8) if llama_cpp else None
         runners: dict[str, Callable[[], float]] = {
             "dense": lambda: _decode_tps(dense, ids, gen_tokens),
