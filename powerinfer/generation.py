@@ -25,9 +25,11 @@ class TokenLogprob:
     """log P(token) under the model (before penalties and sampling filters), and the top alternatives."""
 
     token: int
-    text: str
+    text: str  # may hold U+FFFD where the token is part of a UTF-8 character
     logprob: float
     top: tuple[tuple[int, str, float], ...] = ()  # (token, text, logprob), most likely first
+    raw: bytes = b""  # the token's own bytes: the pieces of a split character reassemble it
+    top_raw: tuple[bytes, ...] = ()  # the same for each entry of top
 
 
 @dataclass(frozen=True)
@@ -103,10 +105,17 @@ class SequenceState:
             idx = np.argpartition(-row, k - 1)[:k]
             idx = idx[np.argsort(-row[idx], kind="stable")]
             top = tuple((int(i), self._piece(int(i)), float(row[i] - lse)) for i in idx)
-        return TokenLogprob(token, self._piece(token), float(row[token] - lse), top)
+        return TokenLogprob(token, self._piece(token), float(row[token] - lse), top, self._raw(token),
+                            tuple(self._raw(t) for t, _, _ in top))
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)
+
+    def _raw(self, token: int) -> bytes:
+        # Control tokens have no bytes of their own in the vocabulary; their rendered text stands in.
+        if self.tokenizer.is_special(token):
+            return self._piece(token).encode("utf-8")
+        return self.tokenizer.token_bytes(token)
 
 
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:

@@ -53,8 +53,11 @@ class RopeTable:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] float32 rotated at positions [T] (only the first rope_dim dims of each head)."""
-        if int(positions[-1]) >= self.cis.shape[0]:
-            self._grow(int(positions[-1]) + 1)
+        # The largest position, not the last: a batched decode step holds one token of each
+        # sequence, in slot order, so an older, longer sequence can sit anywhere in the batch.
+        top = int(positions.max())
+        if top >= self.cis.shape[0]:
+            self._grow(top + 1)
         cis = self.cis[positions][:, None, :]  # [T, 1, R/2]
         T, H, D = x.shape
         r = self.rope_dim

@@ -34,8 +34,6 @@ from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, S
 
 log = logging.getLogger(__name__)
 
-DISCONNECT_POLL_S = 0.25  # non-streaming requests check for a gone client this often
-
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -44,6 +42,7 @@ class ServerConfig:
     queue: int = 64  # sequences waiting beyond the slots before 429
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
+    n_predict: int = -1  # max_tokens of requests that set none (-1: until end of text or the context is full)
 
 
 class ServerState:
@@ -213,7 +212,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         check_model(req.common.model)
         llm, sched = state.ready()
         ids = await run_in_threadpool(prompt_ids, llm, req)
-        return await run_jobs(request, llm, sched, req, ids, config.model_id)
+        return await run_jobs(request, llm, sched, req, ids, config)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -252,8 +251,9 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[int]:
 
 
 async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, ids: list[int],
-                   model_id: str) -> Response:
+                   config: ServerConfig) -> Response:
     common: GenerationRequest = req.common
+    max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
@@ -261,7 +261,7 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
 
-    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, common.max_tokens, choice_sampling(common.sampling, i), common.stop,
+    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, i), common.stop,
                                          common.logprobs), sink, index=i)
             for i in range(common.n)]
     try:
@@ -270,14 +270,19 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except ShuttingDownError as e:
         raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
-    shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", model_id)
+    shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
     echo = llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else ""
     if common.stream:
         return StreamingResponse(stream(shapes, sched, jobs, queue, common, len(ids), echo), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    # The client may hang up while tokens are flowing: a watcher waits for uvicorn's disconnect
+    # message (the body is read, so receive() returns nothing else) and cancels the jobs at once,
+    # so the slot is free within one decode step and the job counts as cancelled, not ok.
+    watcher = asyncio.ensure_future(watch_disconnect(request, sched, jobs, queue))
     try:
-        results = await collect(request, queue, common.n)
+        results = await collect(queue, common.n)
     finally:
+        watcher.cancel()
         sched.cancel([j for j in jobs if not j.finished])
     return JSONResponse(shapes.final(results, len(ids), common.logprobs is not None, echo))
 
@@ -296,16 +301,24 @@ def failure(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
 
 
-async def collect(request: Request, queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[ChoiceResult]:
+class ClientGone(Exception):
+    """Queued by the disconnect watcher: the client of a non-streaming request hung up."""
+
+
+async def watch_disconnect(request: Request, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]") -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    sched.cancel([j for j in jobs if not j.finished])
+    queue.put_nowait((-1, ClientGone()))
+
+
+async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[ChoiceResult]:
     results = [ChoiceResult(i) for i in range(n)]
     open_ = n
     while open_:
-        try:
-            idx, ev = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise APIError(499, "client disconnected") from None
-            continue
+        idx, ev = await queue.get()
+        if isinstance(ev, ClientGone):
+            raise APIError(499, "client disconnected")
         if isinstance(ev, BaseException):
             raise failure(ev)
         r = results[idx]

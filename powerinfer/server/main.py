@@ -28,6 +28,10 @@ from powerinfer.errors import PowerInferError
 
 log = logging.getLogger("powerinfer.server")
 
+# Requests without max_tokens (Open WebUI's title/tags/follow-up tasks send none) stop here. 1024
+# tokens is several screens of chat, more than a small model's useful answers; -n -1 lifts it.
+DEFAULT_N_PREDICT = 1024
+
 
 def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p = _Parser(prog=prog, description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, "
@@ -41,6 +45,9 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429 (default 64)")
     p.add_argument("--alias", default=None, help="model name in /v1/models and requests (default: the model file's name)")
     p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
+    p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
+                   help=f"tokens a request may generate when it sets no max_tokens; -1 = until end of text or context "
+                        f"(default {DEFAULT_N_PREDICT}: a client's background task without a limit must not hold a slot for minutes)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM (default 10)")
     add_gpu_args(p)
     p.add_argument("--predictor", default=None, help="a .predictor file: sparse FFN")
@@ -86,6 +93,8 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
         raise CLIError(f"--queue must be >= 0, got {args.queue}")
     if args.ctx_size is not None and args.ctx_size < 0:
         raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.n_predict == 0 or args.n_predict < -1:
+        raise CLIError(f"--n-predict must be positive or -1, got {args.n_predict}")
     if not args.shutdown_timeout >= 0:
         raise CLIError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -94,7 +103,8 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     sock = bind(args.host, args.port)
-    cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body)
+    cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
+                       n_predict=args.n_predict)
     args.n_slots = args.parallel
     app = create_app(cfg, lambda: load_llm(args, progress=False))
     host, port = sock.getsockname()[:2]

@@ -35,18 +35,17 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _bytes(s: str) -> list[int]:
-    return list(s.encode("utf-8", errors="replace"))
-
-
 def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    # "bytes" are the token's own bytes, not its text's: a token holding half of a UTF-8
+    # character shows U+FFFD as text, and clients join the bytes of consecutive tokens to
+    # recover the character.
     return {
         "content": [
             {
                 "token": lp.text,
                 "logprob": lp.logprob,
-                "bytes": _bytes(lp.text),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for _, t, v in lp.top],
+                "bytes": list(lp.raw),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for (_, t, v), b in zip(lp.top, lp.top_raw)],
             }
             for lp in items
         ],

@@ -19,6 +19,9 @@ import httpx
 import pytest
 
 
+N_PREDICT = 48  # the shared server's -n: requests without max_tokens stop here
+
+
 @dataclass
 class RunningServer:
     proc: subprocess.Popen[str]
@@ -78,8 +81,8 @@ def start_server(model: Path, tmp: Path, *args: str, ready: bool = True, timeout
 
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """SmolLM2 with 8 slots of 512 tokens, 2 CPU workers, --parallel 8 and a small queue."""
+    """SmolLM2 with 8 slots of 512 tokens, 2 CPU workers, --parallel 8, a small queue, -n 48."""
     server = start_server(smollm2_path, tmp_path_factory.mktemp("server"), "-c", "512", "--parallel", "8", "--queue", "32",
-                          "-t", "2", "--max-body", str(1 << 20))
+                          "-t", "2", "--max-body", str(1 << 20), "-n", str(N_PREDICT))
     yield server
     server.stop()

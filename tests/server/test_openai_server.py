@@ -15,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import N_PREDICT, RunningServer, start_server
 
 pytestmark = pytest.mark.real_model
 
@@ -39,11 +39,13 @@ def completion_stream(server: RunningServer, **kwargs: object) -> list[openai.ty
     return chunks
 
 
-def metric(server: RunningServer, name: str) -> float:
+def metric(server: RunningServer, name: str, default: float | None = None) -> float:
     text = httpx.get(server.url + "/metrics").text
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
+    if default is not None:  # a labelled counter appears once its label was first counted
+        return default
     raise AssertionError(f"{name} not in /metrics")
 
 
@@ -111,6 +113,56 @@ def test_logprobs_n_and_seed(smollm2_server: RunningServer) -> None:
     again = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=7, n=3)
     assert [ch.text for ch in again.choices] == [ch.text for ch in many.choices]  # seeded: reproducible
     assert len({ch.text for ch in many.choices}) > 1  # ... yet the choices differ
+
+
+def test_logprob_bytes_reassemble_split_characters(smollm2_server: RunningServer) -> None:
+    """SmolLM2 writes 🤗 as three tokens (F0 9F | A4 | 97): each token's own bytes, not U+FFFD's."""
+    r = client(smollm2_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write: 🤗 🤗 🤗"}], temperature=0, max_tokens=6, logprobs=True,
+        top_logprobs=2)  # type: ignore[arg-type]
+    content = r.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and "🤗" in (r.choices[0].message.content or "")
+    assert any(t.token == "\ufffd" for t in content)  # a token that holds part of a character ...
+    assert bytes(b for t in content for b in (t.bytes or [])).decode("utf-8") == r.choices[0].message.content  # ... and its bytes
+    for t in content:
+        assert t.top_logprobs[0].bytes == t.bytes  # greedy: the chosen token is the most likely one
+
+
+def test_requests_without_max_tokens_stop_at_n_predict(smollm2_server: RunningServer) -> None:
+    r = client(smollm2_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 1000, separated by commas."}], temperature=0)  # type: ignore[arg-type]
+    assert r.usage is not None and r.usage.completion_tokens == N_PREDICT
+    assert r.choices[0].finish_reason == "length"
+    longer = client(smollm2_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 1000, separated by commas."}], temperature=0,
+        max_tokens=N_PREDICT + 8)  # type: ignore[arg-type]
+    assert longer.usage is not None and longer.usage.completion_tokens == N_PREDICT + 8  # an explicit max_tokens is honoured
+
+
+def test_full_context_ends_with_length(smollm2_server: RunningServer) -> None:
+    """A reply that reaches the end of the slot's 512 tokens is cut cleanly, not failed."""
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, " * 15  # 466 tokens
+    r = client(smollm2_server).completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=200)
+    assert r.usage is not None and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 512
+
+
+def test_non_streaming_client_that_hangs_up_frees_its_slot(smollm2_server: RunningServer) -> None:
+    """Tokens keep coming, so no quiet moment reveals the disconnect: it must be noticed at once."""
+    cancelled = metric(smollm2_server, 'powerinfer_sequences_total{outcome="cancelled"}', 0.0)
+    ok = metric(smollm2_server, 'powerinfer_sequences_total{outcome="ok"}', 0.0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(smollm2_server.base_url + "/completions", json={"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0},
+                   timeout=httpx.Timeout(5, read=1.0))
+    deadline = time.monotonic() + 3  # 400 tokens would take ~10 s or more
+    while metric(smollm2_server, "powerinfer_requests_running") != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept its slot"
+        time.sleep(0.05)
+    assert metric(smollm2_server, 'powerinfer_sequences_total{outcome="cancelled"}', 0.0) == cancelled + 1
+    assert metric(smollm2_server, 'powerinfer_sequences_total{outcome="ok"}', 0.0) == ok
+    t0 = time.monotonic()
+    client(smollm2_server).completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert time.monotonic() - t0 < 3  # the next request is not stuck behind it
 
 
 def test_errors_in_openai_shape(smollm2_server: RunningServer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
@@ -146,3 +147,69 @@ def test_worker_failure_fails_jobs_in_flight_and_recovers(llm: LLM, monkeypatch:
         assert len(col.tokens(after[0])) == 4
     finally:
         sched.stop()
+
+
+def test_random_overlapping_sequences_equal_lone_generation(make_model: Callable[..., Path]) -> None:
+    """Sequences of random prompt and output lengths arrive at random steps and overlap; every
+    result equals the same request alone (temperature 0), and the batches cross each of the
+    rotary table's growth points (256, 512, 1024) with an older, longer sequence ahead of a
+    newer, shorter one: the order that used to index past the table."""
+    rng = random.Random(20261203)
+    n_ctx = 1100
+    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=2, context_length=2048)
+    llm = LLM(path, n_ctx=n_ctx, executor="inprocess", n_slots=4, n_batch=64)
+    try:
+        p0 = rng.randint(1, 150)
+        specs = [(p0, n_ctx - p0 - 10)]  # a long first sequence crosses every boundary
+        arrivals = []  # after this many tokens of job 0
+        for b in (256, 512, 1024):  # one short job surely decoding behind job 0 as it reaches b ...
+            arrivals.append(b - p0 - rng.randint(10, 30))
+            specs.append((rng.randint(1, 64), rng.randint(40, 120)))
+        for _ in range(7):  # ... and others at random
+            arrivals.append(rng.randint(1, specs[0][1] - 20))
+            specs.append((rng.randint(1, 300), rng.randint(1, 120)))
+        prompts = [[256] + [rng.randrange(256) for _ in range(n - 1)] for n, _ in specs]
+        # alone on a model of its own: this one's rotary tables must start small, as a server's do
+        with LLM(path, n_ctx=n_ctx, executor="inprocess", n_batch=64) as solo:
+            alone = [[c.token for c in solo.generate(p, m, temperature=0) if c.token >= 0] for p, (_, m) in zip(prompts, specs)]
+        assert len(alone[0]) == specs[0][1], "the long sequence ended early: nothing crosses the boundaries"
+        order = sorted(range(1, len(specs)), key=lambda i: arrivals[i - 1])
+
+        col = Collector()
+        jobs = col.jobs(llm, prompts, 0)
+        for job, (_, m) in zip(jobs, specs):
+            job.state = SequenceState(llm.tokenizer, job.prompt, m, GREEDY)
+        crossed: set[int] = set()
+        real = llm.engine.decode
+
+        def recording(ids: list[int], slots: list[int]):  # type: ignore[no-untyped-def]
+            pos = [len(llm.engine.slot_tokens[s]) for s in slots]
+            crossed.update(b for b in (256, 512, 1024) if b in pos and pos[-1] < b)  # a sequence reaches b, a shorter one is last
+            return real(ids, slots)
+
+        sched = run(llm)
+        llm.engine.decode = recording  # type: ignore[method-assign]
+        plain = col.sink
+        pending = [(arrivals[i - 1], jobs[i]) for i in order]
+
+        def arriving(job: Job, ev: Event) -> None:  # later jobs arrive as job 0 reaches its arrival points
+            plain(job, ev)
+            if isinstance(ev, BaseException):  # a failed step: the jobs not yet arrived never will
+                col.done.set()
+            while job is jobs[0] and pending and len(col.tokens(jobs[0])) >= pending[0][0]:
+                sched.submit([pending.pop(0)[1]])
+
+        for j in jobs:
+            j.sink = arriving
+        try:
+            sched.submit(jobs[:1])
+            assert col.done.wait(300)
+        finally:
+            sched.stop()
+            llm.engine.decode = real  # type: ignore[method-assign]
+        errors = [e for j in jobs for e in col.events.get(id(j), []) if isinstance(e, BaseException)]
+        assert not errors
+        assert [col.tokens(j) for j in jobs] == alone
+        assert crossed == {256, 512, 1024}
+    finally:
+        llm.close()
