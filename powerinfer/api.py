@@ -13,6 +13,8 @@ Runs in: the user's process, which becomes the coordinator.
 
 from __future__ import annotations
 
+import ctypes
+
 import logging
 import os
 import time
@@ -69,8 +71,10 @@ class Timings:
 class LLM:
     """A loaded model. ``executor="process"`` (the default) runs every layer's shards in
     ``n_threads`` CPU worker processes (default: one per physical core) with ``worker_threads``
-    torch threads each; ``"inprocess"`` runs them
-    in this process with ``n_threads`` torch threads (the test oracle, and handy in notebooks).
+    torch threads each; ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
+    the native decoder (one C call per forward pass) when it applies (dense, one shard, a C
+    compiler, every matrix of a type it has a kernel for), else with torch, the test oracle.
+    ``native`` True insists on the native decoder, False asks for the torch path.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class LLM:
         progress: bool = False,
         n_slots: int = 1,
         gpu: "GpuOptions | None" = None,
+        native: bool | None = None,
     ) -> None:
         t0 = time.perf_counter()
         if n_threads is not None and n_threads < 1:
@@ -133,6 +138,11 @@ class LLM:
             ex = build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
                                        predictor_path=predictor, sparse=sparse, n_slots=n_slots, progress=progress,
                                        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        elif executor == "inprocess" and (lib := self._native_lib(native, use is None and n_shards == 1)) is not None:
+            from powerinfer.coordinator.native_executor import NativeExecutor
+            from powerinfer.cpu_workers.topology import default_workers
+
+            ex = NativeExecutor(lib, self.file, self.config, n_ctx, n_threads or default_workers(), n_slots=n_slots, max_tokens=n_batch)
         elif executor == "inprocess":
             if n_threads is not None:
                 import torch
@@ -172,6 +182,25 @@ class LLM:
             self.engine.rewind_all()  # the restarted workers will hold no KV cache
             self._broken = True
             raise
+
+    def _native_lib(self, native: bool | None, applies: bool) -> "ctypes.CDLL | None":
+        """The native decoder library when the in-process executor should use it, else None."""
+        if native is False:
+            return None
+        if not applies:
+            if native:
+                raise InvalidArgumentError("the native decoder runs dense models in one shard: no predictor, n_shards=1")
+            return None
+        from powerinfer.cpu_workers.native_model import decoder_lib, supports
+
+        lib = decoder_lib()
+        why = "no C compiler, or POWERINFER_NATIVE=0" if lib is None else supports(self.file, self.config)
+        if why is None:
+            return lib
+        if native:
+            raise InvalidArgumentError(f"the native decoder cannot run this model: {why}")
+        log.info("in-process executor on torch: %s", why)
+        return None
 
     def check_workers(self) -> None:
         """Raise WorkerDiedError when a worker process is gone or silent (no-op in process)."""

@@ -17,16 +17,18 @@ from powerinfer.api import LLM
 
 pytestmark = pytest.mark.real_model
 
-_LLMS: dict[str, LLM] = {}
+_LLMS: dict[tuple[str, str], LLM] = {}
 
 
-@pytest.fixture(params=["smollm2", "gemma3"], scope="module")
+@pytest.fixture(params=[("smollm2", "process"), ("gemma3", "process"), ("smollm2", "native"), ("gemma3", "native")],
+                ids=lambda p: "-".join(p), scope="module")
 def model(request: pytest.FixtureRequest) -> tuple[str, LLM]:
-    key = request.param
-    if key not in _LLMS:
+    """Each model on the default executor (worker processes, torch) and on the native decoder."""
+    key, kind = request.param
+    if (key, kind) not in _LLMS:
         path: Path = request.getfixturevalue(f"{key}_path")
-        _LLMS[key] = LLM(path, n_ctx=512)
-    return key, _LLMS[key]
+        _LLMS[key, kind] = LLM(path, n_ctx=512) if kind == "process" else LLM(path, n_ctx=512, executor="inprocess", native=True)
+    return key, _LLMS[key, kind]
 
 
 def test_prompt_tokens_match(model: tuple[str, LLM], reference: dict[str, Any]) -> None:
@@ -94,7 +96,7 @@ def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, reque
     # ranges nor Gemma's single kv head (two of its workers serve only FFN neurons).
     path: Path = request.getfixturevalue(f"{key}_path")
     ids = reference[key]["greedy"][0]["prompt_tokens"]
-    oracle = LLM(path, n_ctx=128, executor="inprocess", n_shards=n_workers)
+    oracle = LLM(path, n_ctx=128, executor="inprocess", n_shards=n_workers, native=False)
     llm = LLM(path, n_ctx=128, n_threads=n_workers)
     try:
         np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3, rtol=0)

@@ -50,9 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs-dense", action="store_true",
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
                         "and print the paired sparse/dense speed ratio (uses the first --workers value)")
-    p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense (default 12)")
+    p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense / --vs-llama-cpp (default 12)")
     p.add_argument("--vs-llama-cpp", action="store_true",
-                   help="with --vs-dense: also decode with llama.cpp (llama-cpp-python) in the same rounds")
+                   help="run llama.cpp (llama-cpp-python) on the same file with the same threads in alternating rounds and print "
+                        "the paired ratios for prefill and decode (first --workers value; --rounds); with --vs-dense: a column "
+                        "of the sparse/dense comparison")
+    p.add_argument("--profile", action="store_true",
+                   help="native decoder: split a decode step's time into its layer phases, the head and the rest "
+                        "(in process, first --workers value, --gen-tokens steps)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -185,8 +190,27 @@ def run_bench(argv: Sequence[str]) -> int:
     from powerinfer.fetch import resolve_model
 
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
+    if args.profile:
+        from powerinfer.cli.bench_profile import as_dict, profile_decode
+
+        prof = profile_decode(model, threads=args.workers[0], prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+        print(prof.report())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(as_dict(prof), fh, indent=2)
+        return 0
     if args.vs_llama_cpp and not args.vs_dense:
-        raise PowerInferError("--vs-llama-cpp is a column of the --vs-dense comparison: give --vs-dense --predictor FILE too")
+        if args.predictor:
+            raise PowerInferError("--predictor with --vs-llama-cpp compares sparse decode: give --vs-dense too")
+        from powerinfer.cli.bench_llama import compare_llama_cpp
+
+        vs = compare_llama_cpp(model, threads=args.workers[0], executor=args.executor, prompt_tokens=args.prompt_tokens,
+                               gen_tokens=args.gen_tokens, rounds=args.rounds, n_batch=args.batch_size)
+        print(vs.report())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(vs.as_dict(), fh, indent=2)
+        return 0
     if args.vs_dense:
         if not args.predictor:
             raise PowerInferError("--vs-dense compares against a sparse engine: give it --predictor FILE")

@@ -132,6 +132,9 @@ class Engine:
         x = embed_rows(self.f, ids)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
+        whole_step = getattr(self.executor, "forward", None)
+        if whole_step is not None:  # the native executor runs every layer and the final norm in one call
+            return whole_step(x, positions, slots)
         for layer, norms in enumerate(self.norms):
             h = self.executor.attention(layer, rms_norm(x, norms.attn, cfg.norm_eps), positions, slots)
             if norms.post_attn is not None:

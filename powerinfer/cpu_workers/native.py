@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from powerinfer.cpu_workers.cbuild import load_library
 from powerinfer.quants.grouped import Grouped
 
 log = logging.getLogger(__name__)
@@ -54,57 +51,18 @@ class PiCall(ctypes.Structure):
                 ("mode", ctypes.c_int32), ("parts", ctypes.c_int32), ("thr", ctypes.c_float)]
 
 
-def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    return Path(os.environ.get("POWERINFER_CACHE") or user_cache_dir("powerinfer")) / "native"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _build(cc: str, out: Path) -> None:
-    """Compile SOURCE to out atomically (a concurrent build by another worker writes its own temp file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise OSError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 @functools.lru_cache(maxsize=1)
 def native_lib() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (no compiler, build failure, or POWERINFER_NATIVE=0)."""
     if os.environ.get("POWERINFER_NATIVE", "1") == "0":
         log.info("native sparse kernel disabled by POWERINFER_NATIVE=0")
         return None
-    cc = _compiler()
-    if cc is None:
-        log.warning("no C compiler found: sparse FFNs use the slower torch path")
-        return None
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        sources = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
-        key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-        path = _cache_dir() / f"sparse_ffn-{key}.so"
-        if not path.exists():
-            log.info("compiling the native sparse FFN kernel with %s", cc)
-            _build(cc, path)
-        lib = ctypes.CDLL(str(path))
+        lib = load_library(SOURCE, HEADERS, FLAGS, "sparse_ffn")
         lib.pi_call_size.restype = ctypes.c_int
         if lib.pi_call_size() != ctypes.sizeof(PiCall):  # a source newer than this module (upgraded mid-run)
             raise OSError(f"kernel struct size {lib.pi_call_size()} != {ctypes.sizeof(PiCall)}")
-    except (OSError, subprocess.SubprocessError) as e:
+    except OSError as e:
         log.warning("native sparse kernel unavailable (%s): sparse FFNs use the slower torch path", e)
         return None
     ptr, i32 = ctypes.c_void_p, ctypes.c_int

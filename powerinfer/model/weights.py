@@ -51,3 +51,12 @@ def embed_rows(f: GGUFFile, ids: np.ndarray, name: str = "token_embd.weight") ->
     """Float32 rows [T, d] of a token-indexed matrix (embeddings, output head), decoding only those."""
     info = f.tensor(name)
     return dequantize_rows(info.qtype, f.read_rows(name, ids), info.n_cols).astype(np.float32, copy=False)
+
+
+def decode_weight_bytes(f: GGUFFile, n_layers: int, tied_embeddings: bool) -> int:
+    """Bytes of the file's matrices that one decode step reads: every layer's seven projections
+    and the output head (the embedding row and the norms are a few KiB)."""
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    names = [layer_tensor(i, p) for i in range(n_layers) for p in parts]
+    names.append("token_embd.weight" if tied_embeddings else "output.weight")
+    return sum(f.tensor(n).nbytes for n in names)

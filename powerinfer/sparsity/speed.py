@@ -14,19 +14,16 @@ decodes the same tokens from the same file with the same thread count in the sam
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from powerinfer.errors import InvalidArgumentError, PowerInferError
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.sparsity.llama_cpp_runner import LlamaCppClient
 
 log = logging.getLogger(__name__)
 
@@ -78,43 +75,6 @@ class SpeedComparison:
         ]))
 
 
-class _LlamaCpp:
-    """llama.cpp (llama-cpp-python) in a child process decoding the same tokens: see llama_cpp_runner."""
-
-    def __init__(self, model: str, threads: int, n_ctx: int) -> None:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise PowerInferError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python)")
-        self.proc = subprocess.Popen([sys.executable, "-m", "powerinfer.sparsity.llama_cpp_runner", model, str(threads), str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self._read()  # {"ready": true} once the model is loaded
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise PowerInferError(f"llama.cpp runner exited: {(err.strip().splitlines() or ['no output'])[-1]}")
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise PowerInferError(f"llama.cpp runner: {reply['error']}")
-        return reply
-
-    def decode_tps(self, ids: list[int], gen_tokens: int) -> float:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"ids": ids, "gen_tokens": gen_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return float(self._read()["tps"])
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
     """Prefill ids (not timed), then greedily decode gen_tokens tokens; returns their tokens/s."""
     eng = llm.engine
@@ -140,11 +100,11 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
     except BaseException:
         dense.close()
         raise
-    ref: _LlamaCpp | None = None
+    ref: LlamaCppClient | None = None
     try:
         assert sparse.predictor is not None
         ids = dense.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
-        ref = _LlamaCpp(model, threads, prompt_tokens + gen_tokens + 8) if llama_cpp else None
+        ref = LlamaCppClient(model, threads, prompt_tokens + gen_tokens + 8) if llama_cpp else None
         runners: dict[str, Callable[[], float]] = {
             "dense": lambda: _decode_tps(dense, ids, gen_tokens),
             "sparse": lambda: _decode_tps(sparse, ids, gen_tokens),

@@ -34,7 +34,7 @@ def _gone(pids: list[int], timeout: float = 5.0) -> bool:
 def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int) -> None:
     # 3 workers: more than the 2 kv heads, and 160 neurons do not split evenly into 3 x 32-aligned ranges
     path = make_model(arch="gemma3", qtype=QT.Q8_0, n_layers=3)
-    oracle = LLM(path, n_ctx=64, executor="inprocess", n_shards=n_workers)
+    oracle = LLM(path, n_ctx=64, executor="inprocess", n_shards=n_workers, native=False)
     llm = LLM(path, n_ctx=64, n_threads=n_workers, pin=False)
     try:
         np.testing.assert_allclose(llm.logits(IDS), oracle.logits(IDS), atol=1e-3, rtol=0)

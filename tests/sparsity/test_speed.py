@@ -60,7 +60,7 @@ def test_cli(model_and_predictor: tuple[Path, Path], tmp_path: Path) -> None:
     assert proc.returncode != 0 and "give it --predictor" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([*cmd, "--predictor", str(pred), "--vs-dense", "--rounds", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "at least 2 rounds" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([*cmd, "--vs-llama-cpp"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*cmd, "--predictor", str(pred), "--vs-llama-cpp"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "give --vs-dense" in proc.stderr and "Traceback" not in proc.stderr
 
 

@@ -1,0 +1,89 @@
+"""`powerinfer bench --profile`: where a native decode step's time goes.
+
+Runs in: the user's process (the in-process native executor).
+
+Decodes greedily and splits each step's wall time into the decoder's layer phases (thread 0's
+clock between the barriers of kernels/decoder.c, summed over layers), the output head, and what
+is left: embedding lookup, the engine's float32 refinement of the best logits, sampling and the
+Python around them (divided by the layer count, that last share is the per-layer Python cost).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.sparsity.speed import PROMPT_TEXT
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    model: str
+    threads: int
+    steps: int
+    step_us: float  # median-free mean wall time per decode step
+    phases_us: dict[str, float]  # per step, summed over layers
+    head_us: float
+    rest_us: float  # embedding, refinement, sampling, Python
+    n_layers: int
+
+    def report(self) -> str:
+        lines = [f"model: {self.model}  threads: {self.threads}  {self.steps} decode steps: {self.step_us:.0f} µs a step "
+                 f"({1e6 / self.step_us:.1f} tokens/s)"]
+        rows = [*self.phases_us.items(), ("output head", self.head_us), ("outside the decoder", self.rest_us)]
+        for name, us in rows:
+            lines.append(f"  {name:<20} {us:8.0f} µs  {us / self.step_us:6.1%}")
+        lines.append(f"outside the decoder per layer: {self.rest_us / self.n_layers:.1f} µs")
+        return "\n".join(lines)
+
+
+def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_tokens: int = 128) -> DecodeProfile:
+    from powerinfer.api import LLM
+    from powerinfer.coordinator.native_executor import NativeExecutor
+    from powerinfer.cpu_workers.native_model import PHASES
+
+    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_threads=threads, executor="inprocess")
+    try:
+        ex = llm.engine.executor
+        if not isinstance(ex, NativeExecutor):
+            raise InvalidArgumentError("--profile needs the native decoder (in-process executor, dense, a C compiler)")
+        spent = {"head": 0.0}
+        real_logits = ex.logits
+
+        def timed_logits(x: np.ndarray) -> np.ndarray:
+            t = time.perf_counter()
+            out = real_logits(x)
+            spent["head"] += time.perf_counter() - t
+            return out
+
+        ex.logits = timed_logits  # type: ignore[method-assign]
+        eng = llm.engine
+        ids = llm.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
+        token = int(np.argmax(eng.eval(ids)[-1]))
+        for _ in range(4):  # warm
+            token = int(np.argmax(eng.eval([token])[-1]))
+        spent["head"] = 0.0
+        prof = ex.decoder.profile(True)
+        t0 = time.perf_counter()
+        for _ in range(gen_tokens):
+            token = int(np.argmax(eng.eval([token])[-1]))
+        wall = time.perf_counter() - t0
+        ex.decoder.profile(False)
+        ex.logits = real_logits  # type: ignore[method-assign]
+        per = 1e6 / gen_tokens
+        phases = {name: float(v) * per for name, v in zip(PHASES, prof)}
+        head = spent["head"] * per
+        step = wall * per
+        return DecodeProfile(llm.config.name, threads, gen_tokens, step, phases, head, step - head - sum(phases.values()),
+                             llm.config.n_layers)
+    finally:
+        llm.close()
+
+
+def as_dict(p: DecodeProfile) -> dict[str, Any]:
+    return {"model": p.model, "threads": p.threads, "steps": p.steps, "step_us": p.step_us, "phases_us": p.phases_us,
+            "head_us": p.head_us, "rest_us": p.rest_us}

@@ -1,0 +1,294 @@
+"""The native decoder (kernels/decoder.c + qdot.h): build per instruction set, describe a model's
+tensors to it in place, own its KV cache, rotary tables and scratch.
+
+Runs in: the process of the in-process executor (numpy and ctypes only: no torch needed).
+
+The weights are never copied: each matrix is a pointer into the memory-mapped GGUF file with its
+GGML type, and the C side reads the file's blocks directly (qdot.h). The library is built once
+per machine for the best instruction set the CPU has (AVX-512 VNNI, AVX2, or portable C), or the
+one ``POWERINFER_ISA`` names (``vnni``, ``avx2``, ``scalar``: tests run every path this machine
+can). ``POWERINFER_NATIVE=0`` or no C compiler: :func:`decoder_lib` is None and the in-process
+executor uses its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.config import ModelConfig
+from powerinfer.cpu_workers.cbuild import load_library
+from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
+
+log = logging.getLogger(__name__)
+
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "decoder.c"
+HEADERS = (KERNELS / "qdot.h",)
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+ISA_FLAGS = {
+    "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DPI_AVX2"),
+    "scalar": (),
+}
+ISA_CPU_FLAGS = {"vnni": {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}, "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
+ISA_IDS = {"scalar": 0, "avx2": 1, "vnni": 2}
+# GGML types the dot products cover (qdot.h's registry), with the row length their blocks need.
+TYPES = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q8_0: 32,
+         QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256}
+
+
+class PiWt(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
+                ("cols", ctypes.c_int32)]
+
+
+class PiLayer(ctypes.Structure):
+    _fields_ = [(n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
+        (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
+                                       "k_cache", "v_cache", "rope_cos", "rope_sin")
+    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class PiModel(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "d", "n_ff", "n_head", "n_kv", "D", "Dv", "rope_dim", "neox", "act", "n_ctx",
+                                               "n_slots", "n_threads", "max_t")] + [
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
+        ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p)]
+
+
+# decoder.c's profile phases, in its order (pi_phases() of them)
+PHASES = ("norm", "qkv", "rope+cache", "attention", "out_proj", "ffn_norm", "gate+up", "act", "down")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa(flags: set[str] | None = None) -> str:
+    flags = cpu_flags() if flags is None else flags
+    return next(isa for isa in ("vnni", "avx2", "scalar") if ISA_CPU_FLAGS[isa] <= flags)
+
+
+def requested_isa() -> str:
+    want = os.environ.get("POWERINFER_ISA", "auto").lower()
+    if want == "auto":
+        return best_isa()
+    if want not in ISA_FLAGS:
+        raise InvalidArgumentError(f"POWERINFER_ISA must be auto, {', '.join(ISA_FLAGS)}; got {want!r}")
+    if not ISA_CPU_FLAGS[want] <= cpu_flags():
+        raise InvalidArgumentError(f"POWERINFER_ISA={want}: this CPU lacks {sorted(ISA_CPU_FLAGS[want] - cpu_flags())}")
+    return want
+
+
+@functools.lru_cache(maxsize=None)
+def _load(isa: str) -> ctypes.CDLL | None:
+    try:
+        lib = load_library(SOURCE, HEADERS, (*BASE_FLAGS, *ISA_FLAGS[isa]), f"decoder-{isa}")
+    except OSError as e:
+        log.warning("native decoder unavailable (%s): the in-process executor uses its torch path", e)
+        return None
+    lib.pi_model_size.restype = ctypes.c_int
+    lib.pi_layer_size.restype = ctypes.c_int
+    if lib.pi_model_size() != ctypes.sizeof(PiModel) or lib.pi_layer_size() != ctypes.sizeof(PiLayer):
+        log.warning("native decoder struct layout differs from native_model.py: not used")
+        return None
+    ptr = ctypes.c_void_p
+    lib.pi_scratch_bytes.argtypes = [ctypes.POINTER(PiModel), ctypes.c_int]
+    lib.pi_scratch_bytes.restype = ctypes.c_int64
+    lib.pi_forward.argtypes = [ctypes.POINTER(PiModel), ptr, ptr, ptr, ctypes.c_int, ptr]
+    lib.pi_forward.restype = ctypes.c_int
+    lib.pi_matmul.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ptr]
+    lib.pi_matmul.restype = ctypes.c_int
+    lib.pi_isa.restype = ctypes.c_int
+    lib.pi_phases.restype = ctypes.c_int
+    if lib.pi_phases() != len(PHASES):
+        log.warning("native decoder phases differ from native_model.py: not used")
+        return None
+    lib.pi_read_sum.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
+    lib.pi_read_sum.restype = ctypes.c_double
+    return lib
+
+
+def decoder_lib(isa: str | None = None) -> ctypes.CDLL | None:
+    """The decoder built for isa (default: POWERINFER_ISA or the CPU's best), or None."""
+    if os.environ.get("POWERINFER_NATIVE", "1") == "0":
+        return None
+    return _load(isa or requested_isa())
+
+
+def read_bandwidth_gbs(lib: ctypes.CDLL, n_threads: int, n_bytes: int = 512 << 20, repeat: int = 5) -> float:
+    """Streaming-read bandwidth with n_threads threads (best of repeat passes over n_bytes), GB/s."""
+    buf = np.ones(n_bytes // 4, dtype=np.float32)  # written once here, so every page is resident
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        total = lib.pi_read_sum(buf.ctypes.data, buf.size, n_threads)
+        best = min(best, time.perf_counter() - t)
+    if abs(total - buf.size) > 1e-3 * buf.size:  # the sum proves every byte was read
+        raise RuntimeError(f"read test summed {total}, expected {buf.size}")
+    return n_bytes / best / 1e9
+
+
+def weight(f: GGUFFile, name: str) -> PiWt:
+    """A matrix of the file, in place: a pointer into the mapping, its type and shape."""
+    info = f.tensor(name)
+    if info.qtype not in TYPES or len(info.shape) != 2:
+        raise UnsupportedModelError(f"the native decoder has no kernel for {name} ({info.qtype.name}, shape {list(info.shape)})")
+    if info.n_cols % TYPES[info.qtype]:
+        raise UnsupportedModelError(f"{name}: {info.n_cols} columns are not whole {info.qtype.name} blocks")
+    raw = f.raw(name)
+    return PiWt(raw.ctypes.data, raw.strides[0] if info.qtype in (QT.F32, QT.F16, QT.BF16) else info.row_bytes, int(info.qtype),
+                info.n_rows, info.n_cols)
+
+
+def supports(f: GGUFFile, cfg: ModelConfig) -> str | None:
+    """None when the native decoder can run this model, else why not."""
+    names = [layer_tensor(i, p) for i in range(cfg.n_layers)
+             for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    names.append("token_embd.weight" if cfg.tied_embeddings else "output.weight")
+    for name in names:
+        info = f.tensor(name)
+        if info.qtype not in TYPES or len(info.shape) != 2 or info.n_cols % TYPES[info.qtype]:
+            return f"{name} is {info.qtype.name} with {info.n_cols} columns"
+    if cfg.n_heads % cfg.n_kv_heads or cfg.rope_dim % 2 or cfg.rope_dim > cfg.head_dim:
+        return "head layout (grouped-query ratio or rope width) it does not handle"
+    return None
+
+
+def rope_tables(cfg: ModelConfig, base: float, scale: float, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [n_ctx, rope_dim / 2] of pos * theta_i, as model/ops.RopeTable computes them."""
+    inv = scale / (base ** (np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim))
+    angles = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class NativeDecoder:
+    """One model for the native decoder: forward passes over up to max_t tokens, KV cache per slot."""
+
+    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int) -> None:
+        self.lib, self.cfg, self.f = lib, cfg, f
+        self._keep: list[np.ndarray] = []  # arrays the C structs point into
+        D, Dv, d = cfg.head_dim, cfg.v_head_dim, cfg.d_model
+        ropes: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
+        self.k_cache: list[np.ndarray] = []
+        self.v_cache: list[np.ndarray] = []
+        layers = (PiLayer * cfg.n_layers)()
+        for i in range(cfg.n_layers):
+            L = layers[i]
+            for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
+                                ("wu", "ffn_up"), ("wd", "ffn_down")):
+                setattr(L, field, weight(f, layer_tensor(i, part)))
+            L.attn_norm = self._vec(f, layer_tensor(i, "attn_norm"), d)
+            L.ffn_norm = self._vec(f, layer_tensor(i, "ffn_norm"), d)
+            if cfg.post_norms:
+                L.post_attn_norm = self._vec(f, layer_tensor(i, "post_attention_norm"), d)
+                L.post_ffn_norm = self._vec(f, layer_tensor(i, "post_ffw_norm"), d)
+            if cfg.qk_norm:
+                L.q_norm = self._vec(f, layer_tensor(i, "attn_q_norm"), D)
+                L.k_norm = self._vec(f, layer_tensor(i, "attn_k_norm"), D)
+            if cfg.qkv_bias:
+                L.bq = self._vec(f, layer_bias(i, "attn_q"), cfg.n_heads * D)
+                L.bk = self._vec(f, layer_bias(i, "attn_k"), cfg.n_kv_heads * D)
+                L.bv = self._vec(f, layer_bias(i, "attn_v"), cfg.n_kv_heads * Dv)
+            # float32 caches [slots, Hkv, n_ctx, D]; np.empty leaves pages untouched until used
+            k = np.empty((n_slots, cfg.n_kv_heads, n_ctx, D), dtype=np.float32)
+            v = np.empty((n_slots, cfg.n_kv_heads, n_ctx, Dv), dtype=np.float32)
+            self.k_cache.append(k)
+            self.v_cache.append(v)
+            L.k_cache, L.v_cache = k.ctypes.data, v.ctypes.data
+            key = cfg.layer_rope(i)
+            if key not in ropes:
+                ropes[key] = rope_tables(cfg, key[0], key[1], n_ctx)
+                self._keep.extend(ropes[key])
+            L.rope_cos, L.rope_sin = ropes[key][0].ctypes.data, ropes[key][1].ctypes.data
+            L.window = 0 if cfg.global_layers[i] else cfg.sliding_window
+        self.layers = layers
+        head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+        self.head = weight(f, head)
+        self.model = PiModel(cfg.n_layers, d, cfg.n_ff, cfg.n_heads, cfg.n_kv_heads, D, Dv, cfg.rope_dim, int(cfg.rope_style == "neox"),
+                             0 if cfg.activation == "silu" else 1, n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale,
+                             self._vec(f, "output_norm.weight", d), self.head, layers)
+        self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
+        self.max_t = max_t
+
+    def _vec(self, f: GGUFFile, name: str, n: int) -> int:
+        v = load_vector(f, name, n)
+        self._keep.append(v)
+        return int(v.ctypes.data)
+
+    @property
+    def weight_bytes(self) -> int:
+        mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [self.head]
+        return sum(m.rows * m.row_bytes for m in mats)
+
+    def profile(self, on: bool = True) -> np.ndarray:
+        """Start (or stop) accumulating seconds per layer phase (PHASES) into the returned array."""
+        self._profile = np.zeros(len(PHASES), dtype=np.float64)
+        self.model.profile = self._profile.ctypes.data if on else None
+        return self._profile
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(a.nbytes for a in self.k_cache + self.v_cache)
+
+    def forward(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """x [T, d] float32 embeddings (scaled) -> final-normed hidden [T, d]; T > max_t runs in chunks."""
+        x = np.array(x, dtype=np.float32, order="C")  # owned: updated in place
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        sl = np.ascontiguousarray(slots, dtype=np.int64)
+        for a in range(0, x.shape[0], self.max_t):
+            b = min(a + self.max_t, x.shape[0])
+            rc = self.lib.pi_forward(ctypes.byref(self.model), x[a:b].ctypes.data, pos[a:b].ctypes.data, sl[a:b].ctypes.data, b - a,
+                                     self.scratch.ctypes.data)
+            if rc:
+                raise InvalidArgumentError(f"native forward refused its input (code {rc}: positions {pos[a]}..{pos[b - 1]}, "
+                                           f"slots {sorted(set(sl[a:b].tolist()))})")
+        return x
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [T, d] -> logits [T, vocab] float32 from the output head."""
+        return matmul(self.lib, self.model, self.scratch, self.head, hidden)
+
+
+def matmul(lib: ctypes.CDLL, model: PiModel, scratch: np.ndarray, w: PiWt, x: np.ndarray) -> np.ndarray:
+    """x [T, w.cols] float32 -> x @ W.T [T, w.rows] float32 through the type's dot product
+    (scratch sized for model.max_t tokens of model's widths; longer inputs run in chunks)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != w.cols:
+        raise InvalidArgumentError(f"matmul expects [T, {w.cols}], got {list(x.shape)}")
+    y = np.empty((x.shape[0], w.rows), dtype=np.float32)
+    for a in range(0, x.shape[0], model.max_t):
+        b = min(a + model.max_t, x.shape[0])
+        if lib.pi_matmul(ctypes.byref(model), ctypes.byref(w), x[a:b].ctypes.data, b - a, y[a:b].ctypes.data, scratch.ctypes.data):
+            raise InvalidArgumentError(f"native matmul refused type {w.type} with {w.cols} columns")
+    return y
+
+
+class NativeMatmul:
+    """x @ W.T for one matrix of a file, alone (the tests hold every type to numpy through this)."""
+
+    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, name: str, n_threads: int = 1, max_t: int = 64) -> None:
+        self.lib, self.w = lib, weight(f, name)
+        k = self.w.cols
+        self.model = PiModel(n_layers=0, d=k, n_ff=k, n_head=1, n_kv=1, D=k, Dv=k, rope_dim=0, n_ctx=1, n_slots=1,
+                             n_threads=n_threads, max_t=max_t)
+        self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return matmul(self.lib, self.model, self.scratch, self.w, x)
