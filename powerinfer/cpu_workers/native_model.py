@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = (KERNELS / "qdot.h",)
+HEADERS = (KERNELS / "qdot.h", KERNELS / "qtile.h", KERNELS / "qx8.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
@@ -48,7 +48,7 @@ TYPES = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32
 
 
 class PiWt(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
+    _fields_ = [("data", ctypes.c_void_p), ("x8", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
                 ("cols", ctypes.c_int32)]
 
 
@@ -120,6 +120,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     if lib.pi_phases() != len(PHASES):
         log.warning("native decoder phases differ from native_model.py: not used")
         return None
+    lib.pi_x8_supported.argtypes = [ctypes.c_int]
+    lib.pi_x8_supported.restype = ctypes.c_int
+    lib.pi_x8_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
+    lib.pi_x8_repack.restype = None
     lib.pi_read_sum.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
     lib.pi_read_sum.restype = ctypes.c_double
     return lib
@@ -153,8 +157,24 @@ def weight(f: GGUFFile, name: str) -> PiWt:
     if info.n_cols % TYPES[info.qtype]:
         raise UnsupportedModelError(f"{name}: {info.n_cols} columns are not whole {info.qtype.name} blocks")
     raw = f.raw(name)
-    return PiWt(raw.ctypes.data, raw.strides[0] if info.qtype in (QT.F32, QT.F16, QT.BF16) else info.row_bytes, int(info.qtype),
+    return PiWt(raw.ctypes.data, None, raw.strides[0] if info.qtype in (QT.F32, QT.F16, QT.BF16) else info.row_bytes, int(info.qtype),
                 info.n_rows, info.n_cols)
+
+
+X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128}  # qx8.h's PI_X8_BYTES: one block of eight rows
+
+
+def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:
+    """Rows [0, rows // 8 * 8) of w repacked eight at a time (qx8.h) when this build computes them
+    so; w then points at the copy (the caller keeps it alive). None: w stays as it is."""
+    qt = QT(w.type)
+    if qt not in X8_BYTES or w.rows < 8 or not lib.pi_x8_supported(int(qt)):
+        return None
+    groups = w.rows // 8
+    buf = np.empty(groups * (w.cols // 32) * X8_BYTES[qt], dtype=np.uint8)
+    lib.pi_x8_repack(w.data, w.row_bytes, int(qt), w.cols, 0, groups, buf.ctypes.data)
+    w.x8 = buf.ctypes.data
+    return buf
 
 
 def supports(f: GGUFFile, cfg: ModelConfig) -> str | None:
@@ -193,7 +213,11 @@ class NativeDecoder:
             L = layers[i]
             for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
                                 ("wu", "ffn_up"), ("wd", "ffn_down")):
-                setattr(L, field, weight(f, layer_tensor(i, part)))
+                w = weight(f, layer_tensor(i, part))
+                packed = repack_x8(lib, w)
+                if packed is not None:
+                    self._keep.append(packed)
+                setattr(L, field, w)
             L.attn_norm = self._vec(f, layer_tensor(i, "attn_norm"), d)
             L.ffn_norm = self._vec(f, layer_tensor(i, "ffn_norm"), d)
             if cfg.post_norms:
@@ -221,6 +245,12 @@ class NativeDecoder:
         self.layers = layers
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         self.head = weight(f, head)
+        packed = repack_x8(lib, self.head)
+        if packed is not None:
+            self._keep.append(packed)
+        # The repacked matrices' file pages were read once; unmapping them keeps RSS to one copy
+        # (the file's other pages fault back in on use).
+        f.drop_pages()
         self.model = PiModel(cfg.n_layers, d, cfg.n_ff, cfg.n_heads, cfg.n_kv_heads, D, Dv, cfg.rope_dim, int(cfg.rope_style == "neox"),
                              0 if cfg.activation == "silu" else 1, n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale,
                              self._vec(f, "output_norm.weight", d), self.head, layers)
@@ -283,8 +313,9 @@ def matmul(lib: ctypes.CDLL, model: PiModel, scratch: np.ndarray, w: PiWt, x: np
 class NativeMatmul:
     """x @ W.T for one matrix of a file, alone (the tests hold every type to numpy through this)."""
 
-    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, name: str, n_threads: int = 1, max_t: int = 64) -> None:
+    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, name: str, n_threads: int = 1, max_t: int = 64, x8: bool = False) -> None:
         self.lib, self.w = lib, weight(f, name)
+        self.packed = repack_x8(lib, self.w) if x8 else None
         k = self.w.cols
         self.model = PiModel(n_layers=0, d=k, n_ff=k, n_head=1, n_kv=1, D=k, Dv=k, rope_dim=0, n_ctx=1, n_slots=1,
                              n_threads=n_threads, max_t=max_t)

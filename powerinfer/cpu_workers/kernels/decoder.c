@@ -22,9 +22,12 @@
 #include <stdlib.h>
 
 #include "qdot.h"
+#include "qtile.h"
+#include "qx8.h"
 
 typedef struct {
     const uint8_t *data; /* row r at data + r * row_bytes */
+    const uint8_t *x8;   /* NULL, or rows [0, rows / 8 * 8) repacked eight at a time (qx8.h) */
     int64_t row_bytes;
     int32_t type, rows, cols;
 } pi_wt;
@@ -119,28 +122,57 @@ static void quantize_rows(const pi_scratch *s, const float *f, int T, int K) {
     for (int t = 0; t < T; t++) quantize_act(f + (size_t)t * K, K, s->aq + (size_t)t * K, s->ad + (size_t)t * (K / 32), s->as + (size_t)t * (K / 32));
 }
 
-/* y[t, r] (row stride ldy) = W[r] . x_t for rows r of W, work-shared in blocks of rows; nowait:
- * the caller places the barrier. A row's bytes are read once for all T tokens. */
-static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy) {
+/* Rows [ra, rb) from the file's layout: groups of four tokens through the type's four-token
+ * kernel (qtile.h), so the rows stay in L1 while the groups pass; then one token at a time. */
+static void rows_plain(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy, int ra, int rb) {
     int align;
     dot_fn dot = dot_for(w->type, &align);
-    const int K = w->cols;
-#pragma omp for schedule(static) nowait
-    for (int r0 = 0; r0 < w->rows; r0 += 16) {
-        int r1 = r0 + 16 < w->rows ? r0 + 16 : w->rows;
-        for (int r = r0; r < r1; r++) {
-            const uint8_t *row = w->data + (size_t)r * w->row_bytes;
-            for (int t = 0; t < T; t++) {
-                pi_act a = act_row(s, f, t, K);
-                y[(size_t)t * ldy + r] = dot(row, &a, K);
-            }
+    dot4_fn dot4 = dot4_for(w->type);
+    const int K = w->cols, T4 = dot4 ? T / 4 * 4 : 0;
+    for (int t0 = 0; t0 < T4; t0 += 4) {
+        pi_act a[4];
+        for (int i = 0; i < 4; i++) a[i] = act_row(s, f, t0 + i, K);
+        for (int r = ra; r < rb; r++) {
+            float out[4];
+            dot4(w->data + (size_t)r * w->row_bytes, a, K, out);
+            for (int i = 0; i < 4; i++) y[(size_t)(t0 + i) * ldy + r] = out[i];
+        }
+    }
+    for (int r = ra; r < rb; r++) {
+        const uint8_t *row = w->data + (size_t)r * w->row_bytes;
+        for (int t = T4; t < T; t++) {
+            pi_act a = act_row(s, f, t, K);
+            y[(size_t)t * ldy + r] = dot(row, &a, K);
         }
     }
 }
 
+/* y[t, r] (row stride ldy) = W[r] . x_t for rows r of W, work-shared in blocks of 16 rows;
+ * nowait: the caller places the barrier. Repacked groups of eight rows go through qx8.h. */
+static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy) {
+    const int K = w->cols, x8_rows = w->x8 ? w->rows / 8 * 8 : 0;
+#pragma omp for schedule(static) nowait
+    for (int r0 = 0; r0 < w->rows; r0 += 16) {
+        const int r1 = r0 + 16 < w->rows ? r0 + 16 : w->rows;
+        int r = r0;
+#ifdef PI_SIMD
+        const size_t group = (size_t)(K / 32) * PI_X8_BYTES(w->type);
+        for (; r + 8 <= r1 && r + 8 <= x8_rows; r += 8)
+            for (int t0 = 0; t0 < T; t0 += 4) {
+                pi_act a[4];
+                const int nt = T - t0 < 4 ? T - t0 : 4;
+                for (int i = 0; i < nt; i++) a[i] = act_row(s, f, t0 + i, K);
+                x8_dot(w->x8 + (size_t)(r / 8) * group, w->type, a, nt, K, y + (size_t)t0 * ldy + r, ldy);
+            }
+#else
+        (void)x8_rows;
+#endif
+        if (r < r1) rows_plain(w, s, f, T, y, ldy, r, r1);
+    }
+}
+
 static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float ss = dotf(x, x, n);
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
@@ -155,31 +187,19 @@ static void rope(float *h, const float *c, const float *sn, int rope_dim, int ne
     }
 }
 
-static float act_fn(float g, int act) {
-    if (act == 0) return g / (1.0f + expf(-g));
-    /* ggml_gelu: the tanh approximation */
-    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-}
-
 /* One query: out [Dv] = softmax(scale * q . k[lo..p]) . v[lo..p] over kc, vc [n_ctx, D / Dv]. */
 static void attend_one(const float *q, const float *kc, const float *vc, int lo, int p, int D, int Dv, float scale, float *sc, float *out) {
     float mx = -INFINITY;
-    for (int j = lo; j <= p; j++) {
-        const float *kj = kc + (size_t)j * D;
-        float dsum = 0.0f;
-        for (int i = 0; i < D; i++) dsum += q[i] * kj[i];
-        sc[j] = dsum * scale;
+    const int n = p - lo + 1;
+    for (int j = 0; j < n; j++) {
+        sc[j] = dotf(q, kc + (size_t)(lo + j) * D, D) * scale;
         mx = sc[j] > mx ? sc[j] : mx;
     }
-    float sum = 0.0f;
-    for (int j = lo; j <= p; j++) {
-        sc[j] = expf(sc[j] - mx);
-        sum += sc[j];
-    }
+    const float inv = 1.0f / exp_sub_sum(sc, n, mx);
     for (int i = 0; i < Dv; i++) out[i] = 0.0f;
-    for (int j = lo; j <= p; j++) {
-        const float pj = sc[j] / sum;
-        const float *vj = vc + (size_t)j * Dv;
+    for (int j = 0; j < n; j++) {
+        const float pj = sc[j] * inv;
+        const float *vj = vc + (size_t)(lo + j) * Dv;
         for (int i = 0; i < Dv; i++) out[i] += pj * vj[i];
     }
 }
@@ -249,7 +269,7 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
 #pragma omp barrier
     mark(m, PH_GATE_UP, last);
 #pragma omp for schedule(static)
-    for (int i = 0; i < T * nff; i++) s->g[i] = act_fn(s->g[i], m->act) * s->u[i];
+    for (int c = 0; c < T * nff; c += 256) act_mul(s->g + c, s->u + c, c + 256 < T * nff ? 256 : T * nff - c, m->act);
     quantize_rows(s, s->g, T, nff);
     mark(m, PH_ACT, last);
     matmul(&L->wd, s, s->g, T, s->tmp, d);
@@ -288,6 +308,16 @@ int pi_matmul(const pi_model *m, const pi_wt *w, const float *x, int T, float *y
         matmul(w, &s, x, T, y, w->rows);
     }
     return 0;
+}
+
+/* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1). */
+int pi_x8_supported(int type) {
+#ifdef PI_SIMD
+    return type == T_Q4_0 || type == T_Q4_1;
+#else
+    (void)type;
+    return 0;
+#endif
 }
 
 /* Which instruction set this build uses: 0 portable C, 1 AVX2, 2 AVX-512 VNNI. */

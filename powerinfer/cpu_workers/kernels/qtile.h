@@ -1,0 +1,146 @@
+/* Four tokens at a time: one weight row's blocks unpacked once and dotted with the activations of
+ * four tokens (prefill and batched decode), for the quantized types of qdot.h, SIMD builds only.
+ *
+ * Runs in: the process that loads decoder.c (included after qdot.h).
+ *
+ * Each type has an unpack step that turns 32-element block b of a row into 32 bytes of codes
+ * (unsigned, or signed for Q8_0 and Q6_K) with the block's scale and offset (w = scale * q +
+ * offset; Q6_K's two 16-element sub-scales ride as int32 lanes); the dot4 body is shared. Per
+ * token the arithmetic is exactly qdot.h's one-token dot product, so results agree to float
+ * rounding (the one-token functions remain the decode path).
+ */
+#ifndef PI_QTILE_H
+#define PI_QTILE_H
+
+#include "qdot.h"
+
+#ifdef PI_SIMD
+
+typedef struct {
+    __m256i v;   /* 32 codes */
+    __m256i scv; /* Q6_K: sub-scales as int32 lanes (0-3: values 0-15, 4-7: 16-31) */
+    float scale, offset;
+} pi_blk;
+
+static inline void un_q4_0(const uint8_t *row, int b, pi_blk *o) {
+    const uint8_t *w = row + 18 * b;
+    o->v = nibbles16(w + 2);
+    o->scale = ld_h(w);
+    o->offset = -8.0f * o->scale;
+}
+
+static inline void un_q4_1(const uint8_t *row, int b, pi_blk *o) {
+    const uint8_t *w = row + 20 * b;
+    o->v = nibbles16(w + 4);
+    o->scale = ld_h(w);
+    o->offset = ld_h(w + 2);
+}
+
+static inline void un_q5_0(const uint8_t *row, int b, pi_blk *o) {
+    const uint8_t *w = row + 22 * b;
+    o->v = _mm256_or_si256(nibbles16(w + 6), _mm256_and_si256(bits32(w + 2), _mm256_set1_epi8(0x10)));
+    o->scale = ld_h(w);
+    o->offset = -16.0f * o->scale;
+}
+
+static inline void un_q5_1(const uint8_t *row, int b, pi_blk *o) {
+    const uint8_t *w = row + 24 * b;
+    o->v = _mm256_or_si256(nibbles16(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10)));
+    o->scale = ld_h(w);
+    o->offset = ld_h(w + 2);
+}
+
+static inline void un_q8_0(const uint8_t *row, int b, pi_blk *o) {
+    const uint8_t *w = row + 34 * b;
+    o->v = _mm256_loadu_si256((const __m256i *)(w + 2));
+    o->scale = ld_h(w);
+    o->offset = 0.0f;
+}
+
+static inline void un_qk45(const uint8_t *row, int b, pi_blk *o, int five) {
+    const uint8_t *w = row + (five ? 176 : 144) * (b / 8);
+    const int j = b % 8;
+    int sc, m;
+    scale_min_k4(j, w + 4, &sc, &m);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + (five ? 48 : 16) + 32 * (j / 2)));
+    o->v = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+    if (five) {
+        __m256i hb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 16)), j), _mm256_set1_epi8(1));
+        o->v = _mm256_or_si256(o->v, _mm256_slli_epi16(hb, 4));
+    }
+    o->scale = ld_h(w) * (float)sc;
+    o->offset = -ld_h(w + 2) * (float)m;
+}
+
+static inline void un_q4_k(const uint8_t *row, int b, pi_blk *o) { un_qk45(row, b, o, 0); }
+static inline void un_q5_k(const uint8_t *row, int b, pi_blk *o) { un_qk45(row, b, o, 1); }
+
+static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
+    const uint8_t *w = row + 210 * (b / 8);
+    const int blk = b % 8, h = blk / 4, s = blk % 4;
+    const int8_t *sc = (const int8_t *)(w + 192);
+    __m256i lo = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32 * (s % 2)));
+    lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(0x0F));
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)), 2 * s), _mm256_set1_epi8(3));
+    o->v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+    const int a = sc[2 * blk], c = sc[2 * blk + 1];
+    o->scv = _mm256_set_epi32(c, c, c, c, a, a, a, a);
+    o->scale = ld_h(w + 208);
+    o->offset = 0.0f;
+}
+
+/* out[t] = row . x[t] for t < 4. SIGNED: codes carry their sign (|w| against x with w's sign). */
+#define PI_DOT4(NAME, UNPACK, SIGNED, SUBSCALES)                                                          \
+    static void NAME(const uint8_t *row, const pi_act *x, int K, float *out) {                           \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+        float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                         \
+        for (int b = 0; b < K / 32; b++) {                                                                \
+            pi_blk w;                                                                                     \
+            UNPACK(row, b, &w);                                                                           \
+            const __m256i u = SIGNED ? _mm256_sign_epi8(w.v, w.v) : w.v;                                  \
+            for (int t = 0; t < 4; t++) {                                                                 \
+                __m256i xq = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));                      \
+                if (SIGNED) xq = _mm256_sign_epi8(xq, w.v);                                               \
+                __m256i p = dot_us(u, xq);                                                                \
+                if (SUBSCALES) p = _mm256_mullo_epi32(p, w.scv);                                          \
+                const float dx = x[t].d[b];                                                               \
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.scale * dx), acc[t]);    \
+                if (!SIGNED) corr[t] += w.offset * dx * (float)x[t].s[b];                                 \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]) + corr[t];                                     \
+    }
+
+PI_DOT4(dot4_q4_0, un_q4_0, 0, 0)
+PI_DOT4(dot4_q4_1, un_q4_1, 0, 0)
+PI_DOT4(dot4_q5_0, un_q5_0, 0, 0)
+PI_DOT4(dot4_q5_1, un_q5_1, 0, 0)
+PI_DOT4(dot4_q8_0, un_q8_0, 1, 0)
+PI_DOT4(dot4_q4_k, un_q4_k, 0, 0)
+PI_DOT4(dot4_q5_k, un_q5_k, 0, 0)
+PI_DOT4(dot4_q6_k, un_q6_k, 1, 1)
+#endif
+
+typedef void (*dot4_fn)(const uint8_t *, const pi_act *, int, float *);
+
+/* The four-token kernel of a type, or NULL (float types, portable build): then one token at a time. */
+static dot4_fn dot4_for(int type) {
+#ifdef PI_SIMD
+    switch (type) {
+        case T_Q4_0: return dot4_q4_0;
+        case T_Q4_1: return dot4_q4_1;
+        case T_Q5_0: return dot4_q5_0;
+        case T_Q5_1: return dot4_q5_1;
+        case T_Q8_0: return dot4_q8_0;
+        case T_Q4_K: return dot4_q4_k;
+        case T_Q5_K: return dot4_q5_k;
+        case T_Q6_K: return dot4_q6_k;
+        default: return 0;
+    }
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+#endif
