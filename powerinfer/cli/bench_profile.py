@@ -3,9 +3,10 @@
 Runs in: the user's process (the in-process native executor).
 
 Decodes greedily and splits each step's wall time into the decoder's layer phases (thread 0's
-clock between the barriers of kernels/decoder.c, summed over layers), the output head, and what
-is left: embedding lookup, the engine's float32 refinement of the best logits, sampling and the
-Python around them (divided by the layer count, that last share is the per-layer Python cost).
+clock between the barriers of kernels/decoder.c, summed over layers), the rest of the one
+native call a step makes (embedding lookup, entering the parallel region, final norm, output
+head, float32 refinement of the best logits), and what is left: sampling and the Python around
+it (divided by the layer count, that last share is the per-layer Python cost).
 """
 
 from __future__ import annotations
@@ -26,18 +27,18 @@ class DecodeProfile:
     threads: int
     steps: int
     step_us: float  # median-free mean wall time per decode step
-    phases_us: dict[str, float]  # per step, summed over layers
-    head_us: float
-    rest_us: float  # embedding, refinement, sampling, Python
+    phases_us: dict[str, float]  # per step, summed over layers (and the decoder call's own overhead)
+    head_us: float  # the native step call outside the layers: embedding, final norm, head, refinement
+    rest_us: float  # outside the native call: sampling and Python
     n_layers: int
 
     def report(self) -> str:
         lines = [f"model: {self.model}  threads: {self.threads}  {self.steps} decode steps: {self.step_us:.0f} µs a step "
                  f"({1e6 / self.step_us:.1f} tokens/s)"]
-        rows = [*self.phases_us.items(), ("output head", self.head_us), ("outside the decoder", self.rest_us)]
+        rows = [*self.phases_us.items(), ("embed, head, refine", self.head_us), ("Python, sampling", self.rest_us)]
         for name, us in rows:
             lines.append(f"  {name:<20} {us:8.0f} µs  {us / self.step_us:6.1%}")
-        lines.append(f"outside the decoder per layer: {self.rest_us / self.n_layers:.1f} µs")
+        lines.append(f"outside the native calls per layer: {self.rest_us / self.n_layers:.1f} µs")
         return "\n".join(lines)
 
 
@@ -51,35 +52,35 @@ def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_to
         ex = llm.engine.executor
         if not isinstance(ex, NativeExecutor):
             raise InvalidArgumentError("--profile needs the native decoder (in-process executor, dense, a C compiler)")
-        spent = {"head": 0.0}
-        real_logits = ex.logits
+        spent = {"step": 0.0}
+        real_step = ex.native_step
 
-        def timed_logits(x: np.ndarray) -> np.ndarray:
+        def timed_step(*args: Any) -> np.ndarray:
             t = time.perf_counter()
-            out = real_logits(x)
-            spent["head"] += time.perf_counter() - t
+            out = real_step(*args)
+            spent["step"] += time.perf_counter() - t
             return out
 
-        ex.logits = timed_logits  # type: ignore[method-assign]
+        ex.native_step = timed_step  # type: ignore[method-assign]
         eng = llm.engine
         ids = llm.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         token = int(np.argmax(eng.eval(ids)[-1]))
         for _ in range(4):  # warm
             token = int(np.argmax(eng.eval([token])[-1]))
-        spent["head"] = 0.0
+        spent["step"] = 0.0
         prof = ex.decoder.profile(True)
         t0 = time.perf_counter()
         for _ in range(gen_tokens):
             token = int(np.argmax(eng.eval([token])[-1]))
         wall = time.perf_counter() - t0
         ex.decoder.profile(False)
-        ex.logits = real_logits  # type: ignore[method-assign]
+        ex.native_step = real_step  # type: ignore[method-assign]
         per = 1e6 / gen_tokens
         phases = {name: float(v) * per for name, v in zip(PHASES, prof)}
-        head = spent["head"] * per
+        call = spent["step"] * per
+        rest_of_call = call - sum(phases.values())  # embedding, region, final norm, head, refinement
         step = wall * per
-        return DecodeProfile(llm.config.name, threads, gen_tokens, step, phases, head, step - head - sum(phases.values()),
-                             llm.config.n_layers)
+        return DecodeProfile(llm.config.name, threads, gen_tokens, step, phases, rest_of_call, step - call, llm.config.n_layers)
     finally:
         llm.close()
 

@@ -118,6 +118,12 @@ class Engine:
         return max(0, min(self.common_prefix(ids, slot), len(ids) - 2))
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
+        if isinstance(ids, list) and len(ids) <= 8:  # a decode step: plain Python beats three numpy calls
+            vocab = self.cfg.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                    raise InvalidArgumentError(f"token id {t!r} is outside the vocabulary (0..{vocab - 1})")
+            return np.array(ids, dtype=np.int64)
         arr = np.asarray(ids, dtype=np.int64)
         if arr.ndim != 1:
             raise InvalidArgumentError("token ids must be a flat sequence")
@@ -129,7 +135,8 @@ class Engine:
     def _forward(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Run tokens ids [T] at positions [T] of KV slots [T] through every layer -> final hidden [T, d] f32."""
         cfg = self.cfg
-        x = embed_rows(self.f, ids)
+        native_embed = getattr(self.executor, "embed", None)  # the native executor dequantizes rows itself
+        x = native_embed(ids) if native_embed is not None else embed_rows(self.f, ids)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
         whole_step = getattr(self.executor, "forward", None)
@@ -155,8 +162,11 @@ class Engine:
         decide sampling are exact. Decode rows (one per sequence) are refined one by one, so a
         sequence's logits do not depend on which other sequences share its batch.
         """
+        k = min(REFINE, self.cfg.vocab_size)
+        native = getattr(self.executor, "decode_logits", None)
+        if native is not None and (decode or hidden.shape[0] == 1):  # the same rule, in one native call
+            return softcap(native(hidden, REFINE_MARGIN, k), self.cfg.final_logit_softcap)
         logits = np.array(self.executor.logits(hidden), dtype=np.float32)  # owned: refined in place
-        k = min(REFINE, logits.shape[1])
         if decode or logits.shape[0] == 1:
             for r in range(logits.shape[0]):
                 # the candidates near the best are few; a threshold scan is ~10x cheaper than
@@ -171,6 +181,10 @@ class Engine:
 
     def _refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
         """Overwrite logits [T, V] at idx [T, R] with float32 products of hidden [T, d] and those head rows."""
+        native_refine = getattr(self.executor, "refine", None)
+        if native_refine is not None:
+            native_refine(logits, hidden, idx)
+            return
         rows, inverse = np.unique(idx, return_inverse=True)  # [U], [T * R]
         w = embed_rows(self.f, rows, self.head_name)  # [U, d]
         exact = hidden @ w.T  # [T, U]
@@ -187,9 +201,15 @@ class Engine:
                 f"{len(tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)"
             )
         outs: list[np.ndarray] = []
+        step = getattr(self.executor, "native_step", None)
         for i in range(0, arr.size, self.n_batch):
             chunk = arr[i : i + self.n_batch]
             positions = np.arange(len(tokens), len(tokens) + len(chunk), dtype=np.int64)
+            if step is not None and not all_logits and i + self.n_batch >= arr.size and len(chunk) <= self.executor.max_tokens:  # type: ignore[attr-defined]
+                # the last chunk: embedding, layers and the last row's logits in one native call
+                logits = step(chunk, positions, np.full(len(chunk), slot, dtype=np.int64), False, REFINE_MARGIN, REFINE)
+                tokens.extend(int(t) for t in chunk)
+                return softcap(logits, self.cfg.final_logit_softcap)
             hidden = self._forward(chunk, positions, np.full(len(chunk), slot, dtype=np.int64))
             tokens.extend(int(t) for t in chunk)
             if all_logits:
@@ -211,7 +231,11 @@ class Engine:
             if len(toks) + 1 > self.n_ctx:
                 raise ContextOverflowError(f"slot {int(s)} is full: {self.n_ctx} tokens (raise -c/--ctx-size)")
         positions = np.array([len(t) for t in lists], dtype=np.int64)
-        hidden = self._forward(arr, positions, sl)
+        step = getattr(self.executor, "native_step", None)
+        if step is not None and arr.size <= self.executor.max_tokens:  # type: ignore[attr-defined]
+            logits = softcap(step(arr, positions, sl, True, REFINE_MARGIN, REFINE), self.cfg.final_logit_softcap)
+        else:
+            logits = self.logits_of(self._forward(arr, positions, sl), decode=True)
         for t, toks in zip(arr, lists):
             toks.append(int(t))
-        return self.logits_of(hidden, decode=True)
+        return logits

@@ -35,12 +35,32 @@ class NativeExecutor:
         return self.decoder.weight_bytes
 
     def forward(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """x [T, d] f32 scaled embeddings, positions [T], slots [T] -> final-normed hidden [T, d] f32."""
+        """x [T, d] f32 scaled embeddings (updated in place), positions [T], slots [T] -> final-normed hidden [T, d] f32."""
         return self.decoder.forward(x, positions, slots)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """x [T, d] f32 final-normed -> logits [T, vocab] f32."""
         return self.decoder.logits(x)
+
+    def decode_logits(self, x: np.ndarray, margin: float, k: int) -> np.ndarray:
+        """x [T, d] -> logits [T, vocab] f32 with each row's best candidates refined in float32."""
+        return self.decoder.decode_logits(x, margin, k)
+
+    def native_step(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, each: bool, margin: float, k: int) -> np.ndarray:
+        """Embedding, every layer and the decode logits (last row, or each row) in one call."""
+        return self.decoder.step(ids, positions, slots, each, margin, k)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.decoder.max_t
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids [T] -> embedding rows [T, d] f32 (unscaled), dequantized natively."""
+        return self.decoder.embed(ids)
+
+    def refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
+        """Recompute logits [T, V] at idx [T, R] in float32 from hidden [T, d] (in place)."""
+        self.decoder.refine(logits, hidden, idx)
 
     def close(self) -> None:
         self.decoder.k_cache.clear()

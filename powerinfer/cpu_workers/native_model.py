@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = (KERNELS / "qdot.h", KERNELS / "qtile.h", KERNELS / "qx8.h")
+HEADERS = (KERNELS / "qdot.h", KERNELS / "qtile.h", KERNELS / "qx8.h", KERNELS / "dequant.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
@@ -120,6 +120,15 @@ def _load(isa: str) -> ctypes.CDLL | None:
     if lib.pi_phases() != len(PHASES):
         log.warning("native decoder phases differ from native_model.py: not used")
         return None
+    lib.pi_rows.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr]
+    lib.pi_rows.restype = ctypes.c_int
+    lib.pi_refine.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int64, ptr]
+    lib.pi_refine.restype = ctypes.c_int
+    lib.pi_decode_logits.argtypes = [ctypes.POINTER(PiModel), ptr, ctypes.c_int, ptr, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
+    lib.pi_decode_logits.restype = ctypes.c_int
+    lib.pi_step.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ctypes.c_float, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr,
+                            ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
+    lib.pi_step.restype = ctypes.c_int
     lib.pi_x8_supported.argtypes = [ctypes.c_int]
     lib.pi_x8_supported.restype = ctypes.c_int
     lib.pi_x8_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
@@ -161,7 +170,7 @@ def weight(f: GGUFFile, name: str) -> PiWt:
                 info.n_rows, info.n_cols)
 
 
-X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128}  # qx8.h's PI_X8_BYTES: one block of eight rows
+X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128, QT.Q5_0: 48 + 128}  # qx8.h's PI_X8_BYTES: one block of eight rows
 
 
 def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:
@@ -186,7 +195,7 @@ def supports(f: GGUFFile, cfg: ModelConfig) -> str | None:
         info = f.tensor(name)
         if info.qtype not in TYPES or len(info.shape) != 2 or info.n_cols % TYPES[info.qtype]:
             return f"{name} is {info.qtype.name} with {info.n_cols} columns"
-    if cfg.n_heads % cfg.n_kv_heads or cfg.rope_dim % 2 or cfg.rope_dim > cfg.head_dim:
+    if cfg.n_heads % cfg.n_kv_heads or cfg.n_heads // cfg.n_kv_heads > 64 or cfg.rope_dim % 2 or cfg.rope_dim > cfg.head_dim:
         return "head layout (grouped-query ratio or rope width) it does not handle"
     return None
 
@@ -248,6 +257,11 @@ class NativeDecoder:
         packed = repack_x8(lib, self.head)
         if packed is not None:
             self._keep.append(packed)
+        self.embeddings = weight(f, "token_embd.weight")  # the head's own rows when tied (its file layout)
+        self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)  # pi_refine's dequantized row
+        self._cand = np.empty(self.head.rows, dtype=np.int32)  # pi_decode_logits' candidates
+        self._x = np.empty((max_t, cfg.d_model), dtype=np.float32)  # pi_step's residual stream
+        self.embed_scale = float(cfg.embed_scale)
         # The repacked matrices' file pages were read once; unmapping them keeps RSS to one copy
         # (the file's other pages fault back in on use).
         f.drop_pages()
@@ -278,8 +292,11 @@ class NativeDecoder:
         return sum(a.nbytes for a in self.k_cache + self.v_cache)
 
     def forward(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """x [T, d] float32 embeddings (scaled) -> final-normed hidden [T, d]; T > max_t runs in chunks."""
-        x = np.array(x, dtype=np.float32, order="C")  # owned: updated in place
+        """x [T, d] float32 embeddings (scaled) -> final-normed hidden [T, d]; T > max_t runs in chunks.
+
+        A C-ordered float32 x is updated in place and returned (the engine hands over its own)."""
+        if x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
+            x = np.array(x, dtype=np.float32, order="C")
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         sl = np.ascontiguousarray(slots, dtype=np.int64)
         for a in range(0, x.shape[0], self.max_t):
@@ -294,6 +311,52 @@ class NativeDecoder:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [T, d] -> logits [T, vocab] float32 from the output head."""
         return matmul(self.lib, self.model, self.scratch, self.head, hidden)
+
+    def decode_logits(self, hidden: np.ndarray, margin: float, k: int) -> np.ndarray:
+        """hidden [T, d] -> logits [T, vocab]: the head, then each row's candidates within margin of
+        its best (at most k) recomputed in float32 (the engine's decode rule, in one native call)."""
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        if h.ndim != 2 or h.shape[1] != self.head.cols or not 1 <= h.shape[0] <= self.max_t:
+            raise InvalidArgumentError(f"decode logits expect [1..{self.max_t}, {self.head.cols}], got {list(h.shape)}")
+        out = np.empty((h.shape[0], self.head.rows), dtype=np.float32)
+        if self.lib.pi_decode_logits(ctypes.byref(self.model), h.ctypes.data, h.shape[0], out.ctypes.data, margin, k,
+                                     self.scratch.ctypes.data, self._cand.ctypes.data, self._row.ctypes.data):
+            raise InvalidArgumentError("the native head refused its input")
+        return out
+
+    def step(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, each: bool, margin: float, k: int) -> np.ndarray:
+        """Embed ids [T] (T <= max_t), run every layer, return the decode logits of the last row
+        [1, vocab] or of each row [T, vocab] (see decode_logits): one native call per step."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        sl = np.ascontiguousarray(slots, dtype=np.int64)
+        T = ids.size
+        out = np.empty((T if each else 1, self.head.rows), dtype=np.float32)
+        rc = self.lib.pi_step(ctypes.byref(self.model), ctypes.byref(self.embeddings), self.embed_scale, ids.ctypes.data, pos.ctypes.data,
+                              sl.ctypes.data, T, int(each), self._x.ctypes.data, out.ctypes.data, margin, k, self.scratch.ctypes.data,
+                              self._cand.ctypes.data, self._row.ctypes.data)
+        if rc:
+            raise InvalidArgumentError(f"native step refused its input (code {rc}: {T} tokens, positions {pos.min()}..{pos.max()}, "
+                                       f"slots {sorted(set(sl.tolist()))})")
+        return out
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Embedding rows [T, d] float32 of token ids [T] (ids checked by the engine and here)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = np.empty((ids.size, self.embeddings.cols), dtype=np.float32)
+        if self.lib.pi_rows(ctypes.byref(self.embeddings), ids.ctypes.data, ids.size, out.ctypes.data):
+            raise InvalidArgumentError(f"token ids outside the embedding table of {self.embeddings.rows} rows")
+        return out
+
+    def refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
+        """logits [T, V] (float32, C order) at idx [T, R] := hidden [T, d] . those head rows in float32."""
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous:
+            raise InvalidArgumentError("refine needs C-ordered float32 logits")
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        ix = np.ascontiguousarray(idx, dtype=np.int64)
+        if self.lib.pi_refine(ctypes.byref(self.head), h.ctypes.data, h.shape[0], ix.ctypes.data, ix.shape[1], logits.ctypes.data,
+                              logits.shape[1], self._row.ctypes.data):
+            raise InvalidArgumentError("head rows to refine are outside the vocabulary")
 
 
 def matmul(lib: ctypes.CDLL, model: PiModel, scratch: np.ndarray, w: PiWt, x: np.ndarray) -> np.ndarray:

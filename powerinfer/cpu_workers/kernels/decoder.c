@@ -24,6 +24,7 @@
 #include "qdot.h"
 #include "qtile.h"
 #include "qx8.h"
+#include "dequant.h"
 
 typedef struct {
     const uint8_t *data; /* row r at data + r * row_bytes */
@@ -96,7 +97,7 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
     TAKE(tmp, float, (size_t)T * m->d);
     TAKE(g, float, (size_t)T * m->n_ff);
     TAKE(u, float, (size_t)T * m->n_ff);
-    TAKE(scores, float, (size_t)(m->n_threads > 0 ? m->n_threads : 1) * m->n_ctx);
+    TAKE(scores, float, (size_t)(m->n_threads > 0 ? m->n_threads : 1) * (m->n_head / (m->n_kv > 0 ? m->n_kv : 1)) * m->n_ctx);
     TAKE(aq, int8_t, (size_t)T * kmax);
     TAKE(ad, float, (size_t)T * kmax / 32 + 1);
     TAKE(as, int32_t, (size_t)T * kmax / 32 + 1);
@@ -187,20 +188,30 @@ static void rope(float *h, const float *c, const float *sn, int rope_dim, int ne
     }
 }
 
-/* One query: out [Dv] = softmax(scale * q . k[lo..p]) . v[lo..p] over kc, vc [n_ctx, D / Dv]. */
-static void attend_one(const float *q, const float *kc, const float *vc, int lo, int p, int D, int Dv, float scale, float *sc, float *out) {
-    float mx = -INFINITY;
+/* g query heads of one kv head (q [g, D], consecutive): out [g, Dv] = softmax(scale * q . k[lo..p])
+ * . v[lo..p] over kc, vc [n_ctx, D / Dv]; each key and value row is loaded once for the g heads.
+ * sc: g * ld scratch floats. A head's numbers do not depend on g (same order of operations). */
+static void attend_group(const float *q, int g, const float *kc, const float *vc, int lo, int p, int D, int Dv, float scale, float *sc,
+                         int ld, float *out) {
     const int n = p - lo + 1;
     for (int j = 0; j < n; j++) {
-        sc[j] = dotf(q, kc + (size_t)(lo + j) * D, D) * scale;
-        mx = sc[j] > mx ? sc[j] : mx;
+        const float *kj = kc + (size_t)(lo + j) * D;
+        for (int h = 0; h < g; h++) sc[(size_t)h * ld + j] = dotf(q + (size_t)h * D, kj, D) * scale;
     }
-    const float inv = 1.0f / exp_sub_sum(sc, n, mx);
-    for (int i = 0; i < Dv; i++) out[i] = 0.0f;
+    float inv[64]; /* g <= 64: native_model.supports() */
+    for (int h = 0; h < g; h++) {
+        float *row = sc + (size_t)h * ld, mx = -INFINITY;
+        for (int j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+        inv[h] = 1.0f / exp_sub_sum(row, n, mx);
+        for (int i = 0; i < Dv; i++) out[(size_t)h * Dv + i] = 0.0f;
+    }
     for (int j = 0; j < n; j++) {
-        const float pj = sc[j] * inv;
         const float *vj = vc + (size_t)(lo + j) * Dv;
-        for (int i = 0; i < Dv; i++) out[i] += pj * vj[i];
+        for (int h = 0; h < g; h++) {
+            const float pj = sc[(size_t)h * ld + j] * inv[h];
+            float *o = out + (size_t)h * Dv;
+            for (int i = 0; i < Dv; i++) o[i] += pj * vj[i];
+        }
     }
 }
 
@@ -243,14 +254,29 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
         }
     }
     mark(m, PH_ROPE, last);
-    /* attention per (token, query head) */
-#pragma omp for schedule(static)
-    for (int i = 0; i < T * Hq; i++) {
-        const int t = i / Hq, h = i % Hq, kvh = h / (Hq / Hkv), p = (int)pos[t];
-        const int lo = L->window && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-        const size_t base = ((size_t)slot[t] * Hkv + kvh) * m->n_ctx;
-        attend_one(s->q + ((size_t)t * Hq + h) * D, L->k_cache + base * D, L->v_cache + base * Dv, lo, p, D, Dv, m->attn_scale,
-                   s->scores + (size_t)omp_get_thread_num() * m->n_ctx, s->att + ((size_t)t * Hq + h) * Dv);
+    /* attention: per (token, kv head) with its query heads together when there is enough such
+     * work for the threads (each key and value row is read once for the group), else per
+     * (token, query head) so that a decode step's few heads still spread over the threads */
+    const int grp = Hq / Hkv;
+    if (T * Hkv >= 2 * m->n_threads) { /* round-robin: later tokens see more keys */
+#pragma omp for schedule(static, 1)
+        for (int i = 0; i < T * Hkv; i++) {
+            const int t = i / Hkv, kvh = i % Hkv, p = (int)pos[t];
+            const int lo = L->window && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+            const size_t base = ((size_t)slot[t] * Hkv + kvh) * m->n_ctx;
+            attend_group(s->q + ((size_t)t * Hq + kvh * grp) * D, grp, L->k_cache + base * D, L->v_cache + base * Dv, lo, p, D, Dv,
+                         m->attn_scale, s->scores + (size_t)omp_get_thread_num() * grp * m->n_ctx, m->n_ctx,
+                         s->att + ((size_t)t * Hq + kvh * grp) * Dv);
+        }
+    } else {
+#pragma omp for schedule(static, 1)
+        for (int i = 0; i < T * Hq; i++) {
+            const int t = i / Hq, h = i % Hq, kvh = h / grp, p = (int)pos[t];
+            const int lo = L->window && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+            const size_t base = ((size_t)slot[t] * Hkv + kvh) * m->n_ctx;
+            attend_group(s->q + ((size_t)t * Hq + h) * D, 1, L->k_cache + base * D, L->v_cache + base * Dv, lo, p, D, Dv, m->attn_scale,
+                         s->scores + (size_t)omp_get_thread_num() * grp * m->n_ctx, m->n_ctx, s->att + ((size_t)t * Hq + h) * Dv);
+        }
     }
     quantize_rows(s, s->att, T, Hq * Dv);
     mark(m, PH_ATTN, last);
@@ -310,10 +336,81 @@ int pi_matmul(const pi_model *m, const pi_wt *w, const float *x, int T, float *y
     return 0;
 }
 
-/* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1). */
+/* out [n, w->cols] = rows ids[0..n) of w in float32. 0 on success. */
+int pi_rows(const pi_wt *w, const int64_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= w->rows) return 2;
+        if (dequant_row(w->type, w->data + (size_t)ids[i] * w->row_bytes, w->cols, out + (size_t)i * w->cols)) return 1;
+    }
+    return 0;
+}
+
+/* logits[t, idx[t, r]] = hidden[t] . dequantized head row idx[t, r], in float32 (r < R): the
+ * engine's refinement of the best candidates, with the activations unrounded. */
+int pi_refine(const pi_wt *w, const float *hidden, int T, const int64_t *idx, int R, float *logits, int64_t ld, float *row) {
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) {
+            const int64_t id = idx[(size_t)t * R + r];
+            if (id < 0 || id >= w->rows) return 2;
+            if (dequant_row(w->type, w->data + (size_t)id * w->row_bytes, w->cols, row)) return 1;
+            logits[(size_t)t * ld + id] = dotf(hidden + (size_t)t * w->cols, row, w->cols);
+        }
+    return 0;
+}
+
+/* The decode logits of T rows, the engine's rule in one call: out [T, vocab] = head(hidden) from
+ * the 8-bit kernels, then per row the candidates within margin of the best (at most k, the
+ * largest) recomputed in float32 from their dequantized rows (pi_refine). cand: vocab ints. */
+int pi_decode_logits(const pi_model *m, const float *hidden, int T, float *out, float margin, int k, void *scratch, int32_t *cand,
+                     float *row) {
+    int rc = pi_matmul(m, &m->head, hidden, T, out, scratch);
+    if (rc) return rc;
+    const int V = m->head.rows;
+    for (int t = 0; t < T; t++) {
+        float *lg = out + (size_t)t * V, mx = -INFINITY;
+        for (int i = 0; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
+        int n = 0;
+        for (int i = 0; i < V; i++)
+            if (lg[i] >= mx - margin) cand[n++] = i;
+        if (n > k) { /* keep the k largest: a partial selection sort, n is small in practice */
+            for (int a = 0; a < k; a++) {
+                int best = a;
+                for (int b = a + 1; b < n; b++)
+                    if (lg[cand[b]] > lg[cand[best]]) best = b;
+                int tmp = cand[a]; cand[a] = cand[best]; cand[best] = tmp;
+            }
+            n = k;
+        }
+        for (int c = 0; c < n; c++) {
+            if (dequant_row(m->head.type, m->head.data + (size_t)cand[c] * m->head.row_bytes, m->head.cols, row)) return 1;
+            lg[cand[c]] = dotf(hidden + (size_t)t * m->head.cols, row, m->head.cols);
+        }
+    }
+    return 0;
+}
+
+/* A whole step in one call: the embedding rows of ids (times embed_scale) into x [T, d], every
+ * layer and the final norm, then the decode logits (pi_decode_logits) of the last row, or of each
+ * row (batched decode), into out. */
+int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
+            int each, float *x, float *out, float margin, int k, void *scratch, int32_t *cand, float *row) {
+    if (T < 1 || T > m->max_t || embd->cols != m->d) return 1;
+    for (int t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= embd->rows) return 3;
+        float *xt = x + (size_t)t * m->d;
+        if (dequant_row(embd->type, embd->data + (size_t)ids[t] * embd->row_bytes, m->d, xt)) return 1;
+        if (embed_scale != 1.0f)
+            for (int i = 0; i < m->d; i++) xt[i] *= embed_scale;
+    }
+    int rc = pi_forward(m, x, pos, slot, T, scratch);
+    if (rc) return rc;
+    return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
+}
+
+/* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1 / Q5_0). */
 int pi_x8_supported(int type) {
 #ifdef PI_SIMD
-    return type == T_Q4_0 || type == T_Q4_1;
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0;
 #else
     (void)type;
     return 0;

@@ -435,10 +435,10 @@ static float dot_q6_k(const uint8_t *w, const pi_act *x, int K) {
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), 2 * s), _mm256_set1_epi8(3));
             __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
             __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-            __m256i p = dot_us(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q)); /* lanes 0-3: values 0-15, 4-7: 16-31 */
-            __m256i scv = _mm256_set_epi32(sc[2 * blk + 1], sc[2 * blk + 1], sc[2 * blk + 1], sc[2 * blk + 1], sc[2 * blk], sc[2 * blk],
-                                           sc[2 * blk], sc[2 * blk]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(p, scv)), _mm256_set1_ps(d * x->d[b]), acc);
+            /* int16 pair sums (lanes 0-7: values 0-15, 8-15: 16-31) times the two sub-scales */
+            __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * blk + 1]), _mm_set1_epi16(sc[2 * blk]));
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q)), scv);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x->d[b]), acc);
 #else
             const int8_t *xq = x->q + 32 * b;
             int32_t s0 = 0, s1 = 0;

@@ -18,7 +18,7 @@
 
 typedef struct {
     __m256i v;   /* 32 codes */
-    __m256i scv; /* Q6_K: sub-scales as int32 lanes (0-3: values 0-15, 4-7: 16-31) */
+    __m256i scv; /* Q6_K: sub-scales as int16 lanes (0-7: values 0-15, 8-15: values 16-31) */
     float scale, offset;
 } pi_blk;
 
@@ -84,7 +84,7 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
     __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h)), 2 * s), _mm256_set1_epi8(3));
     o->v = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
     const int a = sc[2 * blk], c = sc[2 * blk + 1];
-    o->scv = _mm256_set_epi32(c, c, c, c, a, a, a, a);
+    o->scv = _mm256_set_m128i(_mm_set1_epi16((short)c), _mm_set1_epi16((short)a));
     o->scale = ld_h(w + 208);
     o->offset = 0.0f;
 }
@@ -101,8 +101,8 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
             for (int t = 0; t < 4; t++) {                                                                 \
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));                      \
                 if (SIGNED) xq = _mm256_sign_epi8(xq, w.v);                                               \
-                __m256i p = dot_us(u, xq);                                                                \
-                if (SUBSCALES) p = _mm256_mullo_epi32(p, w.scv);                                          \
+                /* sub-scales: int16 pair sums times the scales, no int32 multiply */                      \
+                __m256i p = SUBSCALES ? _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), w.scv) : dot_us(u, xq); \
                 const float dx = x[t].d[b];                                                               \
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.scale * dx), acc[t]);    \
                 if (!SIGNED) corr[t] += w.offset * dx * (float)x[t].s[b];                                 \

@@ -1,4 +1,4 @@
-/* Q4_0 / Q4_1 repacked eight rows at a time, so one pass over a block serves eight rows: the
+/* Q4_0 / Q4_1 / Q5_0 repacked eight rows at a time, so one pass over a block serves eight rows: the
  * scales of eight rows are one vector, an activation block is loaded once for all eight, and the
  * integer sums of the eight rows land in one vector's lanes (one float multiply-add per block).
  *
@@ -7,6 +7,9 @@
  *
  * Layout of a group of 8 rows, block b (32 values per row), PI_X8_BYTES(type) bytes:
  *   d[8] float16 (and for Q4_1 m[8] float16), in lane order L = {0, 1, 4, 5, 2, 3, 6, 7}
+ *   Q5_0 only, 32 bytes: for V(h, g) in the order (0,0), (0,1), (1,0), (1,1) two 32-bit words,
+ *       the fifth bits of V's low nibbles, then of its high nibbles (bit 8i + k: byte k of row
+ *       4g + i), i.e. qh byte h, then byte 2 + h, of each of the four rows
  *   qs: four 32-byte vectors V(h, g), h = 0, 1 (bytes 8h..8h+7 of each row's 16 code bytes),
  *       g = 0, 1 (rows 4g..4g+3): [row 4g bytes | row 4g+1 | row 4g+2 | row 4g+3], 8 bytes each.
  * Low nibbles of bytes 8h..8h+7 are values 8h..8h+7, high nibbles values 16+8h..16+8h+7, so
@@ -21,13 +24,15 @@
 
 #include "qdot.h"
 
-#define PI_X8_BYTES(type) ((type) == T_Q4_1 ? 32 + 128 : 16 + 128)
+#define PI_X8_HDR(type) ((type) == T_Q4_0 ? 16 : (type) == T_Q4_1 ? 32 : 48) /* scales, and Q4_1's mins or Q5_0's fifth bits */
+#define PI_X8_BYTES(type) (PI_X8_HDR(type) + 128)
 
 static const int PI_X8_LANE[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* lane i holds row PI_X8_LANE[i] */
 
-/* Repack rows [8 g0, 8 g1) of a Q4_0 / Q4_1 matrix (row r at src + r * row_bytes) into dst. */
+/* Repack rows [8 g0, 8 g1) of a Q4_0 / Q4_1 / Q5_0 matrix (row r at src + r * row_bytes) into dst. */
 void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0, int g1, uint8_t *dst) {
-    const int nb = K / 32, bs = type == T_Q4_1 ? 20 : 18, hdr = type == T_Q4_1 ? 4 : 2, xb = PI_X8_BYTES(type);
+    const int nb = K / 32, bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22, hdr = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 6;
+    const int xb = PI_X8_BYTES(type);
     for (int g = g0; g < g1; g++) {
         for (int b = 0; b < nb; b++) {
             uint8_t *o = dst + ((size_t)(g - g0) * nb + b) * xb;
@@ -36,7 +41,14 @@ void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0
                 memcpy(o + 2 * i, blk, 2);                           /* d */
                 if (type == T_Q4_1) memcpy(o + 16 + 2 * i, blk + 2, 2); /* m */
             }
-            uint8_t *q = o + (type == T_Q4_1 ? 32 : 16);
+            if (type == T_Q5_0)
+                for (int k = 0; k < 4; k++) /* V(h, g), h = k / 2, g = k % 2 */
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t *qh = src + (size_t)(8 * g + 4 * (k % 2) + i) * row_bytes + (size_t)b * bs + 2;
+                        o[16 + 8 * k + i] = qh[k / 2];
+                        o[16 + 8 * k + 4 + i] = qh[2 + k / 2];
+                    }
+            uint8_t *q = o + PI_X8_HDR(type);
             for (int h = 0; h < 2; h++)
                 for (int r = 0; r < 8; r++) {
                     const uint8_t *qs = src + (size_t)(8 * g + r) * row_bytes + (size_t)b * bs + hdr;
@@ -53,34 +65,48 @@ static inline __m256i bcast8(const int8_t *p) { /* 8 bytes to all four 64-bit la
     return _mm256_set1_epi64x(v);
 }
 
-/* The eight rows' int32 sums of one block against one token: lanes in order L. */
-static inline __m256i x8_isum(const uint8_t *q, const int8_t *xq) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
-    __m256i acc[2];
-    for (int g = 0; g < 2; g++) {
-        __m256i v0 = _mm256_loadu_si256((const __m256i *)(q + 32 * g)), v1 = _mm256_loadu_si256((const __m256i *)(q + 64 + 32 * g));
-        __m256i a = _mm256_add_epi32(dot_us(_mm256_and_si256(v0, m4), x0), dot_us(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), x2));
-        __m256i c = _mm256_add_epi32(dot_us(_mm256_and_si256(v1, m4), x1), dot_us(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), x3));
-        acc[g] = _mm256_add_epi32(a, c);
-    }
-    return _mm256_hadd_epi32(acc[0], acc[1]);
+/* acc + the 8 int32 sums of 4 products u8 * s8 each. */
+static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#ifdef PI_VNNI
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
 }
 
-/* out[t * ldo + lane-ordered row] for nt (1..4) tokens: the eight rows of one group. */
+/* out[t * ldo + row] for nt (1..4) tokens and the eight rows of one group. Per block the codes
+ * are unpacked once, w[g][k]: g = row group, k = low / high nibbles of V(0, g), then of V(1, g);
+ * each token's four broadcast 8-byte pieces of its activation block meet them. */
 static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K, float *out, int ldo) {
-    const int xb = PI_X8_BYTES(type), q4_1 = type == T_Q4_1;
+    const int xb = PI_X8_BYTES(type), q4_1 = type == T_Q4_1, q5_0 = type == T_Q5_0;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
     __m256 acc[4], corr[4];
     for (int t = 0; t < nt; t++) acc[t] = corr[t] = _mm256_setzero_ps();
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *o = grp + (size_t)b * xb;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
-        const __m256 off8 = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16))) : _mm256_mul_ps(d8, _mm256_set1_ps(-8.0f));
-        const uint8_t *q = o + (q4_1 ? 32 : 16);
+        const __m256 off8 = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)))
+                                 : _mm256_mul_ps(d8, _mm256_set1_ps(q5_0 ? -16.0f : -8.0f));
+        const uint8_t *q = o + PI_X8_HDR(type);
+        __m256i w[2][4];
+        for (int g = 0; g < 2; g++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q + 32 * g)), v1 = _mm256_loadu_si256((const __m256i *)(q + 64 + 32 * g));
+            w[g][0] = _mm256_and_si256(v0, m4);
+            w[g][1] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+            w[g][2] = _mm256_and_si256(v1, m4);
+            w[g][3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+            if (q5_0) /* fifth bits: words of V(0, g) at 8 g, of V(1, g) at 16 + 8 g */
+                for (int k = 0; k < 4; k++)
+                    w[g][k] = _mm256_or_si256(w[g][k], _mm256_and_si256(bits32(o + 16 + 16 * (k / 2) + 8 * g + 4 * (k % 2)), b4));
+        }
         for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].q + 32 * b;
+            const __m256i x0 = bcast8(xq), x1 = bcast8(xq + 8), x2 = bcast8(xq + 16), x3 = bcast8(xq + 24);
+            __m256i a[2];
+            for (int g = 0; g < 2; g++)
+                a[g] = dot_acc(dot_acc(dot_acc(dot_acc(_mm256_setzero_si256(), w[g][0], x0), w[g][1], x2), w[g][2], x1), w[g][3], x3);
             const float dx = x[t].d[b];
-            __m256 s = _mm256_cvtepi32_ps(x8_isum(q, x[t].q + 32 * b));
-            acc[t] = _mm256_fmadd_ps(s, _mm256_mul_ps(d8, _mm256_set1_ps(dx)), acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a[0], a[1])), _mm256_mul_ps(d8, _mm256_set1_ps(dx)), acc[t]);
             corr[t] = _mm256_fmadd_ps(off8, _mm256_set1_ps(dx * (float)x[t].s[b]), corr[t]);
         }
     }
