@@ -123,25 +123,29 @@ static void quantize_rows(const pi_scratch *s, const float *f, int T, int K) {
     for (int t = 0; t < T; t++) quantize_act(f + (size_t)t * K, K, s->aq + (size_t)t * K, s->ad + (size_t)t * (K / 32), s->as + (size_t)t * (K / 32));
 }
 
-/* Rows [ra, rb) from the file's layout: groups of four tokens through the type's four-token
- * kernel (qtile.h), so the rows stay in L1 while the groups pass; then one token at a time. */
+/* Rows [ra, rb) from the file's layout: groups of eight, then four tokens through the type's
+ * several-token kernels (qtile.h), so the rows stay in L1 while the groups pass; then one token
+ * at a time. */
 static void rows_plain(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy, int ra, int rb) {
     int align;
     dot_fn dot = dot_for(w->type, &align);
-    dot4_fn dot4 = dot4_for(w->type);
-    const int K = w->cols, T4 = dot4 ? T / 4 * 4 : 0;
-    for (int t0 = 0; t0 < T4; t0 += 4) {
-        pi_act a[4];
-        for (int i = 0; i < 4; i++) a[i] = act_row(s, f, t0 + i, K);
-        for (int r = ra; r < rb; r++) {
-            float out[4];
-            dot4(w->data + (size_t)r * w->row_bytes, a, K, out);
-            for (int i = 0; i < 4; i++) y[(size_t)(t0 + i) * ldy + r] = out[i];
+    const int K = w->cols;
+    int t0 = 0;
+    for (int n = 8; n >= 4; n -= 4) {
+        dotn_fn dotn = dotn_for(w->type, n);
+        for (; dotn && t0 + n <= T; t0 += n) {
+            pi_act a[8];
+            for (int i = 0; i < n; i++) a[i] = act_row(s, f, t0 + i, K);
+            for (int r = ra; r < rb; r++) {
+                float out[8];
+                dotn(w->data + (size_t)r * w->row_bytes, a, K, out);
+                for (int i = 0; i < n; i++) y[(size_t)(t0 + i) * ldy + r] = out[i];
+            }
         }
     }
     for (int r = ra; r < rb; r++) {
         const uint8_t *row = w->data + (size_t)r * w->row_bytes;
-        for (int t = T4; t < T; t++) {
+        for (int t = t0; t < T; t++) {
             pi_act a = act_row(s, f, t, K);
             y[(size_t)t * ldy + r] = dot(row, &a, K);
         }
@@ -159,9 +163,9 @@ static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, f
 #ifdef PI_SIMD
         const size_t group = (size_t)(K / 32) * PI_X8_BYTES(w->type);
         for (; r + 8 <= r1 && r + 8 <= x8_rows; r += 8)
-            for (int t0 = 0; t0 < T; t0 += 4) {
-                pi_act a[4];
-                const int nt = T - t0 < 4 ? T - t0 : 4;
+            for (int t0 = 0; t0 < T; t0 += PI_X8_TOKENS) {
+                pi_act a[PI_X8_TOKENS];
+                const int nt = T - t0 < PI_X8_TOKENS ? T - t0 : PI_X8_TOKENS;
                 for (int i = 0; i < nt; i++) a[i] = act_row(s, f, t0 + i, K);
                 x8_dot(w->x8 + (size_t)(r / 8) * group, w->type, a, nt, K, y + (size_t)t0 * ldy + r, ldy);
             }

@@ -1,11 +1,11 @@
-/* Four tokens at a time: one weight row's blocks unpacked once and dotted with the activations of
- * four tokens (prefill and batched decode), for the quantized types of qdot.h, SIMD builds only.
+/* Several tokens at a time: one weight row's blocks unpacked once and dotted with the activations
+ * of four or eight tokens (prefill and batched decode), for the quantized types of qdot.h, SIMD builds only.
  *
  * Runs in: the process that loads decoder.c (included after qdot.h).
  *
  * Each type has an unpack step that turns 32-element block b of a row into 32 bytes of codes
  * (unsigned, or signed for Q8_0 and Q6_K) with the block's scale and offset (w = scale * q +
- * offset; Q6_K's two 16-element sub-scales ride as int32 lanes); the dot4 body is shared. Per
+ * offset; Q6_K's two 16-element sub-scales ride as int16 lanes); the dotN body is shared. Per
  * token the arithmetic is exactly qdot.h's one-token dot product, so results agree to float
  * rounding (the one-token functions remain the decode path).
  */
@@ -89,16 +89,20 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
     o->offset = 0.0f;
 }
 
-/* out[t] = row . x[t] for t < 4. SIGNED: codes carry their sign (|w| against x with w's sign). */
-#define PI_DOT4(NAME, UNPACK, SIGNED, SUBSCALES)                                                          \
+/* out[t] = row . x[t] for t < N. SIGNED: codes carry their sign (|w| against x with w's sign). */
+#define PI_DOTN(NAME, N, UNPACK, SIGNED, SUBSCALES)                                                       \
     static void NAME(const uint8_t *row, const pi_act *x, int K, float *out) {                           \
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
-        float corr[4] = {0.0f, 0.0f, 0.0f, 0.0f};                                                         \
+        __m256 acc[N];                                                                                    \
+        float corr[N];                                                                                    \
+        for (int t = 0; t < N; t++) {                                                                     \
+            acc[t] = _mm256_setzero_ps();                                                                 \
+            corr[t] = 0.0f;                                                                               \
+        }                                                                                                 \
         for (int b = 0; b < K / 32; b++) {                                                                \
             pi_blk w;                                                                                     \
             UNPACK(row, b, &w);                                                                           \
             const __m256i u = SIGNED ? _mm256_sign_epi8(w.v, w.v) : w.v;                                  \
-            for (int t = 0; t < 4; t++) {                                                                 \
+            for (int t = 0; t < N; t++) {                                                                 \
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(x[t].q + 32 * b));                      \
                 if (SIGNED) xq = _mm256_sign_epi8(xq, w.v);                                               \
                 /* sub-scales: int16 pair sums times the scales, no int32 multiply */                      \
@@ -108,37 +112,48 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
                 if (!SIGNED) corr[t] += w.offset * dx * (float)x[t].s[b];                                 \
             }                                                                                             \
         }                                                                                                 \
-        for (int t = 0; t < 4; t++) out[t] = hsum8(acc[t]) + corr[t];                                     \
+        for (int t = 0; t < N; t++) out[t] = hsum8(acc[t]) + corr[t];                                     \
     }
 
-PI_DOT4(dot4_q4_0, un_q4_0, 0, 0)
-PI_DOT4(dot4_q4_1, un_q4_1, 0, 0)
-PI_DOT4(dot4_q5_0, un_q5_0, 0, 0)
-PI_DOT4(dot4_q5_1, un_q5_1, 0, 0)
-PI_DOT4(dot4_q8_0, un_q8_0, 1, 0)
-PI_DOT4(dot4_q4_k, un_q4_k, 0, 0)
-PI_DOT4(dot4_q5_k, un_q5_k, 0, 0)
-PI_DOT4(dot4_q6_k, un_q6_k, 1, 1)
+/* Four tokens fit AVX2's 16 vector registers; AVX-512 VL's 32 take eight (fewer unpacks per token). */
+#define PI_TILES(T, SIGNED, SUBSCALES) \
+    PI_DOTN(dot4_##T, 4, un_##T, SIGNED, SUBSCALES) \
+    PI_DOTN(dot8_##T, 8, un_##T, SIGNED, SUBSCALES)
+PI_TILES(q4_0, 0, 0)
+PI_TILES(q4_1, 0, 0)
+PI_TILES(q5_0, 0, 0)
+PI_TILES(q5_1, 0, 0)
+PI_TILES(q8_0, 1, 0)
+PI_TILES(q4_k, 0, 0)
+PI_TILES(q5_k, 0, 0)
+PI_TILES(q6_k, 1, 1)
 #endif
 
-typedef void (*dot4_fn)(const uint8_t *, const pi_act *, int, float *);
+typedef void (*dotn_fn)(const uint8_t *, const pi_act *, int, float *);
 
-/* The four-token kernel of a type, or NULL (float types, portable build): then one token at a time. */
-static dot4_fn dot4_for(int type) {
+/* The n-token kernel (n = 4 or 8) of a type, or NULL (float types, portable build, eight
+ * tokens without AVX-512 VL's registers): then fewer tokens at a time. */
+static dotn_fn dotn_for(int type, int n) {
 #ifdef PI_SIMD
+#ifndef PI_VNNI
+    if (n == 8) return 0;
+#endif
+#define PI_CASE(ID, T) case ID: return n == 4 ? dot4_##T : dot8_##T;
     switch (type) {
-        case T_Q4_0: return dot4_q4_0;
-        case T_Q4_1: return dot4_q4_1;
-        case T_Q5_0: return dot4_q5_0;
-        case T_Q5_1: return dot4_q5_1;
-        case T_Q8_0: return dot4_q8_0;
-        case T_Q4_K: return dot4_q4_k;
-        case T_Q5_K: return dot4_q5_k;
-        case T_Q6_K: return dot4_q6_k;
+        PI_CASE(T_Q4_0, q4_0)
+        PI_CASE(T_Q4_1, q4_1)
+        PI_CASE(T_Q5_0, q5_0)
+        PI_CASE(T_Q5_1, q5_1)
+        PI_CASE(T_Q8_0, q8_0)
+        PI_CASE(T_Q4_K, q4_k)
+        PI_CASE(T_Q5_K, q5_k)
+        PI_CASE(T_Q6_K, q6_k)
         default: return 0;
     }
+#undef PI_CASE
 #else
     (void)type;
+    (void)n;
     return 0;
 #endif
 }

@@ -74,13 +74,20 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* out[t * ldo + row] for nt (1..4) tokens and the eight rows of one group. Per block the codes
+/* Tokens per call: AVX2's 16 vector registers hold four tokens' sums, AVX-512 VL's 32 eight. */
+#ifdef PI_VNNI
+#define PI_X8_TOKENS 8
+#else
+#define PI_X8_TOKENS 4
+#endif
+
+/* out[t * ldo + row] for nt (1..PI_X8_TOKENS) tokens and the eight rows of one group. Per block the codes
  * are unpacked once, w[g][k]: g = row group, k = low / high nibbles of V(0, g), then of V(1, g);
  * each token's four broadcast 8-byte pieces of its activation block meet them. */
 static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K, float *out, int ldo) {
     const int xb = PI_X8_BYTES(type), q4_1 = type == T_Q4_1, q5_0 = type == T_Q5_0;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
-    __m256 acc[4], corr[4];
+    __m256 acc[PI_X8_TOKENS], corr[PI_X8_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = corr[t] = _mm256_setzero_ps();
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *o = grp + (size_t)b * xb;
