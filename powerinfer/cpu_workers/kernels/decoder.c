@@ -75,7 +75,7 @@ typedef struct {
     float *xn, *q, *k, *v, *att, *tmp, *g, *u, *scores;
     int8_t *aq;
     float *ad;
-    int32_t *as;
+    float *as;
 } pi_scratch;
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -100,7 +100,7 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
     TAKE(scores, float, (size_t)(m->n_threads > 0 ? m->n_threads : 1) * (m->n_head / (m->n_kv > 0 ? m->n_kv : 1)) * m->n_ctx);
     TAKE(aq, int8_t, (size_t)T * kmax);
     TAKE(ad, float, (size_t)T * kmax / 32 + 1);
-    TAKE(as, int32_t, (size_t)T * kmax / 32 + 1);
+    TAKE(as, float, (size_t)T * kmax / 32 + 1);
 #undef TAKE
     return off;
 }
@@ -155,7 +155,9 @@ static void rows_plain(const pi_wt *w, const pi_scratch *s, const float *f, int 
 /* y[t, r] (row stride ldy) = W[r] . x_t for rows r of W, work-shared in blocks of 16 rows;
  * nowait: the caller places the barrier. Repacked groups of eight rows go through qx8.h. */
 static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy) {
+#ifdef PI_SIMD
     const int K = w->cols, x8_rows = w->x8 ? w->rows / 8 * 8 : 0;
+#endif
 #pragma omp for schedule(static) nowait
     for (int r0 = 0; r0 < w->rows; r0 += 16) {
         const int r1 = r0 + 16 < w->rows ? r0 + 16 : w->rows;
@@ -169,8 +171,6 @@ static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, f
                 for (int i = 0; i < nt; i++) a[i] = act_row(s, f, t0 + i, K);
                 x8_dot(w->x8 + (size_t)(r / 8) * group, w->type, a, nt, K, y + (size_t)t0 * ldy + r, ldy);
             }
-#else
-        (void)x8_rows;
 #endif
         if (r < r1) rows_plain(w, s, f, T, y, ldy, r, r1);
     }

@@ -8,10 +8,11 @@
  * Activations (pi_act, one row of K values per token):
  *   q  int8 [K]       round(x / d) per block of 32, d = max|x| / 127 (round half to even)
  *   d  float [K / 32] the block scales
- *   s  int32 [K / 32] the block sums of q (for the types whose weights carry an offset)
+ *   s  float [K / 32] d times the block sum of q, i.e. the block's sum of x as rounded (for the
+ *      types whose weights carry an offset: offset * s is that part of the block's dot product)
  *   f  float [K]      x itself, for float weights (F32, F16, BF16)
  * A weight block's value w = scale * q_w (+ offset); the dot product of a block of 32 is then
- * d_x * (scale * sum(q_w q_x) + offset * s_x), with the integer sum done in SIMD.
+ * scale * d_x * sum(q_w q_x) + offset * s_x, with the integer sum done in SIMD.
  * K-quants (super-blocks of 256) are met with 8 activation blocks of 32 each, one per sub-block
  * of Q4_K / Q5_K and two sub-blocks of Q6_K: the scales are the file's, applied per sub-block.
  */
@@ -33,7 +34,7 @@ enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q
 typedef struct {
     const int8_t *q;
     const float *d;
-    const int32_t *s;
+    const float *s;
     const float *f;
 } pi_act;
 
@@ -66,7 +67,7 @@ static inline float ld_h(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); retur
 static inline float bf2f(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 
 /* Quantize x [K] (K % 32 == 0) into q, d, s. */
-static void quantize_act(const float *x, int K, int8_t *q, float *d, int32_t *s) {
+static void quantize_act(const float *x, int K, int8_t *q, float *d, float *s) {
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -94,7 +95,7 @@ static void quantize_act(const float *x, int K, int8_t *q, float *d, int32_t *s)
         }
 #endif
         d[b] = db;
-        s[b] = sum;
+        s[b] = db * (float)sum;
     }
 }
 
@@ -232,7 +233,7 @@ static float dot_q4_0(const uint8_t *w, const pi_act *x, int K) {
         __m256i v = nibbles16(w + 2);
         __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += dd * (float)x->s[b];
+        corr += ld_h(w) * x->s[b];
     }
     return hsum8(acc) - 8.0f * corr;
 #else
@@ -243,7 +244,7 @@ static float dot_q4_0(const uint8_t *w, const pi_act *x, int K) {
         int32_t sum = 0;
         for (int i = 0; i < 16; i++) sum += (w[2 + i] & 0xF) * xq[i] + (w[2 + i] >> 4) * xq[i + 16];
         acc += dd * (float)sum;
-        corr += dd * (float)x->s[b];
+        corr += ld_h(w) * x->s[b];
     }
     return acc - 8.0f * corr;
 #endif
@@ -258,7 +259,7 @@ static float dot_q4_1(const uint8_t *w, const pi_act *x, int K) {
         __m256i v = nibbles16(w + 4);
         __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += ld_h(w + 2) * x->d[b] * (float)x->s[b];
+        corr += ld_h(w + 2) * x->s[b];
     }
     return hsum8(acc) + corr;
 #else
@@ -269,7 +270,7 @@ static float dot_q4_1(const uint8_t *w, const pi_act *x, int K) {
         int32_t sum = 0;
         for (int i = 0; i < 16; i++) sum += (w[4 + i] & 0xF) * xq[i] + (w[4 + i] >> 4) * xq[i + 16];
         acc += dd * (float)sum;
-        corr += ld_h(w + 2) * x->d[b] * (float)x->s[b];
+        corr += ld_h(w + 2) * x->s[b];
     }
     return acc + corr;
 #endif
@@ -285,7 +286,7 @@ static float dot_q5_0(const uint8_t *w, const pi_act *x, int K) {
         __m256i v = _mm256_or_si256(nibbles16(w + 6), _mm256_and_si256(bits32(w + 2), _mm256_set1_epi8(0x10)));
         __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += dd * (float)x->s[b];
+        corr += ld_h(w) * x->s[b];
     }
     return hsum8(acc) - 16.0f * corr;
 #else
@@ -301,7 +302,7 @@ static float dot_q5_0(const uint8_t *w, const pi_act *x, int K) {
             sum += lo * xq[i] + hi * xq[i + 16];
         }
         acc += dd * (float)sum;
-        corr += dd * (float)x->s[b];
+        corr += ld_h(w) * x->s[b];
     }
     return acc - 16.0f * corr;
 #endif
@@ -317,7 +318,7 @@ static float dot_q5_1(const uint8_t *w, const pi_act *x, int K) {
         __m256i v = _mm256_or_si256(nibbles16(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10)));
         __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += ld_h(w + 2) * x->d[b] * (float)x->s[b];
+        corr += ld_h(w + 2) * x->s[b];
     }
     return hsum8(acc) + corr;
 #else
@@ -333,7 +334,7 @@ static float dot_q5_1(const uint8_t *w, const pi_act *x, int K) {
             sum += lo * xq[i] + hi * xq[i + 16];
         }
         acc += dd * (float)sum;
-        corr += ld_h(w + 2) * x->d[b] * (float)x->s[b];
+        corr += ld_h(w + 2) * x->s[b];
     }
     return acc + corr;
 #endif
@@ -381,7 +382,7 @@ static float dot_qk45(const uint8_t *w, const pi_act *x, int K, int five) {
             scale_min_k4(j, scales, &sc, &m);
             const int b = sb * 8 + j;
             const float dx = x->d[b];
-            corr += dmin * (float)m * dx * (float)x->s[b];
+            corr += dmin * (float)m * x->s[b];
             const uint8_t *q = qs + 32 * (j / 2);
 #ifdef PI_SIMD
             __m256i raw = _mm256_loadu_si256((const __m256i *)q);

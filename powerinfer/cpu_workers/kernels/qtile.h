@@ -109,7 +109,7 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
                 __m256i p = SUBSCALES ? _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), w.scv) : dot_us(u, xq); \
                 const float dx = x[t].d[b];                                                               \
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.scale * dx), acc[t]);    \
-                if (!SIGNED) corr[t] += w.offset * dx * (float)x[t].s[b];                                 \
+                if (!SIGNED) corr[t] += w.offset * x[t].s[b];                                             \
             }                                                                                             \
         }                                                                                                 \
         for (int t = 0; t < N; t++) out[t] = hsum8(acc[t]) + corr[t];                                     \

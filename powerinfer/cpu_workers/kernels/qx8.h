@@ -114,7 +114,7 @@ static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K,
                 a[g] = dot_acc(dot_acc(dot_acc(dot_acc(_mm256_setzero_si256(), w[g][0], x0), w[g][1], x2), w[g][2], x1), w[g][3], x3);
             const float dx = x[t].d[b];
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a[0], a[1])), _mm256_mul_ps(d8, _mm256_set1_ps(dx)), acc[t]);
-            corr[t] = _mm256_fmadd_ps(off8, _mm256_set1_ps(dx * (float)x[t].s[b]), corr[t]);
+            corr[t] = _mm256_fmadd_ps(off8, _mm256_set1_ps(x[t].s[b]), corr[t]);
         }
     }
     for (int t = 0; t < nt; t++) {
