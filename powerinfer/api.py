@@ -194,12 +194,18 @@ class LLM:
         from powerinfer.cpu_workers.native_model import decoder_lib, supports
 
         lib = decoder_lib()
-        why = "no C compiler, or POWERINFER_NATIVE=0" if lib is None else supports(self.file, self.config)
+        if lib is None:  # decoder_lib has said why when a build failed; POWERINFER_NATIVE=0 is said here
+            if native:
+                raise InvalidArgumentError("the native decoder is unavailable (POWERINFER_NATIVE=0, or no C compiler: see the log)")
+            if os.environ.get("POWERINFER_NATIVE", "1") == "0":
+                log.warning("POWERINFER_NATIVE=0: the in-process executor runs on torch (slower)")
+            return None
+        why = supports(self.file, self.config)
         if why is None:
             return lib
         if native:
             raise InvalidArgumentError(f"the native decoder cannot run this model: {why}")
-        log.info("in-process executor on torch: %s", why)
+        log.warning("the native decoder cannot run this model (%s): the in-process executor runs on torch", why)
         return None
 
     def check_workers(self) -> None:
