@@ -1,4 +1,4 @@
-/* Q4_0 / Q4_1 / Q5_0 repacked eight rows at a time, so one pass over a block serves eight rows: the
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 repacked eight rows at a time, so one pass over a block serves eight rows: the
  * scales of eight rows are one vector, an activation block is loaded once for all eight, and the
  * integer sums of the eight rows land in one vector's lanes (one float multiply-add per block).
  *
@@ -16,6 +16,8 @@
  * V(h, g) meets the activation bytes 8h.. (low) and 16+8h.. (high), each broadcast to all four
  * rows. dpbusd's int32 lane k then sums row 4g + k/2's products; hadd of the two row groups
  * gives one lane per row, in the order L (hence the order of the scales).
+ * Q8_0: d[8] (order L), then eight 32-byte vectors C(c, g), c = 0..3: [row 4g bytes 8c..8c+7 |
+ * row 4g+1 | ...], meeting activation bytes 8c..8c+7 (signed codes: |w| against x with w's sign).
  * The bytes are exactly the file's (scales and codes moved, none changed): the repack replaces
  * the mapped rows, whose pages are then dropped, so no second copy stays resident.
  */
@@ -24,14 +26,15 @@
 
 #include "qdot.h"
 
-#define PI_X8_HDR(type) ((type) == T_Q4_0 ? 16 : (type) == T_Q4_1 ? 32 : 48) /* scales, and Q4_1's mins or Q5_0's fifth bits */
-#define PI_X8_BYTES(type) (PI_X8_HDR(type) + 128)
+#define PI_X8_HDR(type) ((type) == T_Q4_0 || (type) == T_Q8_0 ? 16 : (type) == T_Q4_1 ? 32 : 48) /* scales, and Q4_1's mins or Q5_0's fifth bits */
+#define PI_X8_BYTES(type) (PI_X8_HDR(type) + ((type) == T_Q8_0 ? 256 : 128))
 
 static const int PI_X8_LANE[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* lane i holds row PI_X8_LANE[i] */
 
-/* Repack rows [8 g0, 8 g1) of a Q4_0 / Q4_1 / Q5_0 matrix (row r at src + r * row_bytes) into dst. */
+/* Repack rows [8 g0, 8 g1) of a Q4_0 / Q4_1 / Q5_0 / Q8_0 matrix (row r at src + r * row_bytes) into dst. */
 void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0, int g1, uint8_t *dst) {
-    const int nb = K / 32, bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : 22, hdr = type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : 6;
+    const int nb = K / 32, bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
+    const int hdr = type == T_Q4_0 || type == T_Q8_0 ? 2 : type == T_Q4_1 ? 4 : 6;
     const int xb = PI_X8_BYTES(type);
     for (int g = g0; g < g1; g++) {
         for (int b = 0; b < nb; b++) {
@@ -49,6 +52,12 @@ void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0
                         o[16 + 8 * k + 4 + i] = qh[2 + k / 2];
                     }
             uint8_t *q = o + PI_X8_HDR(type);
+            if (type == T_Q8_0) {
+                for (int c = 0; c < 4; c++)
+                    for (int r = 0; r < 8; r++)
+                        memcpy(q + 64 * c + 32 * (r / 4) + 8 * (r % 4), src + (size_t)(8 * g + r) * row_bytes + (size_t)b * bs + 2 + 8 * c, 8);
+                continue;
+            }
             for (int h = 0; h < 2; h++)
                 for (int r = 0; r < 8; r++) {
                     const uint8_t *qs = src + (size_t)(8 * g + r) * row_bytes + (size_t)b * bs + hdr;
@@ -74,6 +83,9 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* Q8_0's groups: signed codes, no offset. */
+static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float *out, int ldo);
+
 /* Tokens per call: AVX2's 16 vector registers hold four tokens' sums, AVX-512 VL's 32 eight. */
 #ifdef PI_VNNI
 #define PI_X8_TOKENS 8
@@ -85,6 +97,10 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
  * are unpacked once, w[g][k]: g = row group, k = low / high nibbles of V(0, g), then of V(1, g);
  * each token's four broadcast 8-byte pieces of its activation block meet them. */
 static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K, float *out, int ldo) {
+    if (type == T_Q8_0) {
+        x8_dot_q8(grp, x, nt, K, out, ldo);
+        return;
+    }
     const int xb = PI_X8_BYTES(type), q4_1 = type == T_Q4_1, q5_0 = type == T_Q5_0;
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
     __m256 acc[PI_X8_TOKENS], corr[PI_X8_TOKENS];
@@ -120,6 +136,35 @@ static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K,
     for (int t = 0; t < nt; t++) {
         float lanes[8];
         _mm256_storeu_ps(lanes, _mm256_add_ps(acc[t], corr[t]));
+        for (int i = 0; i < 8; i++) out[(size_t)t * ldo + PI_X8_LANE[i]] = lanes[i];
+    }
+}
+
+static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float *out, int ldo) {
+    __m256 acc[PI_X8_TOKENS];
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *o = grp + (size_t)b * PI_X8_BYTES(T_Q8_0);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        __m256i v[2][4], u[2][4];
+        for (int g = 0; g < 2; g++)
+            for (int c = 0; c < 4; c++) {
+                v[g][c] = _mm256_loadu_si256((const __m256i *)(o + 16 + 64 * c + 32 * g));
+                u[g][c] = _mm256_sign_epi8(v[g][c], v[g][c]);
+            }
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xq = x[t].q + 32 * b;
+            __m256i a[2];
+            for (int g = 0; g < 2; g++) {
+                a[g] = _mm256_setzero_si256();
+                for (int c = 0; c < 4; c++) a[g] = dot_acc(a[g], u[g][c], _mm256_sign_epi8(bcast8(xq + 8 * c), v[g][c]));
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a[0], a[1])), _mm256_mul_ps(d8, _mm256_set1_ps(x[t].d[b])), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, acc[t]);
         for (int i = 0; i < 8; i++) out[(size_t)t * ldo + PI_X8_LANE[i]] = lanes[i];
     }
 }
