@@ -1,4 +1,4 @@
-"""The native decoder (kernels/decoder.c + qdot.h): build per instruction set, describe a model's
+"""The native decoder (kernels/decoder.c and the headers it includes): build per instruction set, describe a model's
 tensors to it in place, own its KV cache, rotary tables and scratch.
 
 Runs in: the process of the in-process executor (numpy and ctypes only: no torch needed).
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = (KERNELS / "qdot.h", KERNELS / "qtile.h", KERNELS / "qx8.h", KERNELS / "dequant.h")
+HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h"))
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),

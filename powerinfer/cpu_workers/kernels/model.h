@@ -1,0 +1,112 @@
+/* The native decoder's data: a matrix in place (pi_wt), a layer, the model, the profile phases,
+ * and the scratch carved for up to max_t tokens. Mirrored by ctypes structures in
+ * powerinfer/cpu_workers/native_model.py (their sizes are checked at load).
+ *
+ * Runs in: the process that loads decoder.c (included by it; one translation unit).
+ */
+#ifndef PI_MODEL_H
+#define PI_MODEL_H
+
+#include <omp.h>
+#include <stdlib.h>
+
+#include "qdot.h"
+
+typedef struct {
+    const uint8_t *data; /* row r at data + r * row_bytes */
+    const uint8_t *x8;   /* NULL, or rows [0, rows / 8 * 8) repacked eight at a time (qx8.h) */
+    int64_t row_bytes;
+    int32_t type, rows, cols;
+} pi_wt;
+
+typedef struct {
+    pi_wt wq, wk, wv, wo, wg, wu, wd;
+    const float *attn_norm, *ffn_norm, *post_attn_norm, *post_ffn_norm; /* post_*: NULL unless Gemma */
+    const float *q_norm, *k_norm;                                        /* [D] or NULL */
+    const float *bq, *bk, *bv;                                           /* biases or NULL (qwen2) */
+    float *k_cache, *v_cache;                                            /* [slots, Hkv, n_ctx, D / Dv] */
+    const float *rope_cos, *rope_sin;                                    /* [n_ctx, rope_dim / 2] */
+    int32_t window;                                                      /* 0: full attention */
+    int32_t pad;
+} pi_layer;
+
+typedef struct {
+    int32_t n_layers, d, n_ff, n_head, n_kv, D, Dv, rope_dim, neox, act, n_ctx, n_slots, n_threads, max_t;
+    float eps, attn_scale;
+    const float *out_norm;
+    pi_wt head;
+    const pi_layer *layers;
+    double *profile; /* NULL, or PI_PHASES seconds accumulated per phase (thread 0's clock) */
+} pi_model;
+
+/* Phases of a layer for the profile: norm+quantize, q/k/v, rope+cache, attention, output
+ * projection, FFN norm, gate+up, activation, down+residual. */
+enum { PH_NORM, PH_QKV, PH_ROPE, PH_ATTN, PH_OUT, PH_FFN_NORM, PH_GATE_UP, PH_ACT, PH_DOWN, PI_PHASES };
+
+/* After a barrier every thread has finished the phase: thread 0 charges the time since its last mark. */
+static inline void mark(const pi_model *m, int phase, double *last) {
+    if (m->profile && omp_get_thread_num() == 0) {
+        double now = omp_get_wtime();
+        m->profile[phase] += now - *last;
+        *last = now;
+    }
+}
+
+int pi_model_size(void) { return (int)sizeof(pi_model); }
+int pi_phases(void) { return PI_PHASES; }
+int pi_layer_size(void) { return (int)sizeof(pi_layer); }
+
+/* Scratch layout (bytes), for up to max_t tokens: see carve(). */
+typedef struct {
+    float *xn, *q, *k, *v, *att, *tmp, *g, *u, *scores;
+    int8_t *aq;
+    float *ad;
+    float *as;
+} pi_scratch;
+
+static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
+    const size_t kmax = (size_t)(m->d > m->n_ff ? m->d : m->n_ff) > (size_t)m->n_head * m->Dv
+                            ? (size_t)(m->d > m->n_ff ? m->d : m->n_ff) : (size_t)m->n_head * m->Dv;
+    size_t off = 0;
+#define TAKE(field, type, count)                                  \
+    do {                                                          \
+        if (base) s->field = (type *)(base + off);                \
+        off += al64(sizeof(type) * (size_t)(count));              \
+    } while (0)
+    TAKE(xn, float, (size_t)T * kmax);
+    TAKE(q, float, (size_t)T * m->n_head * m->D);
+    TAKE(k, float, (size_t)T * m->n_kv * m->D);
+    TAKE(v, float, (size_t)T * m->n_kv * m->Dv);
+    TAKE(att, float, (size_t)T * m->n_head * m->Dv);
+    TAKE(tmp, float, (size_t)T * m->d);
+    TAKE(g, float, (size_t)T * m->n_ff);
+    TAKE(u, float, (size_t)T * m->n_ff);
+    TAKE(scores, float, (size_t)(m->n_threads > 0 ? m->n_threads : 1) * (m->n_head / (m->n_kv > 0 ? m->n_kv : 1)) * m->n_ctx);
+    TAKE(aq, int8_t, (size_t)T * kmax);
+    TAKE(ad, float, (size_t)T * kmax / 32 + 1);
+    TAKE(as, float, (size_t)T * kmax / 32 + 1);
+#undef TAKE
+    return off;
+}
+
+int64_t pi_scratch_bytes(const pi_model *m, int T) {
+    pi_scratch s;
+    return (int64_t)carve(m, T, NULL, &s);
+}
+
+/* Activation rows of token t for a matrix with K columns (rows are K apart in every buffer). */
+static inline pi_act act_row(const pi_scratch *s, const float *f, int t, int K) {
+    pi_act a = {s->aq + (size_t)t * K, s->ad + (size_t)t * (K / 32), s->as + (size_t)t * (K / 32), f + (size_t)t * K};
+    return a;
+}
+
+/* Quantize T rows of f [T, K] into the scratch activations (work-shared over tokens). */
+static void quantize_rows(const pi_scratch *s, const float *f, int T, int K) {
+    if (K % 32) return; /* only float weights have such rows; they read f */
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) quantize_act(f + (size_t)t * K, K, s->aq + (size_t)t * K, s->ad + (size_t)t * (K / 32), s->as + (size_t)t * (K / 32));
+}
+
+#endif

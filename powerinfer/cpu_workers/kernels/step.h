@@ -1,0 +1,127 @@
+/* The decoder's entry points around the forward pass: embedding rows, the refinement of the
+ * best logits, the decode logits, a whole step in one call, and what a build supports.
+ *
+ * Runs in: the process that loads decoder.c, which includes this file after pi_forward and
+ * pi_matmul (one translation unit).
+ */
+#ifndef PI_STEP_H
+#define PI_STEP_H
+
+/* out [n, w->cols] = rows ids[0..n) of w in float32. 0 on success. */
+int pi_rows(const pi_wt *w, const int64_t *ids, int n, float *out) {
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= w->rows) return 2;
+        if (dequant_row(w->type, w->data + (size_t)ids[i] * w->row_bytes, w->cols, out + (size_t)i * w->cols)) return 1;
+    }
+    return 0;
+}
+
+/* logits[t, idx[t, r]] = hidden[t] . dequantized head row idx[t, r], in float32 (r < R): the
+ * engine's refinement of the best candidates, with the activations unrounded. */
+int pi_refine(const pi_wt *w, const float *hidden, int T, const int64_t *idx, int R, float *logits, int64_t ld, float *row) {
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) {
+            const int64_t id = idx[(size_t)t * R + r];
+            if (id < 0 || id >= w->rows) return 2;
+            if (dequant_row(w->type, w->data + (size_t)id * w->row_bytes, w->cols, row)) return 1;
+            logits[(size_t)t * ld + id] = dotf(hidden + (size_t)t * w->cols, row, w->cols);
+        }
+    return 0;
+}
+
+/* The decode logits of T rows, the engine's rule in one call: out [T, vocab] = head(hidden) from
+ * the 8-bit kernels, then per row the candidates within margin of the best (at most k, the
+ * largest) recomputed in float32 from their dequantized rows (pi_refine). cand: vocab ints. */
+int pi_decode_logits(const pi_model *m, const float *hidden, int T, float *out, float margin, int k, void *scratch, int32_t *cand,
+                     float *row) {
+    int rc = pi_matmul(m, &m->head, hidden, T, out, scratch);
+    if (rc) return rc;
+    const int V = m->head.rows;
+    for (int t = 0; t < T; t++) {
+        float *lg = out + (size_t)t * V, mx = -INFINITY;
+        for (int i = 0; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
+        int n = 0;
+        for (int i = 0; i < V; i++)
+            if (lg[i] >= mx - margin) cand[n++] = i;
+        if (n > k) { /* keep the k largest: a partial selection sort, n is small in practice */
+            for (int a = 0; a < k; a++) {
+                int best = a;
+                for (int b = a + 1; b < n; b++)
+                    if (lg[cand[b]] > lg[cand[best]]) best = b;
+                int tmp = cand[a]; cand[a] = cand[best]; cand[best] = tmp;
+            }
+            n = k;
+        }
+        for (int c = 0; c < n; c++) {
+            if (dequant_row(m->head.type, m->head.data + (size_t)cand[c] * m->head.row_bytes, m->head.cols, row)) return 1;
+            lg[cand[c]] = dotf(hidden + (size_t)t * m->head.cols, row, m->head.cols);
+        }
+    }
+    return 0;
+}
+
+/* A whole step in one call: the embedding rows of ids (times embed_scale) into x [T, d], every
+ * layer and the final norm, then the decode logits (pi_decode_logits) of the last row, or of each
+ * row (batched decode), into out. */
+int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
+            int each, float *x, float *out, float margin, int k, void *scratch, int32_t *cand, float *row) {
+    if (T < 1 || T > m->max_t || embd->cols != m->d) return 1;
+    for (int t = 0; t < T; t++) {
+        if (ids[t] < 0 || ids[t] >= embd->rows) return 3;
+        float *xt = x + (size_t)t * m->d;
+        if (dequant_row(embd->type, embd->data + (size_t)ids[t] * embd->row_bytes, m->d, xt)) return 1;
+        if (embed_scale != 1.0f)
+            for (int i = 0; i < m->d; i++) xt[i] *= embed_scale;
+    }
+    int rc = pi_forward(m, x, pos, slot, T, scratch);
+    if (rc) return rc;
+    return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
+}
+
+/* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1 / Q5_0 / Q8_0). */
+int pi_x8_supported(int type) {
+#ifdef PI_SIMD
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0;
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+/* Which instruction set this build uses: 0 portable C, 1 AVX2, 2 AVX-512 VNNI. */
+int pi_isa(void) {
+#if defined(PI_VNNI)
+    return 2;
+#elif defined(PI_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Sum of n floats read by n_threads threads: the streaming-read bandwidth test of `powerinfer
+ * bench` (the decode ceiling is this bandwidth over the weight bytes read per token). */
+double pi_read_sum(const float *p, int64_t n, int n_threads) {
+    double total = 0.0;
+#pragma omp parallel for num_threads(n_threads) schedule(static) reduction(+ : total)
+    for (int64_t c = 0; c < n / 4096; c++) {
+        const float *q = p + c * 4096;
+#ifdef PI_SIMD
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int i = 0; i < 4096; i += 32) {
+            a0 = _mm256_add_ps(a0, _mm256_loadu_ps(q + i));
+            a1 = _mm256_add_ps(a1, _mm256_loadu_ps(q + i + 8));
+            a2 = _mm256_add_ps(a2, _mm256_loadu_ps(q + i + 16));
+            a3 = _mm256_add_ps(a3, _mm256_loadu_ps(q + i + 24));
+        }
+        total += hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+        float s = 0.0f;
+        for (int i = 0; i < 4096; i++) s += q[i];
+        total += s;
+#endif
+    }
+    return total;
+}
+
+#endif
