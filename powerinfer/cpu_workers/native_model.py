@@ -170,7 +170,7 @@ def weight(f: GGUFFile, name: str) -> PiWt:
                 info.n_rows, info.n_cols)
 
 
-X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128, QT.Q5_0: 48 + 128, QT.Q8_0: 16 + 256}  # qx8.h's PI_X8_BYTES: one block of eight rows
+X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128, QT.Q5_0: 48 + 128, QT.Q8_0: 16 + 256, QT.Q6_K: 32 + 256}  # qx8.h's PI_X8_BYTES: one block of eight rows
 
 
 def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:

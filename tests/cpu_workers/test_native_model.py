@@ -96,16 +96,16 @@ def test_every_type_against_numpy(isa: str, matrices: tuple[GGUFFile, list[tuple
             x[0, :7] *= 20  # an outlier block
             xr = x.astype(np.float64) if qt in FLOATS else q8(x)
             ref = xr @ W.T
-            mm = NativeMatmul(lib, f, name, n_threads=2, max_t=9, x8=True)  # Q4_0 / Q4_1 / Q5_0 / Q8_0: repacked rows too
+            mm = NativeMatmul(lib, f, name, n_threads=2, max_t=9, x8=True)  # Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K: repacked rows too
             y = mm(x)
             # float32 summation error is relative to the sum of |terms|, not to the result
             err = np.abs(y - ref).max() / (np.abs(xr) @ np.abs(W).T).max()
             assert err < 1e-6, (isa, name, T, err)
         seen.add(qt)
-        if qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0) and isa != "scalar" and W.shape[0] >= 8:
+        if qt in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q8_0, QT.Q6_K) and isa != "scalar" and W.shape[0] >= 8:
             assert mm.packed is not None
             seen.add(f"{qt.name}-x8")
-    assert seen == set(FLOATS + QUANTS) | ({"Q4_0-x8", "Q4_1-x8", "Q5_0-x8", "Q8_0-x8"} if isa != "scalar" else set())
+    assert seen == set(FLOATS + QUANTS) | ({"Q4_0-x8", "Q4_1-x8", "Q5_0-x8", "Q8_0-x8", "Q6_K-x8"} if isa != "scalar" else set())
 
 
 def test_quantized_activations_are_what_makes_the_error(matrices: tuple[GGUFFile, list[tuple[QT, str]]]) -> None:

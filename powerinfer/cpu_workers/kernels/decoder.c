@@ -109,14 +109,29 @@ static void attend_group(const float *q, int g, const float *kc, const float *vc
         float *row = sc + (size_t)h * ld, mx = -INFINITY;
         for (int j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
         inv[h] = 1.0f / exp_sub_sum(row, n, mx);
-        for (int i = 0; i < Dv; i++) out[(size_t)h * Dv + i] = 0.0f;
+        for (int j = 0; j < n; j++) row[j] *= inv[h];
     }
-    for (int j = 0; j < n; j++) {
-        const float *vj = vc + (size_t)(lo + j) * Dv;
-        for (int h = 0; h < g; h++) {
-            const float pj = sc[(size_t)h * ld + j] * inv[h];
-            float *o = out + (size_t)h * Dv;
-            for (int i = 0; i < Dv; i++) o[i] += pj * vj[i];
+    /* out_h = sum_j p_hj v_j, 64 output values at a time held in registers while the keys pass */
+    for (int h = 0; h < g; h++) {
+        const float *p = sc + (size_t)h * ld;
+        float *o = out + (size_t)h * Dv;
+        int i = 0;
+#ifdef PI_SIMD
+        for (; i + 64 <= Dv; i += 64) {
+            __m256 a[8];
+            for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+            for (int j = 0; j < n; j++) {
+                const __m256 pj = _mm256_set1_ps(p[j]);
+                const float *vj = vc + (size_t)(lo + j) * Dv + i;
+                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
+            }
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i + 8 * c, a[c]);
+        }
+#endif
+        for (; i < Dv; i++) {
+            float acc = 0.0f;
+            for (int j = 0; j < n; j++) acc += p[j] * vc[(size_t)(lo + j) * Dv + i];
+            o[i] = acc;
         }
     }
 }

@@ -1,4 +1,4 @@
-/* Q4_0 / Q4_1 / Q5_0 / Q8_0 repacked eight rows at a time, so one pass over a block serves eight rows: the
+/* Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K repacked eight rows at a time, so one pass over a block serves eight rows: the
  * scales of eight rows are one vector, an activation block is loaded once for all eight, and the
  * integer sums of the eight rows land in one vector's lanes (one float multiply-add per block).
  *
@@ -18,21 +18,53 @@
  * gives one lane per row, in the order L (hence the order of the scales).
  * Q8_0: d[8] (order L), then eight 32-byte vectors C(c, g), c = 0..3: [row 4g bytes 8c..8c+7 |
  * row 4g+1 | ...], meeting activation bytes 8c..8c+7 (signed codes: |w| against x with w's sign).
- * The bytes are exactly the file's (scales and codes moved, none changed): the repack replaces
- * the mapped rows, whose pages are then dropped, so no second copy stays resident.
+ * Q6_K, per 32 values of a super-block: d[8] (each row's super-block d, order L), the two int8
+ *   sub-scales of the 32 values, lo[8] then hi[8] (order L), then the codes as signed bytes
+ *   (q - 32) laid out like Q8_0's; 288 bytes for 8 x 32 values where the file has 210: the one
+ *   layout here that is larger than the file, taken for prefill's sake (the codes unpacked once).
+ * The bytes are the file's (scales and codes moved, none changed; Q6_K's codes widened): the
+ * repack replaces the mapped rows, whose pages are then dropped, so no second copy stays resident.
  */
 #ifndef PI_QX8_H
 #define PI_QX8_H
 
 #include "qdot.h"
 
-#define PI_X8_HDR(type) ((type) == T_Q4_0 || (type) == T_Q8_0 ? 16 : (type) == T_Q4_1 ? 32 : 48) /* scales, and Q4_1's mins or Q5_0's fifth bits */
-#define PI_X8_BYTES(type) (PI_X8_HDR(type) + ((type) == T_Q8_0 ? 256 : 128))
+/* scales, and Q4_1's mins, Q5_0's fifth bits or Q6_K's sub-scales */
+#define PI_X8_HDR(type) ((type) == T_Q4_0 || (type) == T_Q8_0 ? 16 : (type) == T_Q4_1 || (type) == T_Q6_K ? 32 : 48)
+#define PI_X8_BYTES(type) (PI_X8_HDR(type) + ((type) == T_Q8_0 || (type) == T_Q6_K ? 256 : 128))
 
 static const int PI_X8_LANE[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* lane i holds row PI_X8_LANE[i] */
 
-/* Repack rows [8 g0, 8 g1) of a Q4_0 / Q4_1 / Q5_0 / Q8_0 matrix (row r at src + r * row_bytes) into dst. */
+static void x8_repack_q6k(const uint8_t *src, int64_t row_bytes, int K, int g0, int g1, uint8_t *dst) {
+    const int nb = K / 32, xb = PI_X8_BYTES(T_Q6_K);
+    for (int g = g0; g < g1; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *o = dst + ((size_t)(g - g0) * nb + b) * xb;
+            const int blk = b % 8, h = blk / 4, s4 = blk % 4;
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *w = src + (size_t)(8 * g + PI_X8_LANE[i]) * row_bytes + (size_t)(b / 8) * 210;
+                memcpy(o + 2 * i, w + 208, 2);
+                o[16 + i] = w[192 + 2 * blk];
+                o[24 + i] = w[192 + 2 * blk + 1];
+            }
+            for (int r = 0; r < 8; r++) {
+                const uint8_t *w = src + (size_t)(8 * g + r) * row_bytes + (size_t)(b / 8) * 210;
+                const uint8_t *l = w + 64 * h + 32 * (s4 % 2), *hh = w + 128 + 32 * h;
+                for (int e = 0; e < 32; e++) {
+                    const int q = ((s4 >= 2 ? l[e] >> 4 : l[e] & 0xF) | (((hh[e] >> (2 * s4)) & 3) << 4)) - 32;
+                    o[32 + 64 * (e / 8) + 32 * (r / 4) + 8 * (r % 4) + e % 8] = (uint8_t)(int8_t)q;
+                }
+            }
+        }
+}
+
+/* Repack rows [8 g0, 8 g1) of a Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K matrix (row r at src + r * row_bytes) into dst. */
 void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0, int g1, uint8_t *dst) {
+    if (type == T_Q6_K) {
+        x8_repack_q6k(src, row_bytes, K, g0, g1, dst);
+        return;
+    }
     const int nb = K / 32, bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
     const int hdr = type == T_Q4_0 || type == T_Q8_0 ? 2 : type == T_Q4_1 ? 4 : 6;
     const int xb = PI_X8_BYTES(type);
@@ -83,8 +115,8 @@ static inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-/* Q8_0's groups: signed codes, no offset. */
-static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float *out, int ldo);
+/* Q8_0's and Q6_K's groups: signed codes, no offset (Q6_K: two sub-scales per 32 values). */
+static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float *out, int ldo, int q6k);
 
 /* Tokens per call: AVX2's 16 vector registers hold four tokens' sums, AVX-512 VL's 32 eight. */
 #ifdef PI_VNNI
@@ -97,8 +129,8 @@ static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float 
  * are unpacked once, w[g][k]: g = row group, k = low / high nibbles of V(0, g), then of V(1, g);
  * each token's four broadcast 8-byte pieces of its activation block meet them. */
 static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K, float *out, int ldo) {
-    if (type == T_Q8_0) {
-        x8_dot_q8(grp, x, nt, K, out, ldo);
+    if (type == T_Q8_0 || type == T_Q6_K) {
+        x8_dot_q8(grp, x, nt, K, out, ldo, type == T_Q6_K);
         return;
     }
     const int xb = PI_X8_BYTES(type), q4_1 = type == T_Q4_1, q5_0 = type == T_Q5_0;
@@ -140,26 +172,42 @@ static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K,
     }
 }
 
-static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float *out, int ldo) {
+static void x8_dot_q8(const uint8_t *grp, const pi_act *x, int nt, int K, float *out, int ldo, int q6k) {
+    const int hdr = q6k ? 32 : 16, xb = q6k ? PI_X8_BYTES(T_Q6_K) : PI_X8_BYTES(T_Q8_0);
     __m256 acc[PI_X8_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int b = 0; b < K / 32; b++) {
-        const uint8_t *o = grp + (size_t)b * PI_X8_BYTES(T_Q8_0);
+        const uint8_t *o = grp + (size_t)b * xb;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
+        /* Q6_K: values 0-15 (chunks 0, 1) and 16-31 (chunks 2, 3) have their own sub-scale */
+        __m256 s_lo = d8, s_hi = d8;
+        if (q6k) {
+            s_lo = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(o + 16)))));
+            s_hi = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(o + 24)))));
+        }
         __m256i v[2][4], u[2][4];
         for (int g = 0; g < 2; g++)
             for (int c = 0; c < 4; c++) {
-                v[g][c] = _mm256_loadu_si256((const __m256i *)(o + 16 + 64 * c + 32 * g));
+                v[g][c] = _mm256_loadu_si256((const __m256i *)(o + hdr + 64 * c + 32 * g));
                 u[g][c] = _mm256_sign_epi8(v[g][c], v[g][c]);
             }
         for (int t = 0; t < nt; t++) {
             const int8_t *xq = x[t].q + 32 * b;
-            __m256i a[2];
+            __m256i lo[2], hi[2];
             for (int g = 0; g < 2; g++) {
-                a[g] = _mm256_setzero_si256();
-                for (int c = 0; c < 4; c++) a[g] = dot_acc(a[g], u[g][c], _mm256_sign_epi8(bcast8(xq + 8 * c), v[g][c]));
+                lo[g] = dot_acc(dot_acc(_mm256_setzero_si256(), u[g][0], _mm256_sign_epi8(bcast8(xq), v[g][0])), u[g][1],
+                                _mm256_sign_epi8(bcast8(xq + 8), v[g][1]));
+                hi[g] = dot_acc(dot_acc(_mm256_setzero_si256(), u[g][2], _mm256_sign_epi8(bcast8(xq + 16), v[g][2])), u[g][3],
+                                _mm256_sign_epi8(bcast8(xq + 24), v[g][3]));
             }
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(a[0], a[1])), _mm256_mul_ps(d8, _mm256_set1_ps(x[t].d[b])), acc[t]);
+            const __m256 dx = _mm256_set1_ps(x[t].d[b]);
+            if (q6k) {
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[0], lo[1])), _mm256_mul_ps(s_lo, dx), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_hadd_epi32(hi[0], hi[1])), _mm256_mul_ps(s_hi, dx), acc[t]);
+            } else {
+                const __m256i sum = _mm256_add_epi32(_mm256_hadd_epi32(lo[0], lo[1]), _mm256_hadd_epi32(hi[0], hi[1]));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d8, dx), acc[t]);
+            }
         }
     }
     for (int t = 0; t < nt; t++) {

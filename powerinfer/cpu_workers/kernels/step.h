@@ -78,10 +78,10 @@ int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64
     return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
 }
 
-/* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1 / Q5_0 / Q8_0). */
+/* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K). */
 int pi_x8_supported(int type) {
 #ifdef PI_SIMD
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0;
+    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0 || type == T_Q6_K;
 #else
     (void)type;
     return 0;
