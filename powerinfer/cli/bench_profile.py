@@ -5,8 +5,9 @@ Runs in: the user's process (the in-process native executor).
 Decodes greedily and splits each step's wall time into the decoder's layer phases (thread 0's
 clock between the barriers of kernels/decoder.c, summed over layers), the rest of the one
 native call a step makes (embedding lookup, entering the parallel region, final norm, output
-head, float32 refinement of the best logits), and what is left: sampling and the Python around
-it (divided by the layer count, that last share is the per-layer Python cost).
+head, float32 refinement of the best logits), greedy sampling (an argmax over the vocabulary),
+and what is left: the engine's Python around the call (divided by the layer count, the
+per-layer Python cost).
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ class DecodeProfile:
     step_us: float  # median-free mean wall time per decode step
     phases_us: dict[str, float]  # per step, summed over layers (and the decoder call's own overhead)
     head_us: float  # the native step call outside the layers: embedding, final norm, head, refinement
-    rest_us: float  # outside the native call: sampling and Python
+    rest_us: float  # outside the native call and the sampling: the engine's Python
     n_layers: int
+    sampling_us: float  # greedy sampling (argmax over the vocabulary)
 
     def report(self) -> str:
         lines = [f"model: {self.model}  threads: {self.threads}  {self.steps} decode steps: {self.step_us:.0f} µs a step "
                  f"({1e6 / self.step_us:.1f} tokens/s)"]
-        rows = [*self.phases_us.items(), ("embed, head, refine", self.head_us), ("Python, sampling", self.rest_us)]
+        rows = [*self.phases_us.items(), ("embed, head, refine", self.head_us), ("sampling (argmax)", self.sampling_us),
+                ("Python (engine)", self.rest_us)]
         for name, us in rows:
             lines.append(f"  {name:<20} {us:8.0f} µs  {us / self.step_us:6.1%}")
-        lines.append(f"outside the native calls per layer: {self.rest_us / self.n_layers:.1f} µs")
+        lines.append(f"the engine's Python per layer: {self.rest_us / self.n_layers:.1f} µs")
         return "\n".join(lines)
 
 
@@ -69,9 +72,13 @@ def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_to
             token = int(np.argmax(eng.eval([token])[-1]))
         spent["step"] = 0.0
         prof = ex.decoder.profile(True)
+        sampling = 0.0
         t0 = time.perf_counter()
         for _ in range(gen_tokens):
-            token = int(np.argmax(eng.eval([token])[-1]))
+            logits = eng.eval([token])
+            ts = time.perf_counter()
+            token = int(np.argmax(logits[-1]))  # greedy sampling: the vocabulary's argmax
+            sampling += time.perf_counter() - ts
         wall = time.perf_counter() - t0
         ex.decoder.profile(False)
         ex.native_step = real_step  # type: ignore[method-assign]
@@ -80,11 +87,12 @@ def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_to
         call = spent["step"] * per
         rest_of_call = call - sum(phases.values())  # embedding, region, final norm, head, refinement
         step = wall * per
-        return DecodeProfile(llm.config.name, threads, gen_tokens, step, phases, rest_of_call, step - call, llm.config.n_layers)
+        return DecodeProfile(llm.config.name, threads, gen_tokens, step, phases, rest_of_call, step - call - sampling * per,
+                             llm.config.n_layers, sampling * per)
     finally:
         llm.close()
 
 
 def as_dict(p: DecodeProfile) -> dict[str, Any]:
     return {"model": p.model, "threads": p.threads, "steps": p.steps, "step_us": p.step_us, "phases_us": p.phases_us,
-            "head_us": p.head_us, "rest_us": p.rest_us}
+            "head_us": p.head_us, "sampling_us": p.sampling_us, "rest_us": p.rest_us}

@@ -194,6 +194,13 @@ class Engine:
         """Append ids to slot's cache; logits float32 [len(ids), vocab] if all_logits else [1, vocab] of the last."""
         arr = self._check_ids(ids)
         tokens = self._slot(slot)
+        step = getattr(self.executor, "native_step", None)
+        if step is not None and arr.size == 1 and not all_logits and len(tokens) + 1 <= self.n_ctx:
+            # a decode step: one native call, and no arrays built here (every array op is a cache
+            # miss after a pass over the weights)
+            logits = step(arr, (len(tokens),), (slot,), False, REFINE_MARGIN, REFINE)
+            tokens.append(int(arr[0]))
+            return softcap(logits, self.cfg.final_logit_softcap)
         if arr.size == 0:
             raise InvalidArgumentError("nothing to evaluate: empty token list")
         if len(tokens) + arr.size > self.n_ctx:
@@ -201,7 +208,6 @@ class Engine:
                 f"{len(tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)"
             )
         outs: list[np.ndarray] = []
-        step = getattr(self.executor, "native_step", None)
         for i in range(0, arr.size, self.n_batch):
             chunk = arr[i : i + self.n_batch]
             positions = np.arange(len(tokens), len(tokens) + len(chunk), dtype=np.int64)

@@ -12,6 +12,7 @@ oracle the tests hold this one to.
 from __future__ import annotations
 
 import ctypes
+from typing import Sequence
 
 import numpy as np
 
@@ -46,7 +47,7 @@ class NativeExecutor:
         """x [T, d] -> logits [T, vocab] f32 with each row's best candidates refined in float32."""
         return self.decoder.decode_logits(x, margin, k)
 
-    def native_step(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, each: bool, margin: float, k: int) -> np.ndarray:
+    def native_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
         """Embedding, every layer and the decode logits (last row, or each row) in one call."""
         return self.decoder.step(ids, positions, slots, each, margin, k)
 

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -261,6 +262,8 @@ class NativeDecoder:
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)  # pi_refine's dequantized row
         self._cand = np.empty(self.head.rows, dtype=np.int32)  # pi_decode_logits' candidates
         self._x = np.empty((max_t, cfg.d_model), dtype=np.float32)  # pi_step's residual stream
+        self._step_args: tuple[object, ...] | None = None
+        self._io = np.zeros((3, max_t), dtype=np.int64)
         self.embed_scale = float(cfg.embed_scale)
         # The repacked matrices' file pages were read once; unmapping them keeps RSS to one copy
         # (the file's other pages fault back in on use).
@@ -324,20 +327,25 @@ class NativeDecoder:
             raise InvalidArgumentError("the native head refused its input")
         return out
 
-    def step(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, each: bool, margin: float, k: int) -> np.ndarray:
+    def step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
         """Embed ids [T] (T <= max_t), run every layer, return the decode logits of the last row
         [1, vocab] or of each row [T, vocab] (see decode_logits): one native call per step."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        pos = np.ascontiguousarray(positions, dtype=np.int64)
-        sl = np.ascontiguousarray(slots, dtype=np.int64)
-        T = ids.size
+        T = len(ids)
+        if not 1 <= T <= self.max_t or len(positions) != T or len(slots) != T:
+            raise InvalidArgumentError(f"a native step takes 1..{self.max_t} tokens with one position and slot each")
+        io = self._io  # [3, max_t] int64: ids, positions, slots, filled in place (no new arrays per step)
+        io[0, :T] = ids
+        io[1, :T] = positions
+        io[2, :T] = slots
         out = np.empty((T if each else 1, self.head.rows), dtype=np.float32)
-        rc = self.lib.pi_step(ctypes.byref(self.model), ctypes.byref(self.embeddings), self.embed_scale, ids.ctypes.data, pos.ctypes.data,
-                              sl.ctypes.data, T, int(each), self._x.ctypes.data, out.ctypes.data, margin, k, self.scratch.ctypes.data,
-                              self._cand.ctypes.data, self._row.ctypes.data)
+        if self._step_args is None:  # the constant arguments, converted once (a decode step is ~100 µs of Python)
+            self._step_args = (ctypes.byref(self.model), ctypes.byref(self.embeddings), self.embed_scale, _addr(io[0]), _addr(io[1]),
+                               _addr(io[2]), self._x.ctypes.data, self.scratch.ctypes.data, self._cand.ctypes.data, self._row.ctypes.data)
+        model, embd, scale, p_ids, p_pos, p_sl, x, scratch, cand, row = self._step_args
+        rc = self.lib.pi_step(model, embd, scale, p_ids, p_pos, p_sl, T, int(each), x, _addr(out), margin, k, scratch, cand, row)
         if rc:
-            raise InvalidArgumentError(f"native step refused its input (code {rc}: {T} tokens, positions {pos.min()}..{pos.max()}, "
-                                       f"slots {sorted(set(sl.tolist()))})")
+            raise InvalidArgumentError(f"native step refused its input (code {rc}: {T} tokens, positions {io[1, :T].min()}.."
+                                       f"{io[1, :T].max()}, slots {sorted(set(io[2, :T].tolist()))})")
         return out
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
@@ -357,6 +365,11 @@ class NativeDecoder:
         if self.lib.pi_refine(ctypes.byref(self.head), h.ctypes.data, h.shape[0], ix.ctypes.data, ix.shape[1], logits.ctypes.data,
                               logits.shape[1], self._row.ctypes.data):
             raise InvalidArgumentError("head rows to refine are outside the vocabulary")
+
+
+def _addr(a: np.ndarray) -> int:
+    """The data address of an array (cheaper than a.ctypes.data)."""
+    return int(a.__array_interface__["data"][0])
 
 
 def matmul(lib: ctypes.CDLL, model: PiModel, scratch: np.ndarray, w: PiWt, x: np.ndarray) -> np.ndarray:
