@@ -128,21 +128,14 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* ---- 32-element block types: Q4_0 (18 B), Q4_1 (20 B), Q5_0 (22 B), Q5_1 (24 B), Q8_0 (34 B) ---- */
+/* ---- 32-element block types: Q4_0 (18 B), Q4_1 (20 B), Q5_0 (22 B), Q5_1 (24 B), Q8_0 (34 B) ----
+ * The portable build's one-token dot products; SIMD builds generate theirs from qtile.h's
+ * unpack functions (the same arithmetic, one token at a time). */
+
+#ifndef PI_SIMD
 
 static float dot_q4_0(const uint8_t *w, const pi_act *x, int K) {
     float corr = 0.0f;
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < K / 32; b++, w += 18) {
-        float dd = ld_h(w) * x->d[b];
-        __m256i v = nibbles16(w + 2);
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += ld_h(w) * x->s[b];
-    }
-    return hsum8(acc) - 8.0f * corr;
-#else
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++, w += 18) {
         float dd = ld_h(w) * x->d[b];
@@ -153,22 +146,10 @@ static float dot_q4_0(const uint8_t *w, const pi_act *x, int K) {
         corr += ld_h(w) * x->s[b];
     }
     return acc - 8.0f * corr;
-#endif
 }
 
 static float dot_q4_1(const uint8_t *w, const pi_act *x, int K) {
     float corr = 0.0f;
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < K / 32; b++, w += 20) {
-        float dd = ld_h(w) * x->d[b];
-        __m256i v = nibbles16(w + 4);
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += ld_h(w + 2) * x->s[b];
-    }
-    return hsum8(acc) + corr;
-#else
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++, w += 20) {
         float dd = ld_h(w) * x->d[b];
@@ -179,23 +160,11 @@ static float dot_q4_1(const uint8_t *w, const pi_act *x, int K) {
         corr += ld_h(w + 2) * x->s[b];
     }
     return acc + corr;
-#endif
 }
 
 /* Q5_0: f16 d, qh[4] (bit i = bit 4 of value i), qs[16]; value = d * (q - 16). */
 static float dot_q5_0(const uint8_t *w, const pi_act *x, int K) {
     float corr = 0.0f;
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < K / 32; b++, w += 22) {
-        float dd = ld_h(w) * x->d[b];
-        __m256i v = _mm256_or_si256(nibbles16(w + 6), _mm256_and_si256(bits32(w + 2), _mm256_set1_epi8(0x10)));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += ld_h(w) * x->s[b];
-    }
-    return hsum8(acc) - 16.0f * corr;
-#else
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++, w += 22) {
         float dd = ld_h(w) * x->d[b];
@@ -211,23 +180,11 @@ static float dot_q5_0(const uint8_t *w, const pi_act *x, int K) {
         corr += ld_h(w) * x->s[b];
     }
     return acc - 16.0f * corr;
-#endif
 }
 
 /* Q5_1: f16 d, f16 m, qh[4], qs[16]; value = d * q + m. */
 static float dot_q5_1(const uint8_t *w, const pi_act *x, int K) {
     float corr = 0.0f;
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < K / 32; b++, w += 24) {
-        float dd = ld_h(w) * x->d[b];
-        __m256i v = _mm256_or_si256(nibbles16(w + 8), _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10)));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(dd), acc);
-        corr += ld_h(w + 2) * x->s[b];
-    }
-    return hsum8(acc) + corr;
-#else
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++, w += 24) {
         float dd = ld_h(w) * x->d[b];
@@ -243,21 +200,9 @@ static float dot_q5_1(const uint8_t *w, const pi_act *x, int K) {
         corr += ld_h(w + 2) * x->s[b];
     }
     return acc + corr;
-#endif
 }
 
 static float dot_q8_0(const uint8_t *w, const pi_act *x, int K) {
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < K / 32; b++, w += 34) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(w + 2));
-        __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-        /* u8 x s8 only: |w| against x carrying w's sign */
-        __m256i p = dot_us(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xq, v));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(ld_h(w) * x->d[b]), acc);
-    }
-    return hsum8(acc);
-#else
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++, w += 34) {
         const int8_t *wq = (const int8_t *)(w + 2), *xq = x->q + 32 * b;
@@ -266,7 +211,7 @@ static float dot_q8_0(const uint8_t *w, const pi_act *x, int K) {
         acc += ld_h(w) * x->d[b] * (float)sum;
     }
     return acc;
-#endif
 }
+#endif
 
 #endif

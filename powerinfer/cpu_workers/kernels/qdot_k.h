@@ -7,8 +7,11 @@
 #define PI_QDOT_K_H
 
 #include "qdot.h"
+#include "qtile.h" /* SIMD builds: the quantized types' one-token dot products */
 
-/* ---- K-quants, super-blocks of 256 ---- */
+/* ---- K-quants, super-blocks of 256 (portable build; SIMD builds: qtile.h) ---- */
+
+#ifndef PI_SIMD
 
 /* Q4_K (144 B): f16 d, f16 dmin, scales[12], qs[128]; sub-block j (32 values) = low (j even) or
  * high (j odd) nibbles of qs[32 (j / 2) ...]; value = d sc_j q - dmin m_j. Q5_K (176 B) adds
@@ -16,9 +19,6 @@
 static float dot_qk45(const uint8_t *w, const pi_act *x, int K, int five) {
     const int bytes = five ? 176 : 144;
     float acc_s = 0.0f, corr = 0.0f;
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-#endif
     for (int sb = 0; sb < K / 256; sb++, w += bytes) {
         const float d = ld_h(w), dmin = ld_h(w + 2);
         const uint8_t *scales = w + 4, *qh = w + 16, *qs = w + (five ? 48 : 16);
@@ -29,16 +29,6 @@ static float dot_qk45(const uint8_t *w, const pi_act *x, int K, int five) {
             const float dx = x->d[b];
             corr += dmin * (float)m * x->s[b];
             const uint8_t *q = qs + 32 * (j / 2);
-#ifdef PI_SIMD
-            __m256i raw = _mm256_loadu_si256((const __m256i *)q);
-            __m256i v = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
-            if (five) {
-                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), j), _mm256_set1_epi8(1));
-                v = _mm256_or_si256(v, _mm256_slli_epi16(hb, 4));
-            }
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(v, xq)), _mm256_set1_ps(d * (float)sc * dx), acc);
-#else
             const int8_t *xq = x->q + 32 * b;
             int32_t sum = 0;
             for (int i = 0; i < 32; i++) {
@@ -47,12 +37,8 @@ static float dot_qk45(const uint8_t *w, const pi_act *x, int K, int five) {
                 sum += v * xq[i];
             }
             acc_s += d * (float)sc * dx * (float)sum;
-#endif
         }
     }
-#ifdef PI_SIMD
-    acc_s = hsum8(acc);
-#endif
     return acc_s - corr;
 }
 
@@ -63,11 +49,7 @@ static float dot_q5_k(const uint8_t *w, const pi_act *x, int K) { return dot_qk4
  * Element e in half h = e / 128, l = e % 128: low 4 bits are the low (l < 64) or high nibble of
  * ql[64 h + l % 64], the top 2 bits are bits 2 (l / 32) of qh[32 h + l % 32]. */
 static float dot_q6_k(const uint8_t *w, const pi_act *x, int K) {
-#ifdef PI_SIMD
-    __m256 acc = _mm256_setzero_ps();
-#else
     float acc = 0.0f;
-#endif
     for (int sb = 0; sb < K / 256; sb++, w += 210) {
         const uint8_t *ql = w, *qh = w + 128;
         const int8_t *sc = (const int8_t *)(w + 192);
@@ -75,17 +57,6 @@ static float dot_q6_k(const uint8_t *w, const pi_act *x, int K) {
         for (int blk = 0; blk < 8; blk++) {
             const int h = blk / 4, s = blk % 4, b = sb * 8 + blk;
             const uint8_t *l = ql + 64 * h + 32 * (s % 2), *hh = qh + 32 * h;
-#ifdef PI_SIMD
-            __m256i lo = _mm256_loadu_si256((const __m256i *)l);
-            lo = _mm256_and_si256(s >= 2 ? _mm256_srli_epi16(lo, 4) : lo, _mm256_set1_epi8(0x0F));
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)hh), 2 * s), _mm256_set1_epi8(3));
-            __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-            __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));
-            /* int16 pair sums (lanes 0-7: values 0-15, 8-15: 16-31) times the two sub-scales */
-            __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * blk + 1]), _mm_set1_epi16(sc[2 * blk]));
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xq, q)), scv);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * x->d[b]), acc);
-#else
             const int8_t *xq = x->q + 32 * b;
             int32_t s0 = 0, s1 = 0;
             for (int i = 0; i < 32; i++) {
@@ -93,15 +64,11 @@ static float dot_q6_k(const uint8_t *w, const pi_act *x, int K) {
                 if (i < 16) s0 += q * xq[i]; else s1 += q * xq[i];
             }
             acc += d * x->d[b] * (float)(sc[2 * blk] * s0 + sc[2 * blk + 1] * s1);
-#endif
         }
     }
-#ifdef PI_SIMD
-    return hsum8(acc);
-#else
     return acc;
-#endif
 }
+#endif
 
 /* ---- float weights against the float activations ---- */
 

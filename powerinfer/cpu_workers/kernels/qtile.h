@@ -6,8 +6,8 @@
  * Each type has an unpack step that turns 32-element block b of a row into 32 bytes of codes
  * (unsigned, or signed for Q8_0 and Q6_K) with the block's scale and offset (w = scale * q +
  * offset; Q6_K's two 16-element sub-scales ride as int16 lanes); the dotN body is shared. Per
- * token the arithmetic is exactly qdot.h's one-token dot product, so results agree to float
- * rounding (the one-token functions remain the decode path).
+ * token the arithmetic is that of qdot.h's portable one-token dot products, which SIMD builds
+ * also take from here (N = 1).
  */
 #ifndef PI_QTILE_H
 #define PI_QTILE_H
@@ -115,10 +115,17 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
         for (int t = 0; t < N; t++) out[t] = hsum8(acc[t]) + corr[t];                                     \
     }
 
-/* Four tokens fit AVX2's 16 vector registers; AVX-512 VL's 32 take eight (fewer unpacks per token). */
-#define PI_TILES(T, SIGNED, SUBSCALES) \
-    PI_DOTN(dot4_##T, 4, un_##T, SIGNED, SUBSCALES) \
-    PI_DOTN(dot8_##T, 8, un_##T, SIGNED, SUBSCALES)
+/* Four tokens fit AVX2's 16 vector registers; AVX-512 VL's 32 take eight (fewer unpacks per token).
+ * One token: the decode path's dot_TYPE of qdot_k.h's registry, for rows that are not repacked. */
+#define PI_TILES(T, SIGNED, SUBSCALES)                                              \
+    PI_DOTN(dot1v_##T, 1, un_##T, SIGNED, SUBSCALES)                                \
+    PI_DOTN(dot4_##T, 4, un_##T, SIGNED, SUBSCALES)                                 \
+    PI_DOTN(dot8_##T, 8, un_##T, SIGNED, SUBSCALES)                                 \
+    static float dot_##T(const uint8_t *w, const pi_act *x, int K) {                \
+        float o;                                                                    \
+        dot1v_##T(w, x, K, &o);                                                     \
+        return o;                                                                   \
+    }
 PI_TILES(q4_0, 0, 0)
 PI_TILES(q4_1, 0, 0)
 PI_TILES(q5_0, 0, 0)
