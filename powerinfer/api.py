@@ -14,7 +14,6 @@ Runs in: the user's process, which becomes the coordinator.
 from __future__ import annotations
 
 import ctypes
-
 import logging
 import os
 import time

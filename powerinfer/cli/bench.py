@@ -68,18 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
-    """Single-stream read+write bandwidth of this machine (numpy copy), GB/s: the decode ceiling."""
-    src = np.ones(n_bytes // 8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best / 1e9
-
-
 def _peak_rss(pid: int) -> float:
     """VmHWM (the kernel's peak RSS) of a live process, in bytes; 0 where /proc lacks it."""
     try:

@@ -90,13 +90,23 @@ def _ours(llm: Any, ids: list[int], gen_tokens: int) -> tuple[float, float]:
     return prefill, gen_tokens / (time.perf_counter() - t)
 
 
+def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
+    """Single-stream read+write bandwidth of this machine (numpy copy), GB/s: the fallback without the native build."""
+    src = np.ones(n_bytes // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best / 1e9
+
+
 def read_bandwidth(threads: int) -> float:
     from powerinfer.cpu_workers.native_model import decoder_lib, read_bandwidth_gbs
 
     lib = decoder_lib()
     if lib is None:
-        from powerinfer.cli.bench import memory_bandwidth_gbs
-
         return memory_bandwidth_gbs() / 2  # a copy reads and writes: half its traffic is reads
     return read_bandwidth_gbs(lib, threads)
 
