@@ -74,6 +74,12 @@ class LLM:
     the native decoder (one C call per forward pass) when it applies (dense, one shard, a C
     compiler, every matrix of a type it has a kernel for), else with torch, the test oracle.
     ``native`` True insists on the native decoder, False asks for the torch path.
+
+    ``transport`` (process executor): ``"shm"`` makes every worker a native rank that runs whole
+    forward passes on its shard and merges partials with the others in shared memory (one message
+    per step); ``"zmq"`` sends each layer to torch shards and sums their partials here (the path
+    for predictors, and the oracle); ``"auto"`` (default) takes shm when the model is dense and
+    the native decoder runs it, else zmq (one log line says why).
     """
 
     def __init__(
@@ -93,12 +99,15 @@ class LLM:
         n_slots: int = 1,
         gpu: "GpuOptions | None" = None,
         native: bool | None = None,
+        transport: str = "auto",
     ) -> None:
         t0 = time.perf_counter()
         if n_threads is not None and n_threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
         if executor not in ("process", "inprocess"):
             raise InvalidArgumentError(f"executor must be 'process' or 'inprocess', got {executor!r}")
+        if transport not in ("auto", "shm", "zmq"):
+            raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'zmq', got {transport!r}")
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.config: ModelConfig = config_from_gguf(self.file)
@@ -149,15 +158,7 @@ class LLM:
                 torch.set_num_threads(n_threads)
             ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use, n_slots=n_slots)
         else:
-            from powerinfer.coordinator.process_executor import ProcessExecutor
-            from powerinfer.cpu_workers.topology import default_workers
-
-            # The coordinator itself only does small numpy vector work (norms, residuals, sampling)
-            # and never imports torch; the workers hold every matrix, the output head included.
-            n_workers = n_threads or default_workers()
-            ex = ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
-                                 predictor=str(predictor) if use is not None else "",
-                                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()), n_slots=n_slots)
+            ex = self._process_executor(transport, use is not None, predictor, n_ctx, n_threads, worker_threads, pin, n_slots, n_batch)
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch, n_slots=n_slots)
         except BaseException:
@@ -182,6 +183,49 @@ class LLM:
             self._broken = True
             raise
 
+    def _process_executor(self, transport: str, sparse: bool, predictor: "str | os.PathLike[str] | None", n_ctx: int, n_threads: int | None,
+                          worker_threads: int, pin: bool, n_slots: int, n_batch: int) -> Executor:
+        """Worker processes: native ranks merging in shared memory, or torch shards over ZeroMQ."""
+        from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
+
+        n_workers = n_threads or default_workers()
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        if transport != "zmq":
+            why = "a predictor's sparse FFNs run on the torch shards" if sparse else self._shm_blocker(n_workers)
+            if why is None:
+                from powerinfer.coordinator.native_pool import NativePoolExecutor
+                from powerinfer.cpu_workers.native_lib import decoder_lib
+
+                placements = tuple(plan_placement(read_topology(), n_workers, worker_threads)) if pin else ()
+                return NativePoolExecutor(decoder_lib(), self.file, str(self.path), self.config, n_ctx, n_workers, worker_threads,  # type: ignore[arg-type]
+                                          placements, level, n_slots, n_batch)
+            if transport == "shm":
+                raise InvalidArgumentError(f"--transport shm is not possible here: {why}")
+            log.log(logging.INFO if sparse else logging.WARNING, "worker processes exchange each layer over ZeroMQ (slower): %s", why)
+        from powerinfer.coordinator.process_executor import ProcessExecutor
+
+        # The coordinator itself only does small numpy vector work (norms, residuals, sampling)
+        # and never imports torch; the workers hold every matrix, the output head included.
+        return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
+                               predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
+
+    def _shm_blocker(self, n_workers: int) -> str | None:
+        """None when native ranks can run this model on n_workers, else why not."""
+        from powerinfer.cpu_workers.native_lib import decoder_lib
+        from powerinfer.cpu_workers.native_model import supports
+        from powerinfer.model.sharding import plan_ranks
+
+        if decoder_lib() is None:
+            return "the native decoder is unavailable (POWERINFER_NATIVE=0, or no C compiler)"
+        why = supports(self.file, self.config)
+        if why is not None:
+            return f"the native decoder cannot run this model ({why})"
+        try:
+            plan_ranks(self.config, n_workers)
+        except InvalidArgumentError as e:
+            return str(e)
+        return None
+
     def _native_lib(self, native: bool | None, applies: bool) -> "ctypes.CDLL | None":
         """The native decoder library when the in-process executor should use it, else None."""
         if native is False:
@@ -190,7 +234,8 @@ class LLM:
             if native:
                 raise InvalidArgumentError("the native decoder runs dense models in one shard: no predictor, n_shards=1")
             return None
-        from powerinfer.cpu_workers.native_model import decoder_lib, supports
+        from powerinfer.cpu_workers.native_lib import decoder_lib
+        from powerinfer.cpu_workers.native_model import supports
 
         lib = decoder_lib()
         if lib is None:  # decoder_lib has said why when a build failed; POWERINFER_NATIVE=0 is said here

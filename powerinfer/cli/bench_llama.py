@@ -103,7 +103,7 @@ def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
 
 
 def read_bandwidth(threads: int) -> float:
-    from powerinfer.cpu_workers.native_model import decoder_lib, read_bandwidth_gbs
+    from powerinfer.cpu_workers.native_lib import decoder_lib, read_bandwidth_gbs
 
     lib = decoder_lib()
     if lib is None:

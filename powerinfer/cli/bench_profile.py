@@ -48,7 +48,7 @@ class DecodeProfile:
 def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_tokens: int = 128) -> DecodeProfile:
     from powerinfer.api import LLM
     from powerinfer.coordinator.native_executor import NativeExecutor
-    from powerinfer.cpu_workers.native_model import PHASES
+    from powerinfer.cpu_workers.native_lib import PHASES
 
     llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_threads=threads, executor="inprocess")
     try:

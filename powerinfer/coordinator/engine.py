@@ -135,6 +135,9 @@ class Engine:
     def _forward(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Run tokens ids [T] at positions [T] of KV slots [T] through every layer -> final hidden [T, d] f32."""
         cfg = self.cfg
+        by_ids = getattr(self.executor, "forward_ids", None)
+        if by_ids is not None:  # the native pool's ranks embed the tokens themselves
+            return by_ids(ids, positions, slots)
         native_embed = getattr(self.executor, "embed", None)  # the native executor dequantizes rows itself
         x = native_embed(ids) if native_embed is not None else embed_rows(self.f, ids)
         if cfg.embed_scale != 1.0:

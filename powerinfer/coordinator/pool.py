@@ -61,6 +61,9 @@ class PoolConfig:
     log_level: str = "WARNING"
     predictor: str = ""  # .predictor path for sparse FFN shards ("" = dense)
     n_slots: int = 1  # KV-cache slots (concurrent sequences) per attention shard
+    transport: str = "zmq"  # "shm": native ranks, one STEP per pass (LOAD.transport); "zmq": per-layer torch shards
+    shm: str = ""  # transport "shm": the segment's path (made by the executor before the pool starts)
+    max_t: int = 1  # transport "shm": most tokens per STEP
 
 
 def _describe_exit(code: int | None) -> str:
@@ -135,7 +138,7 @@ class WorkerPool:
             pl = cfg.placements[i] if i < len(cfg.placements) else None
             self._send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
                                   cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor,
-                                  n_slots=cfg.n_slots))
+                                  n_slots=cfg.n_slots, transport=cfg.transport, shm=cfg.shm, max_t=cfg.max_t))
         replies = self._gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "loading")
         self.ready = []
         for i in range(cfg.n_workers):
@@ -255,14 +258,12 @@ class WorkerPool:
                     raise WorkerDiedError(f"workers {sorted(pending)} did not answer within {timeout:.0f}s while {what}")
         return out
 
-    def call(self, msgs: dict[int, Message], req: int, what: str, timeout: float = 600.0) -> dict[int, PartialMsg]:
-        """Send one request per worker and return their PARTIAL replies (raises on any failure)."""
+    def call(self, msgs: dict[int, Message], req: int, what: str, timeout: float = 600.0, expect: type = PartialMsg) -> dict[int, Message]:
+        """Send one request per worker and return their replies of type expect (raises on any failure)."""
         for i, msg in msgs.items():
             self._send(i, msg)
         replies = self._gather(set(msgs), timeout, what, req=req)
-        out: dict[int, PartialMsg] = {}
         for i, msg in replies.items():
-            if not isinstance(msg, PartialMsg):
-                raise ProtocolError(f"worker {i}: expected PARTIAL, got {type(msg).__name__}")
-            out[i] = msg
-        return out
+            if not isinstance(msg, expect):
+                raise ProtocolError(f"worker {i}: expected {expect.__name__}, got {type(msg).__name__}")
+        return replies

@@ -75,11 +75,12 @@ class ProcessExecutor:
         req = self.pool.next_req()
         msgs: dict[int, Message] = {i: make(req=req, step=self.step, layer=layer, tensors=tensors) for i in workers}
         t0 = time.perf_counter()
-        replies: dict[int, PartialMsg] = self.pool.call(msgs, req, f"computing layer {layer}")
+        replies = self.pool.call(msgs, req, f"computing layer {layer}")
+        parts = [r for r in replies.values() if isinstance(r, PartialMsg)]
         timings.calls += 1
         timings.round_trip_us += (time.perf_counter() - t0) * 1e6
-        timings.compute_us += max(r.compute_us for r in replies.values())
-        return [replies[i].tensors[0] for i in workers]
+        timings.compute_us += max(r.compute_us for r in parts)
+        return [replies[i].tensors[0] for i in workers]  # type: ignore[union-attr]
 
     def _summed(self, parts: list[np.ndarray]) -> np.ndarray:
         out = np.array(parts[0], dtype=np.float32)  # owned copy: the frames are read-only

@@ -1,174 +1,51 @@
-"""The native decoder (kernels/decoder.c and the headers it includes): build per instruction set, describe a model's
-tensors to it in place, own its KV cache, rotary tables and scratch.
+"""The native decoder (kernels/decoder.c and the headers it includes): describe a model's tensors
+to it in place, own its KV cache, rotary tables and scratch.
 
-Runs in: the process of the in-process executor (numpy and ctypes only: no torch needed).
+Runs in: the process of the in-process executor, and each CPU worker of the native pool, which
+holds one rank's shard (:class:`powerinfer.model.sharding.RankShard`) of every layer (numpy and
+ctypes only: no torch needed). The library itself: native_lib.py.
 
 The weights are never copied: each matrix is a pointer into the memory-mapped GGUF file with its
-GGML type, and the C side reads the file's blocks directly (qdot.h). The library is built once
-per machine for the best instruction set the CPU has (AVX-512 VNNI, AVX2, or portable C), or the
-one ``POWERINFER_ISA`` names (``vnni``, ``avx2``, ``scalar``: tests run every path this machine
-can). ``POWERINFER_NATIVE=0`` or no C compiler: :func:`decoder_lib` is None and the in-process
-executor uses its torch path.
+GGML type, and the C side reads the file's blocks directly (qdot.h); a rank's slice of a matrix
+is a pointer and a length into the same rows. Types with an eight-row layout (qx8.h) are
+repacked once, each rank only its own slice, and the file pages dropped.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
-import os
-import time
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.cbuild import load_library
+from powerinfer.cpu_workers.native_lib import TYPES, PiLayer, PiModel, PiWt
 from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.sharding import RankShard
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 
 log = logging.getLogger(__name__)
 
-KERNELS = Path(__file__).with_name("kernels")
-SOURCE = KERNELS / "decoder.c"
-HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h"))
-BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-ISA_FLAGS = {
-    "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
-    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DPI_AVX2"),
-    "scalar": (),
-}
-ISA_CPU_FLAGS = {"vnni": {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}, "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
-ISA_IDS = {"scalar": 0, "avx2": 1, "vnni": 2}
-# GGML types the dot products cover (qdot.h's registry), with the row length their blocks need.
-TYPES = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q8_0: 32,
-         QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256}
-
-
-class PiWt(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("x8", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
-                ("cols", ctypes.c_int32)]
-
-
-class PiLayer(ctypes.Structure):
-    _fields_ = [(n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
-        (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
-                                       "k_cache", "v_cache", "rope_cos", "rope_sin")
-    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
-
-
-class PiModel(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "d", "n_ff", "n_head", "n_kv", "D", "Dv", "rope_dim", "neox", "act", "n_ctx",
-                                               "n_slots", "n_threads", "max_t")] + [
-        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
-        ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p)]
-
-
-# decoder.c's profile phases, in its order (pi_phases() of them)
-PHASES = ("norm", "qkv", "rope+cache", "attention", "out_proj", "ffn_norm", "gate+up", "act", "down")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def best_isa(flags: set[str] | None = None) -> str:
-    flags = cpu_flags() if flags is None else flags
-    return next(isa for isa in ("vnni", "avx2", "scalar") if ISA_CPU_FLAGS[isa] <= flags)
-
-
-def requested_isa() -> str:
-    want = os.environ.get("POWERINFER_ISA", "auto").lower()
-    if want == "auto":
-        return best_isa()
-    if want not in ISA_FLAGS:
-        raise InvalidArgumentError(f"POWERINFER_ISA must be auto, {', '.join(ISA_FLAGS)}; got {want!r}")
-    if not ISA_CPU_FLAGS[want] <= cpu_flags():
-        raise InvalidArgumentError(f"POWERINFER_ISA={want}: this CPU lacks {sorted(ISA_CPU_FLAGS[want] - cpu_flags())}")
-    return want
-
-
-@functools.lru_cache(maxsize=None)
-def _load(isa: str) -> ctypes.CDLL | None:
-    try:
-        lib = load_library(SOURCE, HEADERS, (*BASE_FLAGS, *ISA_FLAGS[isa]), f"decoder-{isa}")
-    except OSError as e:
-        log.warning("native decoder unavailable (%s): the in-process executor uses its torch path", e)
-        return None
-    lib.pi_model_size.restype = ctypes.c_int
-    lib.pi_layer_size.restype = ctypes.c_int
-    if lib.pi_model_size() != ctypes.sizeof(PiModel) or lib.pi_layer_size() != ctypes.sizeof(PiLayer):
-        log.warning("native decoder struct layout differs from native_model.py: not used")
-        return None
-    ptr = ctypes.c_void_p
-    lib.pi_scratch_bytes.argtypes = [ctypes.POINTER(PiModel), ctypes.c_int]
-    lib.pi_scratch_bytes.restype = ctypes.c_int64
-    lib.pi_forward.argtypes = [ctypes.POINTER(PiModel), ptr, ptr, ptr, ctypes.c_int, ptr]
-    lib.pi_forward.restype = ctypes.c_int
-    lib.pi_matmul.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ptr]
-    lib.pi_matmul.restype = ctypes.c_int
-    lib.pi_isa.restype = ctypes.c_int
-    lib.pi_phases.restype = ctypes.c_int
-    if lib.pi_phases() != len(PHASES):
-        log.warning("native decoder phases differ from native_model.py: not used")
-        return None
-    lib.pi_rows.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr]
-    lib.pi_rows.restype = ctypes.c_int
-    lib.pi_refine.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int64, ptr]
-    lib.pi_refine.restype = ctypes.c_int
-    lib.pi_decode_logits.argtypes = [ctypes.POINTER(PiModel), ptr, ctypes.c_int, ptr, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
-    lib.pi_decode_logits.restype = ctypes.c_int
-    lib.pi_step.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ctypes.c_float, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr,
-                            ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
-    lib.pi_step.restype = ctypes.c_int
-    lib.pi_x8_supported.argtypes = [ctypes.c_int]
-    lib.pi_x8_supported.restype = ctypes.c_int
-    lib.pi_x8_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
-    lib.pi_x8_repack.restype = None
-    lib.pi_read_sum.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
-    lib.pi_read_sum.restype = ctypes.c_double
-    return lib
-
-
-def decoder_lib(isa: str | None = None) -> ctypes.CDLL | None:
-    """The decoder built for isa (default: POWERINFER_ISA or the CPU's best), or None."""
-    if os.environ.get("POWERINFER_NATIVE", "1") == "0":
-        return None
-    return _load(isa or requested_isa())
-
-
-def read_bandwidth_gbs(lib: ctypes.CDLL, n_threads: int, n_bytes: int = 512 << 20, repeat: int = 5) -> float:
-    """Streaming-read bandwidth with n_threads threads (best of repeat passes over n_bytes), GB/s."""
-    buf = np.ones(n_bytes // 4, dtype=np.float32)  # written once here, so every page is resident
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        total = lib.pi_read_sum(buf.ctypes.data, buf.size, n_threads)
-        best = min(best, time.perf_counter() - t)
-    if abs(total - buf.size) > 1e-3 * buf.size:  # the sum proves every byte was read
-        raise RuntimeError(f"read test summed {total}, expected {buf.size}")
-    return n_bytes / best / 1e9
-
-
-def weight(f: GGUFFile, name: str) -> PiWt:
-    """A matrix of the file, in place: a pointer into the mapping, its type and shape."""
+def weight(f: GGUFFile, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> PiWt:
+    """A matrix of the file, in place: a pointer into the mapping, its type and shape; rows / cols
+    [a, b) take a slice (columns on whole blocks: the rows keep the file's stride)."""
     info = f.tensor(name)
     if info.qtype not in TYPES or len(info.shape) != 2:
         raise UnsupportedModelError(f"the native decoder has no kernel for {name} ({info.qtype.name}, shape {list(info.shape)})")
-    if info.n_cols % TYPES[info.qtype]:
+    blk = TYPES[info.qtype]
+    if info.n_cols % blk:
         raise UnsupportedModelError(f"{name}: {info.n_cols} columns are not whole {info.qtype.name} blocks")
+    r0, r1 = rows or (0, info.n_rows)
+    c0, c1 = cols or (0, info.n_cols)
+    if not (0 <= r0 <= r1 <= info.n_rows and 0 <= c0 < c1 <= info.n_cols) or c0 % blk or c1 % blk:
+        raise UnsupportedModelError(f"{name}: slice rows [{r0}, {r1}) cols [{c0}, {c1}) is not whole {info.qtype.name} blocks of it")
     raw = f.raw(name)
-    return PiWt(raw.ctypes.data, None, raw.strides[0] if info.qtype in (QT.F32, QT.F16, QT.BF16) else info.row_bytes, int(info.qtype),
-                info.n_rows, info.n_cols)
+    stride = raw.strides[0]
+    col_bytes = c0 * raw.itemsize if info.qtype in (QT.F32, QT.F16, QT.BF16) else c0 // blk * (info.row_bytes // (info.n_cols // blk))
+    return PiWt(raw.ctypes.data + r0 * stride + col_bytes, None, stride, int(info.qtype), r1 - r0, c1 - c0)
 
 
 X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128, QT.Q5_0: 48 + 128, QT.Q8_0: 16 + 256, QT.Q6_K: 32 + 256}  # qx8.h's PI_X8_BYTES: one block of eight rows
@@ -211,8 +88,13 @@ def rope_tables(cfg: ModelConfig, base: float, scale: float, n_ctx: int) -> tupl
 class NativeDecoder:
     """One model for the native decoder: forward passes over up to max_t tokens, KV cache per slot."""
 
-    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int,
+                 shard: RankShard | None = None) -> None:
+        """shard: this process is one rank of the native pool and holds that part of every layer."""
         self.lib, self.cfg, self.f = lib, cfg, f
+        sh = shard or RankShard(0, cfg.n_heads, 0, cfg.n_kv_heads, 0, cfg.n_ff, 0, cfg.d_model, 0, cfg.vocab_size)
+        self.shard = sh
+        n_kv = sh.kv1 - sh.kv0
         self._keep: list[np.ndarray] = []  # arrays the C structs point into
         D, Dv, d = cfg.head_dim, cfg.v_head_dim, cfg.d_model
         ropes: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
@@ -223,7 +105,7 @@ class NativeDecoder:
             L = layers[i]
             for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
                                 ("wu", "ffn_up"), ("wd", "ffn_down")):
-                w = weight(f, layer_tensor(i, part))
+                w = weight(f, layer_tensor(i, part), *_slices(field, sh, D, Dv))
                 packed = repack_x8(lib, w)
                 if packed is not None:
                     self._keep.append(packed)
@@ -237,12 +119,12 @@ class NativeDecoder:
                 L.q_norm = self._vec(f, layer_tensor(i, "attn_q_norm"), D)
                 L.k_norm = self._vec(f, layer_tensor(i, "attn_k_norm"), D)
             if cfg.qkv_bias:
-                L.bq = self._vec(f, layer_bias(i, "attn_q"), cfg.n_heads * D)
-                L.bk = self._vec(f, layer_bias(i, "attn_k"), cfg.n_kv_heads * D)
-                L.bv = self._vec(f, layer_bias(i, "attn_v"), cfg.n_kv_heads * Dv)
+                L.bq = self._vec(f, layer_bias(i, "attn_q"), cfg.n_heads * D, (sh.q0 * D, sh.q1 * D))
+                L.bk = self._vec(f, layer_bias(i, "attn_k"), cfg.n_kv_heads * D, (sh.kv0 * D, sh.kv1 * D))
+                L.bv = self._vec(f, layer_bias(i, "attn_v"), cfg.n_kv_heads * Dv, (sh.kv0 * Dv, sh.kv1 * Dv))
             # float32 caches [slots, Hkv, n_ctx, D]; np.empty leaves pages untouched until used
-            k = np.empty((n_slots, cfg.n_kv_heads, n_ctx, D), dtype=np.float32)
-            v = np.empty((n_slots, cfg.n_kv_heads, n_ctx, Dv), dtype=np.float32)
+            k = np.empty((n_slots, n_kv, n_ctx, D), dtype=np.float32)
+            v = np.empty((n_slots, n_kv, n_ctx, Dv), dtype=np.float32)
             self.k_cache.append(k)
             self.v_cache.append(v)
             L.k_cache, L.v_cache = k.ctypes.data, v.ctypes.data
@@ -254,7 +136,7 @@ class NativeDecoder:
             L.window = 0 if cfg.global_layers[i] else cfg.sliding_window
         self.layers = layers
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-        self.head = weight(f, head)
+        self.head = weight(f, head, (sh.v0, sh.v1))
         packed = repack_x8(lib, self.head)
         if packed is not None:
             self._keep.append(packed)
@@ -268,14 +150,17 @@ class NativeDecoder:
         # The repacked matrices' file pages were read once; unmapping them keeps RSS to one copy
         # (the file's other pages fault back in on use).
         f.drop_pages()
-        self.model = PiModel(cfg.n_layers, d, cfg.n_ff, cfg.n_heads, cfg.n_kv_heads, D, Dv, cfg.rope_dim, int(cfg.rope_style == "neox"),
+        self.model = PiModel(cfg.n_layers, d, sh.n1 - sh.n0, sh.q1 - sh.q0, n_kv, D, Dv, cfg.rope_dim, int(cfg.rope_style == "neox"),
                              0 if cfg.activation == "silu" else 1, n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale,
-                             self._vec(f, "output_norm.weight", d), self.head, layers)
+                             self._vec(f, "output_norm.weight", d), self.head, layers, None, sh.q0, sh.kv0, cfg.gqa_group, cfg.n_heads,
+                             cfg.n_ff, sh.n0, sh.d0)
         self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
         self.max_t = max_t
 
-    def _vec(self, f: GGUFFile, name: str, n: int) -> int:
+    def _vec(self, f: GGUFFile, name: str, n: int, part: tuple[int, int] | None = None) -> int:
         v = load_vector(f, name, n)
+        if part is not None:
+            v = np.ascontiguousarray(v[part[0] : part[1]])
         self._keep.append(v)
         return int(v.ctypes.data)
 
@@ -365,6 +250,12 @@ class NativeDecoder:
         if self.lib.pi_refine(ctypes.byref(self.head), h.ctypes.data, h.shape[0], ix.ctypes.data, ix.shape[1], logits.ctypes.data,
                               logits.shape[1], self._row.ctypes.data):
             raise InvalidArgumentError("head rows to refine are outside the vocabulary")
+
+
+def _slices(field: str, sh: RankShard, D: int, Dv: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(rows, cols) of a layer matrix that shard sh holds (None: all)."""
+    return {"wq": ((sh.q0 * D, sh.q1 * D), None), "wk": ((sh.kv0 * D, sh.kv1 * D), None), "wv": ((sh.kv0 * Dv, sh.kv1 * Dv), None),
+            "wo": ((sh.d0, sh.d1), None), "wg": ((sh.n0, sh.n1), None), "wu": ((sh.n0, sh.n1), None), "wd": ((sh.d0, sh.d1), None)}[field]
 
 
 def _addr(a: np.ndarray) -> int:

@@ -1,10 +1,13 @@
-"""CPU worker process: owns one shard of every layer and answers the coordinator's layer requests.
+"""CPU worker process: owns one shard of every layer and answers the coordinator's requests.
 
 Runs in: a CPU worker process (started by :class:`powerinfer.coordinator.pool.WorkerPool`).
 
-Life cycle: HELLO (protocol version) -> LOAD (which shard, which CPUs) -> pin to its CPUs and NUMA
-node, build its shards from the memory-mapped GGUF (first touch after pinning puts the packed
-weights on the worker's node) -> READY -> serve ATTN/FFN with PARTIAL sums until SHUTDOWN.
+Life cycle: HELLO (protocol version) -> LOAD (which shard, which CPUs, which transport) -> pin to
+its CPUs and NUMA node, build its shards from the memory-mapped GGUF (first touch after pinning
+puts the packed weights on the worker's node) -> READY -> serve until SHUTDOWN:
+transport "shm" (the default): one STEP per forward pass on the native kernels, partials merged
+with the other ranks in shared memory (native_worker.py; no torch is imported);
+transport "zmq": ATTN/FFN/LOGITS per layer on torch shards, PARTIAL sums to the coordinator.
 A heartbeat thread tells the coordinator it is alive and ends the process as soon as the
 coordinator is gone, so a killed coordinator never leaves orphan workers.
 """
@@ -18,17 +21,15 @@ import sys
 import threading
 import time
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 import zmq
 
 from powerinfer.config import config_from_gguf
-from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
-from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
 from powerinfer.cpu_workers.topology import Placement, bind_memory_to_node, pin_current_process
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
-from powerinfer.model.ops import RopeTable
 from powerinfer.model.sharding import plan_shards
 from powerinfer.protocol import (
     PROTOCOL_VERSION,
@@ -49,7 +50,11 @@ from powerinfer.protocol import (
     worker_identity,
 )
 from powerinfer.protocol.lifecycle import die_with_parent, heartbeat
-from powerinfer.sparsity.predictor_file import read_predictor
+
+if TYPE_CHECKING:
+    from powerinfer.cpu_workers.native_worker import NativeRank
+    from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
+    from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,11 @@ class _Shards:
     """This worker's shard of every layer (None where it serves no attention heads / neurons)."""
 
     def __init__(self, load: LoadMsg) -> None:
+        from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
+        from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
+        from powerinfer.model.ops import RopeTable
+        from powerinfer.sparsity.predictor_file import read_predictor
+
         f = GGUFFile(load.model)
         cfg = config_from_gguf(f)
         plan = plan_shards(cfg, load.n_workers)
@@ -80,6 +90,21 @@ class _Shards:
         # Everything is packed: the file's pages and the decoding scratch are no longer needed here.
         f.drop_pages()
         release_freed_memory()
+
+
+def _load(load: LoadMsg, index: int) -> "_Shards | NativeRank":
+    """This worker's part of the model for the LOAD's transport."""
+    if load.transport == "shm":
+        os.environ["OMP_NUM_THREADS"] = str(max(1, load.threads))
+        from powerinfer.cpu_workers.native_worker import NativeRank
+
+        return NativeRank(load, index)
+    if load.transport != "zmq":
+        raise ProtocolError(f"unknown transport {load.transport!r} (expected 'shm' or 'zmq')")
+    import torch
+
+    torch.set_num_threads(max(1, load.threads))
+    return _Shards(load)
 
 
 def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event) -> None:
@@ -150,18 +175,22 @@ def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, l
             pin_current_process(Placement(worker=index, node=load.node, cpus=tuple(load.cpus)))
         if load.node >= 0:
             bind_memory_to_node(load.node)
-        torch.set_num_threads(max(1, load.threads))
         t0 = time.perf_counter()
         busy.set()
         try:
-            shards = _Shards(load)
+            shards = _load(load, index)
         except Exception as e:  # noqa: BLE001 - the coordinator reports it as a load failure
             send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
             return
         finally:
             busy.clear()
         send(sock, ReadyMsg(worker=index, weight_bytes=shards.weight_bytes, load_s=time.perf_counter() - t0))
-        _serve(sock, shards, index, busy)
+        if isinstance(shards, _Shards):
+            _serve(sock, shards, index, busy)
+        else:
+            from powerinfer.cpu_workers.native_worker import serve_native
+
+            serve_native(sock, shards, index, busy)
     finally:
         stop.set()
         beat.join(1.0)

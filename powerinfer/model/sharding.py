@@ -81,6 +81,46 @@ def plan_shards(cfg: ModelConfig, n_workers: int) -> ShardPlan:
     return ShardPlan(tuple(heads), neurons, vocab)
 
 
+@dataclass(frozen=True)
+class RankShard:
+    """One rank of the native pool (every rank runs every layer): query heads [q0, q1), the kv
+    heads [kv0, kv1) they read (a group split between two ranks has its kv head on both), FFN
+    neurons [n0, n1) (rows of gate and up), rows [d0, d1) of the model dimension (of the output
+    and down projections) and output-head rows [v0, v1). The ranks gather each other's slices,
+    so every output element is one rank's whole dot product (kernels/comm.h)."""
+
+    q0: int
+    q1: int
+    kv0: int
+    kv1: int
+    n0: int
+    n1: int
+    d0: int
+    d1: int
+    v0: int
+    v1: int
+
+
+def plan_ranks(cfg: ModelConfig, n_ranks: int) -> tuple[RankShard, ...]:
+    """Split every layer over n_ranks native ranks evenly: query heads one by one (attention's cost
+    follows them, so a kv head is rather computed twice than a group kept whole), neurons and
+    model-dimension rows in multiples of 8 (the repacked eight-row layout), head rows likewise."""
+    if n_ranks < 1:
+        raise InvalidArgumentError(f"need at least one rank, got {n_ranks}")
+    if n_ranks > cfg.n_heads:
+        raise InvalidArgumentError(f"{n_ranks} ranks cannot each get a query head: the model has {cfg.n_heads}")
+    grp = cfg.gqa_group
+    heads = _split(cfg.n_heads, n_ranks)
+    neurons = _split(cfg.n_ff, n_ranks, 8)
+    dims = _split(cfg.d_model, n_ranks, 8)
+    vocab = _split(cfg.vocab_size, n_ranks, 8)
+    for what, parts in (("FFN neurons", neurons), ("model dimensions", dims)):
+        if any(b <= a for a, b in parts):
+            raise InvalidArgumentError(f"{n_ranks} ranks cannot each get {what} in groups of 8")
+    return tuple(RankShard(q0, q1, q0 // grp, (q1 - 1) // grp + 1, n0, n1, d0, d1, v0, v1)
+                 for (q0, q1), (n0, n1), (d0, d1), (v0, v1) in zip(heads, neurons, dims, vocab))
+
+
 def cold_neurons(hot: np.ndarray, n_ff: int) -> np.ndarray:
     """Sorted int64 neurons of [0, n_ff) that are not in hot (the CPU's share of a layer)."""
     mask = np.ones(n_ff, dtype=bool)

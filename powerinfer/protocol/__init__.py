@@ -38,7 +38,9 @@ from powerinfer.protocol.messages import (
     MsgType,
     PartialMsg,
     ReadyMsg,
+    ResultMsg,
     ShutdownMsg,
+    StepMsg,
 )
 from powerinfer.protocol.transport import (
     as_torch,
@@ -74,7 +76,9 @@ __all__ = [
     "ProtocolError",
     "ProtocolVersionError",
     "ReadyMsg",
+    "ResultMsg",
     "ShutdownMsg",
+    "StepMsg",
     "WorkerDiedError",
     "WorkerError",
     "as_torch",

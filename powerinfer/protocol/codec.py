@@ -33,7 +33,9 @@ from powerinfer.protocol.messages import (
     PROTOCOL_VERSION,
     PartialMsg,
     ReadyMsg,
+    ResultMsg,
     ShutdownMsg,
+    StepMsg,
     _I64_MAX,
 )
 
@@ -79,12 +81,15 @@ _STEP: dict[str, Kind] = {"req": _U, "step": _U, "layer": _U}
 _ACT = ("f32", "bf16")
 _SPECS = [
     _spec(HelloMsg, {"version": _U, "worker": _U, "pid": _U}),
-    _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX, "predictor": _STR, "n_slots": _U1}),
+    _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX, "predictor": _STR, "n_slots": _U1,
+                    "transport": _STR, "shm": _STR, "max_t": _U1}),
     _spec(ReadyMsg, {"worker": _U, "weight_bytes": _U, "load_s": _FLOAT}),
     _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
     _spec(FfnMsg, _STEP, (("x", _ACT, 2),)),
     _spec(LogitsMsg, _STEP, (("x", _ACT, 2),)),
     _spec(PartialMsg, {**_STEP, "worker": _U, "compute_us": _U}, (("y", _ACT, 2),)),
+    _spec(StepMsg, {"req": _U, "step": _U, "mode": (0, 2)}, (("ids", ("i64",), 1), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
+    _spec(ResultMsg, {"req": _U, "step": _U, "worker": _U, "compute_us": _U, "wait_us": _U, "syncs": _U}),
     _spec(ErrorMsg, {"req": _IDX, "step": _IDX, "layer": _IDX, "worker": _U, "kind": _STR, "message": _STR}),
     _spec(HeartbeatMsg, {"worker": _U, "pid": _U, "busy": _BOOL}),
     _spec(ShutdownMsg, {}),

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 3  # 2: LOGITS (the output head sharded across workers); 3: ATTN slots, LOAD n_slots
+PROTOCOL_VERSION: int = 4  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t
 MAX_BODY = 64 * 1024  # bytes of frame 0 (type byte + msgpack body)
 MAX_STR = 4096  # characters of a str field (two of them at 4 B/char stay well under MAX_BODY)
 MAX_LIST = 4096  # elements of a list field (LOAD.cpus)
@@ -62,6 +62,8 @@ class MsgType(enum.IntEnum):
     HEARTBEAT = 8  # worker -> coordinator, on the separate PUSH -> PULL socket
     SHUTDOWN = 9  # coordinator -> worker
     LOGITS = 10  # coordinator -> worker (protocol 2): the worker's vocabulary rows of the output head
+    STEP = 11  # coordinator -> worker (protocol 4, transport "shm"): a whole forward pass
+    RESULT = 12  # worker -> coordinator (protocol 4): a STEP (or, under "shm", a LOGITS) is done
 
 
 def _describe(t: Any) -> str:
@@ -105,6 +107,9 @@ class LoadMsg:
     node: int  # NUMA node to bind memory to; -1 = none
     predictor: str = ""  # .predictor file for sparse FFN shards; "" = dense
     n_slots: int = 1  # KV-cache slots (concurrent sequences), each of n_ctx positions
+    transport: str = "zmq"  # "zmq": per-layer ATTN/FFN/LOGITS with PARTIAL replies; "shm": STEP/RESULT, partials merged in shm
+    shm: str = ""  # transport "shm": path of the pool's shared-memory segment
+    max_t: int = 1  # transport "shm": most tokens in one STEP (the segment is sized for them)
     TYPE: ClassVar[MsgType] = MsgType.LOAD
 
 
@@ -197,6 +202,37 @@ class PartialMsg:
         return self.tensors[0]
 
 
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class StepMsg:
+    """tensors = (ids [T] i64, positions [T] i64, slots [T] i64): one forward pass on every rank.
+
+    mode 0: hidden states only (rank 0 writes them to the segment); 1: plus the last row's
+    logits; 2: plus every row's logits (each rank writes its vocabulary columns)."""
+
+    req: int
+    step: int
+    mode: int
+    tensors: tuple[Tensor, Tensor, Tensor]
+    TYPE: ClassVar[MsgType] = MsgType.STEP
+    __repr__ = _tensor_repr
+
+
+@dataclass(frozen=True, slots=True)
+class ResultMsg:
+    """A rank finished a STEP (or a LOGITS under transport "shm"): its outputs are in the segment.
+
+    compute_us: time in the native call; wait_us: of it, time waiting for peers in the merges;
+    syncs: merges in the call."""
+
+    req: int
+    step: int
+    worker: int
+    compute_us: int
+    wait_us: int
+    syncs: int
+    TYPE: ClassVar[MsgType] = MsgType.RESULT
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorMsg:
     """A failure inside a worker; req/step/layer are -1 when not tied to a request (e.g. LOAD).
@@ -238,4 +274,4 @@ class ShutdownMsg:
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, LogitsMsg, PartialMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]
+Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, LogitsMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]

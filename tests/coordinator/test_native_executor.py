@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
-from powerinfer.cpu_workers import native_model
-from powerinfer.cpu_workers.native_model import ISA_CPU_FLAGS, cpu_flags, decoder_lib
+from powerinfer.cpu_workers import native_lib
+from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 
 pytestmark = pytest.mark.skipif(decoder_lib("scalar") is None, reason="no C compiler")
 ISAS = [isa for isa in ("scalar", "avx2", "vnni") if ISA_CPU_FLAGS[isa] <= cpu_flags()]
@@ -45,13 +45,13 @@ def test_no_compiler_warns_and_uses_torch(model: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("PATH", str(tmp_path))  # and no cc, gcc or clang on PATH
     monkeypatch.setenv("POWERINFER_CACHE", str(tmp_path / "cache"))  # nothing built yet
-    native_model._load.cache_clear()
+    native_lib._load.cache_clear()
     try:
         with caplog.at_level(logging.WARNING), LLM(model, executor="inprocess", n_ctx=32) as llm:
             assert isinstance(llm.engine.executor, InProcessExecutor)
         assert any("native decoder unavailable" in r.getMessage() and "compiler" in r.getMessage() for r in caplog.records)
     finally:
-        native_model._load.cache_clear()
+        native_lib._load.cache_clear()
 
 
 @pytest.mark.parametrize("isa", ISAS)

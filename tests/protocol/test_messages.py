@@ -39,7 +39,9 @@ from powerinfer.protocol import (
     ProtocolError,
     ProtocolVersionError,
     ReadyMsg,
+    ResultMsg,
     ShutdownMsg,
+    StepMsg,
     WorkerDiedError,
     WorkerError,
     as_torch,
@@ -56,7 +58,7 @@ from powerinfer.protocol import (
 REPO = Path(__file__).resolve().parents[2]
 X = np.arange(2 * 8, dtype=np.float32).reshape(2, 8) - 3.5
 POS = np.array([3, 4], dtype=np.int64)
-MESSAGE_CLASSES = (HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, PartialMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg)
+MESSAGE_CLASSES = (HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg)
 
 
 def samples() -> list[Message]:
@@ -67,6 +69,9 @@ def samples() -> list[Message]:
         AttnMsg(7, 3, 11, (X, POS, np.zeros_like(POS))),
         FfnMsg(7, 3, 11, (X,)),
         PartialMsg(7, 3, 11, 1, 250, (X * 2,)),
+        LoadMsg("/models/smollm2.gguf", 0, 2, 512, 1, (), -1, "", 4, "shm", "/dev/shm/powerinfer-1-x", 512),
+        StepMsg(7, 3, 2, (POS, POS, np.zeros_like(POS))),
+        ResultMsg(7, 3, 1, 4200, 150, 60),
         ErrorMsg(7, 3, 11, 1, "RuntimeError", "boom"),
         ErrorMsg(-1, -1, -1, 0, "ModelFileError", "ünïcode ✓"),
         HeartbeatMsg(1, 1234, True),
@@ -110,6 +115,7 @@ def test_wire_bytes_are_stable() -> None:
     """Golden header of docs/protocol.md: changing it breaks peers in other languages."""
     assert {t.name: int(t) for t in MsgType} == {
         "HELLO": 1, "LOAD": 2, "READY": 3, "ATTN": 4, "FFN": 5, "PARTIAL": 6, "ERROR": 7, "HEARTBEAT": 8, "SHUTDOWN": 9, "LOGITS": 10,
+        "STEP": 11, "RESULT": 12,
     }  # fmt: skip
     frames = encode(AttnMsg(1, 2, 3, (np.zeros((1, 576), np.float32), np.array([5], np.int64), np.array([0], np.int64))))
     # 04 | map(4) "req":1 "step":2 "layer":3 "t":[["f32",[1,576]],["i64",[1]],["i64",[1]]]
@@ -350,9 +356,10 @@ BAD: dict[str, tuple[list[Any], str]] = {
     "float step": (raw(5, step_body([["f32", [1, 1]]], step=1.0), bytes(4)), "field 'step' must be an int in"),
     "NaN float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("nan")}), "field 'load_s' must be a finite float"),
     "inf float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("inf")}), "field 'load_s' must be a finite float"),
-    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1}), "field 'cpus'"),
-    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1}), "field 'n_ctx'"),
-    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0}), "field 'n_slots'"),
+    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1}), "field 'cpus'"),
+    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1}), "field 'n_ctx'"),
+    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1}), "field 'n_slots'"),
+    "bad step mode": (raw(11, {"req": 1, "step": 1, "mode": 3, "t": [["i64", [1]], ["i64", [1]], ["i64", [1]]]}, bytes(8), bytes(8), bytes(8)), "field 'mode'"),
     "long str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": "k", "message": "m" * (MAX_STR + 1)}), "field 'message'"),
     "bin for str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": b"k", "message": "m"}), "not valid msgpack"),
     "unknown dtype": (raw(5, step_body([["f64", [1, 2]]]), bytes(16)), "unknown dtype 'f64'"),
@@ -396,9 +403,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 4, this side speaks version 3") as info:
-        decode(raw(1, {"version": 4, "worker": 0, "pid": 1, "features": ["x"]}))  # a v4 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (4, 3)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 5, this side speaks version 4") as info:
+        decode(raw(1, {"version": 5, "worker": 0, "pid": 1, "features": ["x"]}))  # a v5 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (5, 4)
 
 
 def test_encode_rejects_what_decode_would() -> None:

@@ -2,7 +2,7 @@
  * head; weights are read in place from the memory-mapped GGUF file through qdot.h.
  *
  * Runs in: the process of the in-process executor (the coordinator), loaded with ctypes by
- * powerinfer/cpu_workers/native_model.py, which compiles this file once per machine and ISA.
+ * powerinfer/cpu_workers/native_model.py (native_lib.py compiles this file once per machine and ISA), and by each worker of the native pool.
  *
  * One OpenMP parallel region per call; inside it each operation is a work-shared loop (rows of a
  * matrix, tokens, or (token, head) pairs) and the implicit barrier between loops is the only
@@ -24,6 +24,7 @@
 #include "qtile.h"
 #include "qx8.h"
 #include "dequant.h"
+#include "comm.h"
 
 /* Rows [ra, rb) from the file's layout: groups of eight, then four tokens through the type's
  * several-token kernels (qtile.h), so the rows stay in L1 while the groups pass; then one token
@@ -141,6 +142,16 @@ static void add_post(float *x, float *h, const float *post, int n, float eps) {
     for (int i = 0; i < n; i++) x[i] += h[i];
 }
 
+/* A rank: columns [c0, c1) of x [T, ld] are this rank's; afterwards x holds every rank's (comm.h).
+ * All threads arrive here after a barrier; one of them syncs, the others wait at the single's end.
+ * In process (comm NULL): nothing to do. */
+static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
+    if (!m->comm) return;
+#pragma omp barrier
+#pragma omp single
+    pi_allgather((pi_comm *)m->comm, x, T, ld, c0, c1);
+}
+
 static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const int64_t *pos, const int64_t *slot, int T, const pi_scratch *s,
                           double *last) {
     const int d = m->d, D = m->D, Dv = m->Dv, Hq = m->n_head, Hkv = m->n_kv, nff = m->n_ff;
@@ -178,31 +189,39 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
     /* attention: per (token, kv head) with its query heads together when there is enough such
      * work for the threads (each key and value row is read once for the group), else per
      * (token, query head) so that a decode step's few heads still spread over the threads */
-    const int grp = Hq / Hkv;
+    /* local query head h is global head q0 + h of kv head (q0 + h) / grp, local (q0 + h) / grp - kv0;
+     * its output lands in att [T, HqA * Dv] at global column (q0 + h) * Dv */
+    const int grp = pi_grp(m), q0 = m->q0, kv0 = m->kv0, attw = pi_heads_all(m) * Dv;
     if (T * Hkv >= 2 * m->n_threads) { /* round-robin: later tokens see more keys */
 #pragma omp for schedule(static, 1)
         for (int i = 0; i < T * Hkv; i++) {
             const int t = i / Hkv, kvh = i % Hkv, p = (int)pos[t];
             const int lo = L->window && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
             const size_t base = ((size_t)slot[t] * Hkv + kvh) * m->n_ctx;
-            attend_group(s->q + ((size_t)t * Hq + kvh * grp) * D, grp, L->k_cache + base * D, L->v_cache + base * Dv, lo, p, D, Dv,
+            const int ga = (kv0 + kvh) * grp, gb = ga + grp; /* this kv head's query heads, global */
+            const int qa = (ga > q0 ? ga : q0) - q0, qb = (gb < q0 + Hq ? gb : q0 + Hq) - q0;
+            attend_group(s->q + ((size_t)t * Hq + qa) * D, qb - qa, L->k_cache + base * D, L->v_cache + base * Dv, lo, p, D, Dv,
                          m->attn_scale, s->scores + (size_t)omp_get_thread_num() * grp * m->n_ctx, m->n_ctx,
-                         s->att + ((size_t)t * Hq + kvh * grp) * Dv);
+                         s->att + (size_t)t * attw + (size_t)(q0 + qa) * Dv);
         }
     } else {
 #pragma omp for schedule(static, 1)
         for (int i = 0; i < T * Hq; i++) {
-            const int t = i / Hq, h = i % Hq, kvh = h / grp, p = (int)pos[t];
+            const int t = i / Hq, h = i % Hq, kvh = (q0 + h) / grp - kv0, p = (int)pos[t];
             const int lo = L->window && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
             const size_t base = ((size_t)slot[t] * Hkv + kvh) * m->n_ctx;
             attend_group(s->q + ((size_t)t * Hq + h) * D, 1, L->k_cache + base * D, L->v_cache + base * Dv, lo, p, D, Dv, m->attn_scale,
-                         s->scores + (size_t)omp_get_thread_num() * grp * m->n_ctx, m->n_ctx, s->att + ((size_t)t * Hq + h) * Dv);
+                         s->scores + (size_t)omp_get_thread_num() * grp * m->n_ctx, m->n_ctx, s->att + (size_t)t * attw + (size_t)(q0 + h) * Dv);
         }
     }
-    quantize_rows(s, s->att, T, Hq * Dv);
+    gather(m, s->att, T, attw, q0 * Dv, (q0 + Hq) * Dv);
+    quantize_rows(s, s->att, T, attw);
     mark(m, PH_ATTN, last);
-    matmul(&L->wo, s, s->att, T, s->tmp, d);
+    /* output projection: this rank's rows [d0, d1) of the model dimension */
+    const int d0 = m->d0, d1 = m->d0 + L->wo.rows;
+    matmul(&L->wo, s, s->att, T, s->tmp + d0, d);
 #pragma omp barrier
+    gather(m, s->tmp, T, d, d0, d1);
     mark(m, PH_OUT, last);
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
@@ -211,16 +230,23 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
     }
     quantize_rows(s, s->xn, T, d);
     mark(m, PH_FFN_NORM, last);
-    matmul(&L->wg, s, s->xn, T, s->g, nff);
+    /* gate into g [T, nffA] at this rank's neurons [n0, n0 + nff); up into u [T, nff] */
+    const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
+    matmul(&L->wg, s, s->xn, T, s->g + n0, nffA);
     matmul(&L->wu, s, s->xn, T, s->u, nff);
 #pragma omp barrier
     mark(m, PH_GATE_UP, last);
 #pragma omp for schedule(static)
-    for (int c = 0; c < T * nff; c += 256) act_mul(s->g + c, s->u + c, c + 256 < T * nff ? 256 : T * nff - c, m->act);
-    quantize_rows(s, s->g, T, nff);
+    for (int i = 0; i < T * nchunk; i++) { /* chunks of 256 within a row: the same lanes whatever the split */
+        const int t = i / nchunk, c = (i % nchunk) * 256;
+        act_mul(s->g + (size_t)t * nffA + n0 + c, s->u + (size_t)t * nff + c, c + 256 < nff ? 256 : nff - c, m->act);
+    }
+    gather(m, s->g, T, nffA, n0, n0 + nff);
+    quantize_rows(s, s->g, T, nffA);
     mark(m, PH_ACT, last);
-    matmul(&L->wd, s, s->g, T, s->tmp, d);
+    matmul(&L->wd, s, s->g, T, s->tmp + d0, d);
 #pragma omp barrier
+    gather(m, s->tmp, T, d, d0, d1);
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
     mark(m, PH_DOWN, last);
@@ -240,7 +266,7 @@ int pi_forward(const pi_model *m, float *x, const int64_t *pos, const int64_t *s
 #pragma omp for schedule(static)
         for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * m->d, m->out_norm, m->d, m->eps, x + (size_t)t * m->d);
     }
-    return 0;
+    return m->comm ? ((pi_comm *)m->comm)->err : 0;
 }
 
 /* y [T, w->rows] = x [T, w->cols] @ W.T (the output head, and the tests' entry to every type). */

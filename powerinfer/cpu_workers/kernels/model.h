@@ -1,6 +1,6 @@
 /* The native decoder's data: a matrix in place (pi_wt), a layer, the model, the profile phases,
  * and the scratch carved for up to max_t tokens. Mirrored by ctypes structures in
- * powerinfer/cpu_workers/native_model.py (their sizes are checked at load).
+ * powerinfer/cpu_workers/native_model.py and native_lib.py (their sizes are checked at load).
  *
  * Runs in: the process that loads decoder.c (included by it; one translation unit).
  */
@@ -37,7 +37,23 @@ typedef struct {
     pi_wt head;
     const pi_layer *layers;
     double *profile; /* NULL, or PI_PHASES seconds accumulated per phase (thread 0's clock) */
+    /* A rank of a worker pool holds query heads [q0, q0 + n_head) of n_head_all, the kv heads
+     * [kv0, kv0 + n_kv) they read (grp query heads each: a group split between ranks has its kv
+     * head computed by both), neurons [n0, n0 + n_ff) of n_ff_all for gate and up, rows
+     * [d0, d0 + wo.rows) of the output and down projections, and its rows of the head. comm (a
+     * pi_comm, comm.h) gathers the ranks' column slices four times a layer (attention output,
+     * its projection, the FFN's hidden, its projection), so each output row is one rank's whole
+     * dot product and the numbers equal the unsplit model's bit for bit. In process: comm NULL,
+     * the *_all counts 0 (= the local ones), offsets 0. */
+    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, pad2;
+    void *comm;
 } pi_model;
+
+/* Query heads per kv head of the whole model (grp, or what the local counts imply). */
+static inline int pi_grp(const pi_model *m) { return m->grp > 0 ? m->grp : m->n_kv > 0 ? m->n_head / m->n_kv : 1; }
+/* Query heads and FFN neurons of the whole model (a rank holds a slice of each). */
+static inline int pi_heads_all(const pi_model *m) { return m->n_head_all > 0 ? m->n_head_all : m->n_head; }
+static inline int pi_ff_all(const pi_model *m) { return m->n_ff_all > 0 ? m->n_ff_all : m->n_ff; }
 
 /* Phases of a layer for the profile: norm+quantize, q/k/v, rope+cache, attention, output
  * projection, FFN norm, gate+up, activation, down+residual. */
@@ -67,8 +83,8 @@ typedef struct {
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
-    const size_t kmax = (size_t)(m->d > m->n_ff ? m->d : m->n_ff) > (size_t)m->n_head * m->Dv
-                            ? (size_t)(m->d > m->n_ff ? m->d : m->n_ff) : (size_t)m->n_head * m->Dv;
+    const size_t nff = (size_t)pi_ff_all(m), attw = (size_t)pi_heads_all(m) * m->Dv;
+    const size_t kmax = ((size_t)m->d > nff ? (size_t)m->d : nff) > attw ? ((size_t)m->d > nff ? (size_t)m->d : nff) : attw;
     size_t off = 0;
 #define TAKE(field, type, count)                                  \
     do {                                                          \
@@ -79,11 +95,11 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
     TAKE(q, float, (size_t)T * m->n_head * m->D);
     TAKE(k, float, (size_t)T * m->n_kv * m->D);
     TAKE(v, float, (size_t)T * m->n_kv * m->Dv);
-    TAKE(att, float, (size_t)T * m->n_head * m->Dv);
+    TAKE(att, float, (size_t)T * attw);
     TAKE(tmp, float, (size_t)T * m->d);
-    TAKE(g, float, (size_t)T * m->n_ff);
+    TAKE(g, float, (size_t)T * nff);
     TAKE(u, float, (size_t)T * m->n_ff);
-    TAKE(scores, float, (size_t)(m->n_threads > 0 ? m->n_threads : 1) * (m->n_head / (m->n_kv > 0 ? m->n_kv : 1)) * m->n_ctx);
+    TAKE(scores, float, (size_t)(m->n_threads > 0 ? m->n_threads : 1) * pi_grp(m) * m->n_ctx);
     TAKE(aq, int8_t, (size_t)T * kmax);
     TAKE(ad, float, (size_t)T * kmax / 32 + 1);
     TAKE(as, float, (size_t)T * kmax / 32 + 1);

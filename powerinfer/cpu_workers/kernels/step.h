@@ -32,32 +32,12 @@ int pi_refine(const pi_wt *w, const float *hidden, int T, const int64_t *idx, in
 /* The decode logits of T rows, the engine's rule in one call: out [T, vocab] = head(hidden) from
  * the 8-bit kernels, then per row the candidates within margin of the best (at most k, the
  * largest) recomputed in float32 from their dequantized rows (pi_refine). cand: vocab ints. */
+int pi_refine_best(const pi_wt *w, const float *hidden, int T, float *out, float margin, int k, int32_t *cand, float *row);
+
 int pi_decode_logits(const pi_model *m, const float *hidden, int T, float *out, float margin, int k, void *scratch, int32_t *cand,
                      float *row) {
     int rc = pi_matmul(m, &m->head, hidden, T, out, scratch);
-    if (rc) return rc;
-    const int V = m->head.rows;
-    for (int t = 0; t < T; t++) {
-        float *lg = out + (size_t)t * V, mx = -INFINITY;
-        for (int i = 0; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
-        int n = 0;
-        for (int i = 0; i < V; i++)
-            if (lg[i] >= mx - margin) cand[n++] = i;
-        if (n > k) { /* keep the k largest: a partial selection sort, n is small in practice */
-            for (int a = 0; a < k; a++) {
-                int best = a;
-                for (int b = a + 1; b < n; b++)
-                    if (lg[cand[b]] > lg[cand[best]]) best = b;
-                int tmp = cand[a]; cand[a] = cand[best]; cand[best] = tmp;
-            }
-            n = k;
-        }
-        for (int c = 0; c < n; c++) {
-            if (dequant_row(m->head.type, m->head.data + (size_t)cand[c] * m->head.row_bytes, m->head.cols, row)) return 1;
-            lg[cand[c]] = dotf(hidden + (size_t)t * m->head.cols, row, m->head.cols);
-        }
-    }
-    return 0;
+    return rc ? rc : pi_refine_best(&m->head, hidden, T, out, margin, k, cand, row);
 }
 
 /* A whole step in one call: the embedding rows of ids (times embed_scale) into x [T, d], every
@@ -76,6 +56,71 @@ int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64
     int rc = pi_forward(m, x, pos, slot, T, scratch);
     if (rc) return rc;
     return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
+}
+
+/* A rank's step (a worker of the native pool; m->comm set, m->head its rows of the head).
+ * mode 0: embed ids, every layer (summing partials with the other ranks) -> hidden [T, d];
+ * mode 1 / 2: the same, then the last row's (1) or every row's (2) logits of this rank's head
+ * rows into logits (row stride ld: the caller points it at this rank's first column);
+ * mode 3: hidden [T, d] given -> every row's logits (the output head alone).
+ * hidden (when not NULL) receives the final-normed hidden state of modes 0-2. 0, or an error
+ * code (PI_COMM_* when a peer failed the sync). */
+int pi_rank_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
+                 int mode, float *x, float *logits, int64_t ld, float *hidden, void *scratch) {
+    if (T < 1 || T > m->max_t || mode < 0 || mode > 3) return 1;
+    if (mode != 3) {
+        if (embd->cols != m->d) return 1;
+        for (int t = 0; t < T; t++) {
+            if (ids[t] < 0 || ids[t] >= embd->rows) return 3;
+            float *xt = x + (size_t)t * m->d;
+            if (dequant_row(embd->type, embd->data + (size_t)ids[t] * embd->row_bytes, m->d, xt)) return 1;
+            if (embed_scale != 1.0f)
+                for (int i = 0; i < m->d; i++) xt[i] *= embed_scale;
+        }
+        int rc = pi_forward(m, x, pos, slot, T, scratch);
+        if (rc) return rc;
+        if (hidden) memcpy(hidden, x, sizeof(float) * (size_t)T * m->d);
+        if (mode == 0) return 0;
+    }
+    const float *h = mode == 1 ? x + (size_t)(T - 1) * m->d : x;
+    const int n = mode == 1 ? 1 : T;
+    if (m->head.rows == 0) return 0;
+    pi_scratch s;
+    carve(m, n, (uint8_t *)scratch, &s);
+#pragma omp parallel num_threads(m->n_threads)
+    {
+        quantize_rows(&s, h, n, m->head.cols);
+        matmul(&m->head, &s, h, n, logits, (int)ld);
+    }
+    return 0;
+}
+
+/* The coordinator's half of the decode logits: rows of logits [T, V] from the ranks' 8-bit head,
+ * each row's candidates within margin of its best (at most k) recomputed in float32 from the
+ * file's head w and the final hidden [T, d] (pi_decode_logits' rule, without the matmul). */
+int pi_refine_best(const pi_wt *w, const float *hidden, int T, float *out, float margin, int k, int32_t *cand, float *row) {
+    const int V = w->rows;
+    for (int t = 0; t < T; t++) {
+        float *lg = out + (size_t)t * V, mx = -INFINITY;
+        for (int i = 0; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
+        int n = 0;
+        for (int i = 0; i < V; i++)
+            if (lg[i] >= mx - margin) cand[n++] = i;
+        if (n > k) {
+            for (int a = 0; a < k; a++) {
+                int best = a;
+                for (int b = a + 1; b < n; b++)
+                    if (lg[cand[b]] > lg[cand[best]]) best = b;
+                int tmp = cand[a]; cand[a] = cand[best]; cand[best] = tmp;
+            }
+            n = k;
+        }
+        for (int c = 0; c < n; c++) {
+            if (dequant_row(w->type, w->data + (size_t)cand[c] * w->row_bytes, w->cols, row)) return 1;
+            lg[cand[c]] = dotf(hidden + (size_t)t * w->cols, row, w->cols);
+        }
+    }
+    return 0;
 }
 
 /* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K). */

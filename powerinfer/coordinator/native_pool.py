@@ -1,0 +1,234 @@
+"""The default multiprocess executor: native worker ranks, one STEP per forward pass, partials merged in shared memory.
+
+Runs in: the coordinator process (numpy and ctypes; no torch).
+
+Every worker is a rank that runs every layer on its shard (query heads with their KV cache, FFN
+neurons, rows of the output and down projections and of the head) in the native decoder and
+holds a replica of the residual stream; the ranks gather each other's slices through the
+shared-memory all-gather (kernels/comm.h) four times per layer, so every number equals the
+in-process decoder's bit for bit. The coordinator sends one STEP per forward pass over ZeroMQ and waits for one RESULT per
+rank; the outputs are in the segment (cpu_workers/shm_segment.py): rank 0's final hidden
+states and every rank's columns of the 8-bit logits. The coordinator then refines each row's
+best candidates in float32 from the file's head rows, the same rule and code as the in-process
+native executor (pi_refine_best), so both give the same tokens.
+
+Failure: a rank that dies, errs or stops beating fails the call (WorkerDiedError / WorkerError);
+first the segment's abort flag wakes every rank still waiting in a merge, so none hangs. restart()
+makes a fresh segment and pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from powerinfer.config import ModelConfig
+from powerinfer.coordinator.pool import PoolConfig, WorkerPool
+from powerinfer.cpu_workers.native_model import weight
+from powerinfer.cpu_workers.shm_segment import Segment, create_segment
+from powerinfer.cpu_workers.topology import Placement
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.sharding import RankShard, ShardPlan, plan_ranks, plan_shards
+from powerinfer.protocol import LogitsMsg, Message, ResultMsg, StepMsg, WorkerDiedError, WorkerError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolStats:
+    """Accumulated over calls: wall time of each call, the ranks' time in native code and, of it,
+    waiting in merges (summed over ranks), and the merges themselves."""
+
+    calls: int = 0
+    round_trip_us: float = 0.0
+    compute_us: float = 0.0  # summed over ranks
+    wait_us: float = 0.0  # summed over ranks
+    syncs: int = 0  # per rank
+    per_call_us: list[float] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.calls, self.round_trip_us, self.compute_us, self.wait_us, self.syncs = 0, 0.0, 0.0, 0.0, 0
+        self.per_call_us = []
+
+    @property
+    def wait_share(self) -> float:
+        """Share of the ranks' native time spent waiting for peers in the merges."""
+        return self.wait_us / self.compute_us if self.compute_us else 0.0
+
+
+class NativePoolExecutor:
+    """Whole forward passes on native worker ranks (see the module docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
+                 placements: tuple[Placement, ...] = (), log_level: str = "WARNING", n_slots: int = 1, max_tokens: int = 512) -> None:
+        if max_tokens < 1:
+            raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
+        self.lib, self.cfg = lib, cfg
+        self.plan: ShardPlan = plan_shards(cfg, n_workers)
+        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers)
+        self.head = weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight")  # file rows, for refinement
+        self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
+        self._cand = np.empty(self.head.rows, dtype=np.int32)
+        self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, "", n_slots, "shm", "", max_tokens)
+        self.max_tokens = max_tokens
+        self.stats = PoolStats()
+        self.step_no = 0
+        self.seg: Segment | None = None
+        self.pool: WorkerPool | None = None
+        self._start()
+
+    def _start(self) -> None:
+        c = self._config
+        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t)
+        try:
+            self.pool = WorkerPool(PoolConfig(**{**c.__dict__, "shm": self.seg.path}))
+        except BaseException:
+            self.seg.close()
+            self.seg = None
+            raise
+        self.seg.unlink()  # every rank has it mapped: nothing is left behind if this process is killed
+
+    # -- the Executor surface the engine uses --------------------------------------------------
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(r.weight_bytes for r in self._pool.ready)
+
+    @property
+    def pids(self) -> list[int]:
+        return self._pool.pids
+
+    @property
+    def logit_rows(self) -> int:
+        return self._seg.layout.logit_rows
+
+    def native_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
+        """One forward pass of T tokens -> decode logits of the last row [1, V] or each row [T, V]
+        (8-bit head, best candidates refined in float32), like NativeDecoder.step."""
+        T = len(ids)
+        if not 1 <= T <= self.max_tokens or len(positions) != T or len(slots) != T:
+            raise InvalidArgumentError(f"a step takes 1..{self.max_tokens} tokens with one position and slot each")
+        if each and T > self.logit_rows:
+            return self.decode_logits(self.forward_ids(ids, positions, slots), margin, k)
+        self._step(ids, positions, slots, 2 if each else 1)
+        n = T if each else 1
+        out = np.array(self._seg.logits[:n])
+        hidden = self._seg.hidden[:T] if each else self._seg.hidden[T - 1 : T]
+        self._refine_best(out, np.ascontiguousarray(hidden), margin, k)
+        return out
+
+    def forward_ids(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> np.ndarray:
+        """Tokens -> final-normed hidden states [T, d] (chunks of max_tokens)."""
+        ids_a = np.ascontiguousarray(ids, dtype=np.int64)
+        pos_a = np.ascontiguousarray(positions, dtype=np.int64)
+        sl_a = np.ascontiguousarray(slots, dtype=np.int64)
+        out = np.empty((ids_a.size, self.cfg.d_model), dtype=np.float32)
+        for a in range(0, ids_a.size, self.max_tokens):
+            b = min(a + self.max_tokens, ids_a.size)
+            self._step(ids_a[a:b], pos_a[a:b], sl_a[a:b], 0)
+            out[a:b] = self._seg.hidden[: b - a]
+        return out
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [T, d] final-normed -> 8-bit head logits [T, V] (every rank its columns)."""
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        out = np.empty((h.shape[0], self.cfg.vocab_size), dtype=np.float32)
+        rows = self.logit_rows
+        for a in range(0, h.shape[0], rows):
+            b = min(a + rows, h.shape[0])
+            chunk = h[a:b]
+            self._call(lambda req: LogitsMsg(req=req, step=self.step_no, layer=self.cfg.n_layers, tensors=(chunk,)), "computing the output head")
+            out[a:b] = self._seg.logits[: b - a]
+        return out
+
+    def decode_logits(self, hidden: np.ndarray, margin: float, k: int) -> np.ndarray:
+        out = self.logits(hidden)
+        self._refine_best(out, np.ascontiguousarray(hidden, dtype=np.float32), margin, k)
+        return out
+
+    def refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
+        """logits [T, V] at idx [T, R] := hidden [T, d] . those head rows in float32 (from the file)."""
+        h = np.ascontiguousarray(hidden, dtype=np.float32)
+        ix = np.ascontiguousarray(idx, dtype=np.int64)
+        if self.lib.pi_refine(ctypes.byref(self.head), h.ctypes.data, h.shape[0], ix.ctypes.data, ix.shape[1], logits.ctypes.data,
+                              logits.shape[1], self._row.ctypes.data):
+            raise InvalidArgumentError("head rows to refine are outside the vocabulary")
+
+    def check_health(self) -> None:
+        self._pool.check_health()
+
+    def restart(self) -> None:
+        log.warning("restarting the worker pool")
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close(timeout=1.0)
+            self.pool = None
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    @property
+    def _pool(self) -> WorkerPool:
+        if self.pool is None:
+            raise WorkerDiedError("the worker pool is closed")
+        return self.pool
+
+    @property
+    def _seg(self) -> Segment:
+        if self.seg is None:
+            raise WorkerDiedError("the worker pool is closed")
+        return self.seg
+
+    def _refine_best(self, out: np.ndarray, hidden: np.ndarray, margin: float, k: int) -> None:
+        if self.lib.pi_refine_best(ctypes.byref(self.head), hidden.ctypes.data, out.shape[0], out.ctypes.data, margin, k,
+                                   self._cand.ctypes.data, self._row.ctypes.data):
+            raise InvalidArgumentError("the head's rows could not be refined")
+
+    def _step(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray, mode: int) -> None:
+        self.step_no += 1
+        t = (np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64))
+        self._call(lambda req: StepMsg(req=req, step=self.step_no, mode=mode, tensors=t), "computing a step")
+
+    def _call(self, make: Callable[[int], Message], what: str) -> None:
+        """The same message (made for this request id) to every rank; wait for every RESULT."""
+        pool = self._pool
+        req = pool.next_req()
+        msg = make(req)
+        msgs = {i: msg for i in range(len(self.ranks))}
+        t0 = time.perf_counter()
+        try:
+            replies = pool.call(msgs, req, what, expect=ResultMsg)
+        except (WorkerDiedError, WorkerError) as e:
+            self.abort()
+            if isinstance(e, WorkerError):
+                pool.check_health()  # a rank that saw its peer die: name the dead one
+            raise
+        except BaseException:
+            self.abort()  # KeyboardInterrupt mid-step: the ranks must not wait for each other forever
+            raise
+        wall = (time.perf_counter() - t0) * 1e6
+        s = self.stats
+        s.calls += 1
+        s.round_trip_us += wall
+        s.per_call_us.append(wall)
+        for r in replies.values():
+            assert isinstance(r, ResultMsg)
+            s.compute_us += r.compute_us
+            s.wait_us += r.wait_us
+        s.syncs += max(r.syncs for r in replies.values() if isinstance(r, ResultMsg))
+
+    def abort(self) -> None:
+        """Wake every rank waiting in a merge with an error (a rank died, or the call was abandoned)."""
+        if self.seg is not None:
+            self.lib.pi_comm_abort(self.seg.base)

@@ -1,0 +1,189 @@
+"""The native decoder's library: build kernels/decoder.c per instruction set, load it with ctypes,
+declare its entry points and the C structs they take (mirrors of kernels/model.h and comm.h).
+
+Runs in: every process that computes with the native decoder (the in-process executor's
+coordinator, the native pool's CPU workers) and the coordinator of that pool (refinement, the
+shared-memory segment). numpy and ctypes only: no torch.
+
+The library is built once per machine for the best instruction set the CPU has (AVX-512 VNNI,
+AVX2, or portable C), or the one ``POWERINFER_ISA`` names (``vnni``, ``avx2``, ``scalar``: tests
+run every path this machine can). ``POWERINFER_NATIVE=0`` or no C compiler: :func:`decoder_lib`
+is None and callers fall back to their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.cpu_workers.cbuild import load_library
+from powerinfer.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "decoder.c"
+HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h", "comm.h"))
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+ISA_FLAGS = {
+    "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DPI_AVX2"),
+    "scalar": (),
+}
+ISA_CPU_FLAGS = {"vnni": {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}, "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
+ISA_IDS = {"scalar": 0, "avx2": 1, "vnni": 2}
+# GGML types the dot products cover (qdot.h's registry), with the row length their blocks need.
+TYPES = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q8_0: 32,
+         QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256}
+
+
+class PiWt(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("x8", ctypes.c_void_p), ("row_bytes", ctypes.c_int64), ("type", ctypes.c_int32), ("rows", ctypes.c_int32),
+                ("cols", ctypes.c_int32)]
+
+
+class PiLayer(ctypes.Structure):
+    _fields_ = [(n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
+        (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
+                                       "k_cache", "v_cache", "rope_cos", "rope_sin")
+    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+
+class PiModel(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "d", "n_ff", "n_head", "n_kv", "D", "Dv", "rope_dim", "neox", "act", "n_ctx",
+                                               "n_slots", "n_threads", "max_t")] + [
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
+        ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
+        *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "pad2")], ("comm", ctypes.c_void_p)]
+
+
+class PiComm(ctypes.Structure):
+    """comm.h's pi_comm: one rank's private handle on the pool's shared segment."""
+
+    _fields_ = [("hdr", ctypes.c_void_p), ("bufs", ctypes.c_void_p), ("rank", ctypes.c_int32), ("spin_us", ctypes.c_int32),
+                ("slice_ms", ctypes.c_int32), ("deadline_ms", ctypes.c_int32), ("gen", ctypes.c_uint32), ("err", ctypes.c_int32),
+                ("n_syncs", ctypes.c_uint64), ("wait_ns", ctypes.c_uint64), ("lat", ctypes.c_void_p)]
+
+
+LAT_RING = 8192  # comm.h's PI_LAT_RING: latencies kept per rank
+COMM_ERRORS = {10: "aborted by the coordinator (a rank died)", 11: "a peer rank died", 12: "a peer rank did not arrive in time",
+               13: "more floats than the segment holds"}
+
+
+# decoder.c's profile phases, in its order (pi_phases() of them)
+PHASES = ("norm", "qkv", "rope+cache", "attention", "out_proj", "ffn_norm", "gate+up", "act", "down")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def best_isa(flags: set[str] | None = None) -> str:
+    flags = cpu_flags() if flags is None else flags
+    return next(isa for isa in ("vnni", "avx2", "scalar") if ISA_CPU_FLAGS[isa] <= flags)
+
+
+def requested_isa() -> str:
+    want = os.environ.get("POWERINFER_ISA", "auto").lower()
+    if want == "auto":
+        return best_isa()
+    if want not in ISA_FLAGS:
+        raise InvalidArgumentError(f"POWERINFER_ISA must be auto, {', '.join(ISA_FLAGS)}; got {want!r}")
+    if not ISA_CPU_FLAGS[want] <= cpu_flags():
+        raise InvalidArgumentError(f"POWERINFER_ISA={want}: this CPU lacks {sorted(ISA_CPU_FLAGS[want] - cpu_flags())}")
+    return want
+
+
+@functools.lru_cache(maxsize=None)
+def _load(isa: str) -> ctypes.CDLL | None:
+    try:
+        lib = load_library(SOURCE, HEADERS, (*BASE_FLAGS, *ISA_FLAGS[isa]), f"decoder-{isa}")
+    except OSError as e:
+        log.warning("native decoder unavailable (%s): the in-process executor uses its torch path", e)
+        return None
+    lib.pi_model_size.restype = ctypes.c_int
+    lib.pi_layer_size.restype = ctypes.c_int
+    if lib.pi_model_size() != ctypes.sizeof(PiModel) or lib.pi_layer_size() != ctypes.sizeof(PiLayer):
+        log.warning("native decoder struct layout differs from native_lib.py: not used")
+        return None
+    ptr = ctypes.c_void_p
+    lib.pi_scratch_bytes.argtypes = [ctypes.POINTER(PiModel), ctypes.c_int]
+    lib.pi_scratch_bytes.restype = ctypes.c_int64
+    lib.pi_forward.argtypes = [ctypes.POINTER(PiModel), ptr, ptr, ptr, ctypes.c_int, ptr]
+    lib.pi_forward.restype = ctypes.c_int
+    lib.pi_matmul.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ptr]
+    lib.pi_matmul.restype = ctypes.c_int
+    lib.pi_isa.restype = ctypes.c_int
+    lib.pi_phases.restype = ctypes.c_int
+    if lib.pi_phases() != len(PHASES):
+        log.warning("native decoder phases differ from native_lib.py: not used")
+        return None
+    lib.pi_rows.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr]
+    lib.pi_rows.restype = ctypes.c_int
+    lib.pi_refine.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, ctypes.c_int64, ptr]
+    lib.pi_refine.restype = ctypes.c_int
+    lib.pi_decode_logits.argtypes = [ctypes.POINTER(PiModel), ptr, ctypes.c_int, ptr, ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
+    lib.pi_decode_logits.restype = ctypes.c_int
+    lib.pi_step.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ctypes.c_float, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr,
+                            ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
+    lib.pi_step.restype = ctypes.c_int
+    lib.pi_x8_supported.argtypes = [ctypes.c_int]
+    lib.pi_x8_supported.restype = ctypes.c_int
+    lib.pi_x8_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
+    lib.pi_x8_repack.restype = None
+    lib.pi_read_sum.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
+    lib.pi_read_sum.restype = ctypes.c_double
+    i64, i32 = ctypes.c_int64, ctypes.c_int
+    lib.pi_rank_step.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ctypes.c_float, ptr, ptr, ptr, i32, i32, ptr, ptr, i64, ptr, ptr]
+    lib.pi_rank_step.restype = i32
+    lib.pi_refine_best.argtypes = [ctypes.POINTER(PiWt), ptr, i32, ptr, ctypes.c_float, i32, ptr, ptr]
+    lib.pi_refine_best.restype = i32
+    lib.pi_comm_hdr_bytes.restype = i64
+    lib.pi_comm_size.restype = i32
+    lib.pi_comm_format.argtypes = [ptr, i32, i64]
+    lib.pi_comm_format.restype = i32
+    lib.pi_comm_attach.argtypes = [ptr, ptr, i32, i32, i32, i32, ptr]
+    lib.pi_comm_attach.restype = i32
+    lib.pi_comm_abort.argtypes = [ptr]
+    lib.pi_comm_abort.restype = None
+    lib.pi_comm_bench.argtypes = [ptr, i32, i32, i32, i32, ptr]
+    lib.pi_comm_bench.restype = i32
+    if lib.pi_comm_size() != ctypes.sizeof(PiComm):
+        log.warning("native decoder comm layout differs from native_lib.py: not used")
+        return None
+    return lib
+
+
+def decoder_lib(isa: str | None = None) -> ctypes.CDLL | None:
+    """The decoder built for isa (default: POWERINFER_ISA or the CPU's best), or None."""
+    if os.environ.get("POWERINFER_NATIVE", "1") == "0":
+        return None
+    return _load(isa or requested_isa())
+
+
+def read_bandwidth_gbs(lib: ctypes.CDLL, n_threads: int, n_bytes: int = 512 << 20, repeat: int = 5) -> float:
+    """Streaming-read bandwidth with n_threads threads (best of repeat passes over n_bytes), GB/s."""
+    buf = np.ones(n_bytes // 4, dtype=np.float32)  # written once here, so every page is resident
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        total = lib.pi_read_sum(buf.ctypes.data, buf.size, n_threads)
+        best = min(best, time.perf_counter() - t)
+    if abs(total - buf.size) > 1e-3 * buf.size:  # the sum proves every byte was read
+        raise RuntimeError(f"read test summed {total}, expected {buf.size}")
+    return n_bytes / best / 1e9
+
+

@@ -1,0 +1,117 @@
+"""A CPU worker of the native pool (LOAD transport "shm"): one rank of every layer, one native call per step.
+
+Runs in: a CPU worker process, after worker.py's handshake, pinning and LOAD. Imports no torch.
+
+The rank holds its :class:`powerinfer.model.sharding.RankShard` of every layer in the native
+decoder (query heads with their KV cache, FFN neurons, output-head rows; weights read in place
+from the memory-mapped GGUF, the eight-row types repacked for its slice only) and a replica of
+the residual stream. A STEP runs the whole forward pass in ``pi_rank_step``: the ranks sum their
+slices of the attention output, its projection, the FFN's hidden and its projection through the
+shared-memory all-gather (kernels/comm.h) four times per layer,
+with no Python and no message per layer. Rank 0 writes the final hidden states into the
+segment, every rank its columns of the logits; RESULT tells the coordinator the step is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from powerinfer.config import config_from_gguf
+from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.cpu_workers.native_model import NativeDecoder, supports
+from powerinfer.cpu_workers.shm_segment import RankComm, Segment, SegmentLayout, comm_error
+from powerinfer.errors import UnsupportedModelError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.sharding import plan_ranks
+from powerinfer.protocol import ErrorMsg, LoadMsg, LogitsMsg, ProtocolError, ResultMsg, ShutdownMsg, StepMsg, recv, send
+
+log = logging.getLogger(__name__)
+
+
+class NativeRank:
+    """This worker's rank: the decoder over its shard, the segment and its merge handle."""
+
+    def __init__(self, load: LoadMsg, rank: int) -> None:
+        lib = decoder_lib()
+        if lib is None:
+            raise UnsupportedModelError("the native decoder is unavailable in this worker (POWERINFER_NATIVE=0 or no C compiler)")
+        self.lib = lib
+        f = GGUFFile(load.model)
+        cfg = config_from_gguf(f)
+        why = supports(f, cfg)
+        if why is not None:
+            raise UnsupportedModelError(f"the native decoder cannot run this model: {why}")
+        self.shard = plan_ranks(cfg, load.n_workers)[rank]
+        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard)
+        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()))
+        self.seg = Segment(load.shm, layout, create=False)
+        self.comm = RankComm(lib, self.seg, rank)
+        self.dec.model.comm = self.comm.ptr
+        self.rank, self.d, self.max_t = rank, cfg.d_model, load.max_t
+        self.io = np.zeros((3, load.max_t), dtype=np.int64)
+        self.x = np.empty((load.max_t, cfg.d_model), dtype=np.float32)  # the residual stream replica
+        self.embed_scale = float(cfg.embed_scale)
+        self.weight_bytes = self.dec.weight_bytes
+
+    def run(self, mode: int, T: int) -> int:
+        """The native call for a STEP (mode 0-2, ids etc. in self.io) or a head pass (mode 3, self.x)."""
+        L = self.seg.layout
+        if mode in (2, 3) and T > L.logit_rows:
+            return 1
+        logits = self.seg.base + L.logits_off + self.shard.v0 * 4  # this rank's first column
+        hidden = self.seg.base + L.hidden_off if self.rank == 0 and mode != 3 else None
+        io = self.io
+        return int(self.lib.pi_rank_step(ctypes.byref(self.dec.model), ctypes.byref(self.dec.embeddings), self.embed_scale,
+                                         io[0].ctypes.data, io[1].ctypes.data, io[2].ctypes.data, T, mode, self.x.ctypes.data, logits,
+                                         L.vocab, hidden, self.dec.scratch.ctypes.data))
+
+
+def serve_native(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading.Event) -> None:
+    """STEP / LOGITS -> RESULT (or ERROR) until SHUTDOWN."""
+    while True:
+        try:
+            msg = recv(sock)
+        except ProtocolError as e:
+            log.error("worker %d: dropped a malformed message: %s", index, e)
+            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=str(e)))
+            continue
+        if isinstance(msg, ShutdownMsg):
+            return
+        if not isinstance(msg, (StepMsg, LogitsMsg)):
+            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
+            continue
+        busy.set()
+        t0 = time.perf_counter()
+        syncs0, wait0 = int(rank.comm.comm.n_syncs), int(rank.comm.comm.wait_ns)
+        try:
+            if isinstance(msg, StepMsg):
+                ids = msg.tensors[0]
+                T = int(ids.shape[0])
+                if not 1 <= T <= rank.max_t or msg.tensors[1].shape[0] != T or msg.tensors[2].shape[0] != T:
+                    raise ValueError(f"a STEP takes 1..{rank.max_t} tokens with one position and slot each")
+                for i in range(3):
+                    rank.io[i, :T] = msg.tensors[i]
+                rc = rank.run(msg.mode, T)
+            else:
+                x = msg.tensors[0]
+                T = int(x.shape[0])
+                if x.dtype != np.float32 or x.shape[1:] != (rank.d,) or not 1 <= T <= rank.max_t:
+                    raise ValueError(f"LOGITS takes f32 [1..{rank.max_t}, {rank.d}], got {x.dtype} {list(x.shape)}")
+                rank.x[:T] = x
+                rc = rank.run(3, T)
+            if rc:
+                raise RuntimeError(comm_error(rc) if rc >= 10 else f"the native step refused its input (code {rc})")
+            c = rank.comm.comm
+            send(sock, ResultMsg(req=msg.req, step=msg.step, worker=index, compute_us=int((time.perf_counter() - t0) * 1e6),
+                                 wait_us=(int(c.wait_ns) - wait0) // 1000, syncs=int(c.n_syncs) - syncs0))
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR
+            log.warning("worker %d: step failed: %s", index, e)
+            send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
+        finally:
+            busy.clear()

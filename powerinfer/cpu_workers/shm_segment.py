@@ -1,0 +1,145 @@
+"""The native pool's shared-memory segment: its layout, creation, mapping and a rank's handle on it.
+
+Runs in: the coordinator (creates and formats the segment, reads the outputs, aborts waits) and
+every CPU worker of the native pool (attaches as one rank). numpy, mmap and ctypes only.
+
+One file in /dev/shm (tmpfs), created mode 0600 with O_EXCL by the coordinator and unlinked as
+soon as every worker has mapped it, so a killed coordinator leaves nothing behind. Layout
+(offsets in :class:`SegmentLayout`, 64-byte aligned):
+
+    header      comm.h's pi_shm_hdr: abort flag, one cache line per rank (generation, sleepers), pids
+    banks       [2, max_t * width] f32: the all-gather's two banks (width: the widest gathered row)
+    hidden      [max_t, d] f32: final-normed hidden states, written by rank 0
+    logits      [logit_rows, vocab] f32: each rank writes its head rows' columns
+
+Pages are touched only when written, so the logits area costs memory only as far as it is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer.config import ModelConfig
+from powerinfer.cpu_workers.native_lib import COMM_ERRORS, LAT_RING, PiComm
+from powerinfer.errors import InvalidArgumentError
+
+SHM_DIR = Path("/dev/shm")
+LOGITS_BYTES = 64 << 20  # cap on the logits area: rows of one STEP/LOGITS = this / (vocab * 4)
+SPIN_US = 50  # a merge spins this long for a late peer before sleeping on a futex
+SLICE_MS = 50  # a sleeping merge wakes this often to check the abort flag and its peers' liveness
+DEADLINE_MS = 60_000  # a peer missing this long fails the merge (a backstop: the coordinator aborts first)
+
+
+def _al(n: int) -> int:
+    return (n + 63) & ~63
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    n_ranks: int
+    max_t: int
+    d: int
+    vocab: int
+    width: int  # floats of the widest gathered row: max(d, n_ff, n_heads * v_head_dim)
+    hdr_bytes: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, n_ranks: int, max_t: int, hdr_bytes: int) -> SegmentLayout:
+        width = max(cfg.d_model, cfg.n_ff, cfg.n_heads * cfg.v_head_dim)
+        return cls(n_ranks, max_t, cfg.d_model, cfg.vocab_size, width, hdr_bytes)
+
+    @property
+    def cap(self) -> int:
+        """Floats per bank."""
+        return self.max_t * self.width
+
+    @property
+    def logit_rows(self) -> int:
+        return max(1, min(self.max_t, LOGITS_BYTES // (self.vocab * 4)))
+
+    @property
+    def hidden_off(self) -> int:
+        return _al(self.hdr_bytes + 2 * self.cap * 4)
+
+    @property
+    def logits_off(self) -> int:
+        return _al(self.hidden_off + self.max_t * self.d * 4)
+
+    @property
+    def size(self) -> int:
+        return _al(self.logits_off + self.logit_rows * self.vocab * 4)
+
+
+class Segment:
+    """A mapping of the segment (either side); views of its hidden and logits areas."""
+
+    def __init__(self, path: str, layout: SegmentLayout, create: bool) -> None:
+        self.path, self.layout = path, layout
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, layout.size)
+            elif os.fstat(fd).st_size != layout.size:
+                raise InvalidArgumentError(f"shared segment {path} has {os.fstat(fd).st_size} bytes, expected {layout.size}")
+            self._map = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._buf = np.frombuffer(self._map, dtype=np.uint8)
+        self.base = int(self._buf.ctypes.data)
+        L = layout
+        self.hidden = self._buf[L.hidden_off : L.hidden_off + L.max_t * L.d * 4].view(np.float32).reshape(L.max_t, L.d)
+        self.logits = self._buf[L.logits_off : L.logits_off + L.logit_rows * L.vocab * 4].view(np.float32).reshape(L.logit_rows, L.vocab)
+
+    def unlink(self) -> None:
+        """Remove the file (mappings stay valid): called once every rank has mapped it."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        self.hidden = self.logits = self._buf = np.empty(0, dtype=np.float32)
+        try:
+            self._map.close()
+        except BufferError:  # a view is still exported somewhere: the mapping goes with it
+            pass
+
+
+def create_segment(lib: ctypes.CDLL, cfg: ModelConfig, n_ranks: int, max_t: int) -> Segment:
+    """A fresh, formatted segment in /dev/shm (falls back to the temp dir's file system)."""
+    layout = SegmentLayout.for_model(cfg, n_ranks, max_t, int(lib.pi_comm_hdr_bytes()))
+    where = SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
+    seg = Segment(str(where / f"powerinfer-{os.getpid()}-{secrets.token_hex(6)}"), layout, create=True)
+    if lib.pi_comm_format(seg.base, n_ranks, layout.cap):
+        seg.close()
+        raise InvalidArgumentError(f"cannot format a merge segment for {n_ranks} ranks")
+    return seg
+
+
+class RankComm:
+    """One rank's handle (comm.h's pi_comm) and its latency ring; ``ptr`` goes into pi_model.comm."""
+
+    def __init__(self, lib: ctypes.CDLL, seg: Segment, rank: int) -> None:
+        self.comm = PiComm()
+        self.lat = np.zeros(LAT_RING, dtype=np.uint32)
+        if lib.pi_comm_attach(ctypes.byref(self.comm), seg.base, rank, SPIN_US, SLICE_MS, DEADLINE_MS, self.lat.ctypes.data):
+            raise InvalidArgumentError(f"rank {rank} cannot attach to the merge segment {seg.path}")
+        self.ptr = ctypes.addressof(self.comm)
+
+    def latencies_ns(self) -> np.ndarray:
+        """The latest (up to LAT_RING) merge latencies, ns."""
+        n = int(self.comm.n_syncs)
+        return self.lat[: min(n, LAT_RING)].copy()
+
+
+def comm_error(code: int) -> str:
+    return COMM_ERRORS.get(code, f"native step failed with code {code}")
