@@ -30,7 +30,7 @@ import numpy as np
 from powerinfer.config import ModelConfig
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
 from powerinfer.cpu_workers.native_model import weight
-from powerinfer.cpu_workers.shm_segment import Segment, create_segment
+from powerinfer.cpu_workers.shm_segment import Segment, comm_error, create_segment
 from powerinfer.cpu_workers.topology import Placement
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
@@ -38,6 +38,8 @@ from powerinfer.model.sharding import RankShard, ShardPlan, plan_ranks, plan_sha
 from powerinfer.protocol import LogitsMsg, Message, ResultMsg, StepMsg, WorkerDiedError, WorkerError
 
 log = logging.getLogger(__name__)
+
+WAIT_SLICE_MS = 50  # the coordinator checks the ranks' health this often while a step runs
 
 
 @dataclass
@@ -66,7 +68,10 @@ class NativePoolExecutor:
     """Whole forward passes on native worker ranks (see the module docstring)."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
-                 placements: tuple[Placement, ...] = (), log_level: str = "WARNING", n_slots: int = 1, max_tokens: int = 512) -> None:
+                 placements: tuple[Placement, ...] = (), log_level: str = "WARNING", n_slots: int = 1, max_tokens: int = 512,
+                 step_channel: str = "shm") -> None:
+        """step_channel "shm": steps through the segment's doorbell (the default); "zmq": a STEP
+        message per pass (the protocol's portable form; measured slower, see docs/protocol.md)."""
         if max_tokens < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
@@ -77,6 +82,8 @@ class NativePoolExecutor:
         self._cand = np.empty(self.head.rows, dtype=np.int32)
         self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, "", n_slots, "shm", "", max_tokens)
         self.max_tokens = max_tokens
+        self.step_channel = step_channel
+        self._answers = np.zeros((n_workers, 4), dtype=np.int64)  # pi_door_wait: rc, compute ns, wait ns, syncs per rank
         self.stats = PoolStats()
         self.step_no = 0
         self.seg: Segment | None = None
@@ -93,6 +100,9 @@ class NativePoolExecutor:
             self.seg = None
             raise
         self.seg.unlink()  # every rank has it mapped: nothing is left behind if this process is killed
+        seg = self.seg
+        self.pool.after_send = lambda: self.lib.pi_door_control(seg.base)
+        self._gen = 0
 
     # -- the Executor surface the engine uses --------------------------------------------------
 
@@ -196,9 +206,47 @@ class NativePoolExecutor:
             raise InvalidArgumentError("the head's rows could not be refined")
 
     def _step(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray, mode: int) -> None:
+        """One forward pass through the doorbell (or, with step_channel "zmq", a STEP message)."""
         self.step_no += 1
-        t = (np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64))
-        self._call(lambda req: StepMsg(req=req, step=self.step_no, mode=mode, tensors=t), "computing a step")
+        if self.step_channel == "zmq":
+            t = (np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64))
+            self._call(lambda req: StepMsg(req=req, step=self.step_no, mode=mode, tensors=t), "computing a step")
+            return
+        seg, pool = self._seg, self._pool
+        T = len(ids)
+        seg.io[0, :T] = ids
+        seg.io[1, :T] = positions
+        seg.io[2, :T] = slots
+        self._gen += 1
+        t0 = time.perf_counter()
+        self.lib.pi_door_post(seg.base, self._gen, T, mode)
+        out = self._answers
+        try:
+            while True:
+                rc = self.lib.pi_door_wait(seg.base, self._gen, WAIT_SLICE_MS, out.ctypes.data)
+                if rc == 0:
+                    break
+                if rc != 1:
+                    raise WorkerError(f"the step was aborted ({comm_error(rc)})")
+                pool.check_health()  # a slow step, or a dead / stopped rank: WorkerDiedError
+            bad = [(i, int(out[i, 0])) for i in range(len(self.ranks)) if out[i, 0]]
+            if bad:
+                pool.check_health()  # a rank that saw its peer die: name the dead one
+                i, rc = bad[0]
+                raise WorkerError(f"worker {i} failed the step: {comm_error(rc) if rc >= 10 else f'input refused (code {rc})'}")
+        except BaseException:
+            self.abort()  # wake every rank still waiting in a merge
+            raise
+        self._account((time.perf_counter() - t0) * 1e6, out[:, 1].sum() / 1e3, out[:, 2].sum() / 1e3, int(out[:, 3].max()))
+
+    def _account(self, wall_us: float, compute_us: float, wait_us: float, syncs: int) -> None:
+        s = self.stats
+        s.calls += 1
+        s.round_trip_us += wall_us
+        s.per_call_us.append(wall_us)
+        s.compute_us += compute_us
+        s.wait_us += wait_us
+        s.syncs += syncs
 
     def _call(self, make: Callable[[int], Message], what: str) -> None:
         """The same message (made for this request id) to every rank; wait for every RESULT."""
@@ -217,16 +265,8 @@ class NativePoolExecutor:
         except BaseException:
             self.abort()  # KeyboardInterrupt mid-step: the ranks must not wait for each other forever
             raise
-        wall = (time.perf_counter() - t0) * 1e6
-        s = self.stats
-        s.calls += 1
-        s.round_trip_us += wall
-        s.per_call_us.append(wall)
-        for r in replies.values():
-            assert isinstance(r, ResultMsg)
-            s.compute_us += r.compute_us
-            s.wait_us += r.wait_us
-        s.syncs += max(r.syncs for r in replies.values() if isinstance(r, ResultMsg))
+        res = [r for r in replies.values() if isinstance(r, ResultMsg)]
+        self._account((time.perf_counter() - t0) * 1e6, sum(r.compute_us for r in res), sum(r.wait_us for r in res), max(r.syncs for r in res))
 
     def abort(self) -> None:
         """Wake every rank waiting in a merge with an error (a rank died, or the call was abandoned)."""

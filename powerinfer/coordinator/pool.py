@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import zmq
 
@@ -85,6 +86,9 @@ class WorkerPool:
         self.last_beat: list[float] = []
         self._req = 0
         self._dir = ""
+        # called after each batch of sends: the native pool rings its doorbell so that ranks
+        # serving steps in native code come back to read their socket
+        self.after_send: Callable[[], None] | None = None
         self._ctx: zmq.Context | None = None
         self.start()
 
@@ -160,6 +164,8 @@ class WorkerPool:
                     self._send(i, ShutdownMsg())
                 except (zmq.ZMQError, WorkerDiedError):
                     pass
+        if self.after_send is not None:
+            self.after_send()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
@@ -262,6 +268,8 @@ class WorkerPool:
         """Send one request per worker and return their replies of type expect (raises on any failure)."""
         for i, msg in msgs.items():
             self._send(i, msg)
+        if self.after_send is not None:
+            self.after_send()
         replies = self._gather(set(msgs), timeout, what, req=req)
         for i, msg in replies.items():
             if not isinstance(msg, expect):

@@ -72,6 +72,14 @@ class PiComm(ctypes.Structure):
                 ("n_syncs", ctypes.c_uint64), ("wait_ns", ctypes.c_uint64), ("lat", ctypes.c_void_p)]
 
 
+class PiRankCtx(ctypes.Structure):
+    """step.h's pi_rank_ctx: what a serving rank's steps need besides the doorbell's inputs."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("m", "embd", "x", "logits", "hidden", "scratch")] + [
+        ("ld", ctypes.c_int64), ("logit_rows", ctypes.c_int64), ("embed_scale", ctypes.c_float), ("pad", ctypes.c_int32),
+        ("last_gen", ctypes.c_uint32), ("last_control", ctypes.c_uint32)]
+
+
 LAT_RING = 8192  # comm.h's PI_LAT_RING: latencies kept per rank
 COMM_ERRORS = {10: "aborted by the coordinator (a rank died)", 11: "a peer rank died", 12: "a peer rank did not arrive in time",
                13: "more floats than the segment holds"}
@@ -153,7 +161,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_refine_best.restype = i32
     lib.pi_comm_hdr_bytes.restype = i64
     lib.pi_comm_size.restype = i32
-    lib.pi_comm_format.argtypes = [ptr, i32, i64]
+    lib.pi_comm_format.argtypes = [ptr, i32, i64, i64]
     lib.pi_comm_format.restype = i32
     lib.pi_comm_attach.argtypes = [ptr, ptr, i32, i32, i32, i32, ptr]
     lib.pi_comm_attach.restype = i32
@@ -161,7 +169,17 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_comm_abort.restype = None
     lib.pi_comm_bench.argtypes = [ptr, i32, i32, i32, i32, ptr]
     lib.pi_comm_bench.restype = i32
-    if lib.pi_comm_size() != ctypes.sizeof(PiComm):
+    u32 = ctypes.c_uint32
+    lib.pi_door_post.argtypes = [ptr, u32, i32, i32]
+    lib.pi_door_post.restype = None
+    lib.pi_door_control.argtypes = [ptr]
+    lib.pi_door_control.restype = None
+    lib.pi_door_wait.argtypes = [ptr, u32, i32, ptr]
+    lib.pi_door_wait.restype = i32
+    lib.pi_rank_serve.argtypes = [ctypes.POINTER(PiRankCtx), i32, i32]
+    lib.pi_rank_serve.restype = i32
+    lib.pi_rank_ctx_size.restype = i32
+    if lib.pi_comm_size() != ctypes.sizeof(PiComm) or lib.pi_rank_ctx_size() != ctypes.sizeof(PiRankCtx):
         log.warning("native decoder comm layout differs from native_lib.py: not used")
         return None
     return lib

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 import time
 
@@ -23,7 +24,7 @@ import numpy as np
 import zmq
 
 from powerinfer.config import config_from_gguf
-from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
 from powerinfer.cpu_workers.shm_segment import RankComm, Segment, SegmentLayout, comm_error
 from powerinfer.errors import UnsupportedModelError
@@ -32,6 +33,10 @@ from powerinfer.model.sharding import plan_ranks
 from powerinfer.protocol import ErrorMsg, LoadMsg, LogitsMsg, ProtocolError, ResultMsg, ShutdownMsg, StepMsg, recv, send
 
 log = logging.getLogger(__name__)
+
+STEP_SPIN_US = int(os.environ.get("POWERINFER_STEP_SPIN_US", "30"))  # spin for the next step before sleeping on the doorbell
+IDLE_MS = 1000  # an idle rank wakes this often (to return to Python; costs nothing measurable)
+CONTROL_WAIT_MS = 2000  # how long a rung rank waits for the ZeroMQ message
 
 
 class NativeRank:
@@ -58,6 +63,10 @@ class NativeRank:
         self.x = np.empty((load.max_t, cfg.d_model), dtype=np.float32)  # the residual stream replica
         self.embed_scale = float(cfg.embed_scale)
         self.weight_bytes = self.dec.weight_bytes
+        L = self.seg.layout
+        self.ctx = PiRankCtx(ctypes.addressof(self.dec.model), ctypes.addressof(self.dec.embeddings), self.x.ctypes.data,
+                             self.seg.base + L.logits_off + self.shard.v0 * 4, self.seg.base + L.hidden_off if rank == 0 else None,
+                             self.dec.scratch.ctypes.data, L.vocab, L.logit_rows, self.embed_scale)
 
     def run(self, mode: int, T: int) -> int:
         """The native call for a STEP (mode 0-2, ids etc. in self.io) or a head pass (mode 3, self.x)."""
@@ -73,19 +82,34 @@ class NativeRank:
 
 
 def serve_native(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading.Event) -> None:
-    """STEP / LOGITS -> RESULT (or ERROR) until SHUTDOWN."""
+    """Steps from the doorbell in native code (pi_rank_serve); between them, when the coordinator
+    rings for it, one ZeroMQ message: LOGITS or STEP -> RESULT (or ERROR), SHUTDOWN -> return."""
     while True:
-        try:
-            msg = recv(sock)
-        except ProtocolError as e:
-            log.error("worker %d: dropped a malformed message: %s", index, e)
-            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=str(e)))
+        rc = rank.lib.pi_rank_serve(ctypes.byref(rank.ctx), STEP_SPIN_US, IDLE_MS)
+        if rc == 1:  # idle: nothing to do (the heartbeat thread keeps beating)
             continue
-        if isinstance(msg, ShutdownMsg):
+        # 2: a message waits (sent before the doorbell rang, so it is at most in flight); an
+        # abort code: the pool is being torn down and SHUTDOWN follows
+        if sock.poll(CONTROL_WAIT_MS) and not _serve_message(sock, rank, index, busy):
             return
+        while sock.poll(0):
+            if not _serve_message(sock, rank, index, busy):
+                return
+
+
+def _serve_message(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading.Event) -> bool:
+    """One ZeroMQ message; False on SHUTDOWN."""
+    try:
+        msg = recv(sock)
+    except ProtocolError as e:
+        log.error("worker %d: dropped a malformed message: %s", index, e)
+        send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=str(e)))
+        return True
+        if isinstance(msg, ShutdownMsg):
+            return False
         if not isinstance(msg, (StepMsg, LogitsMsg)):
             send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
-            continue
+            return True
         busy.set()
         t0 = time.perf_counter()
         syncs0, wait0 = int(rank.comm.comm.n_syncs), int(rank.comm.comm.wait_ns)
@@ -115,3 +139,4 @@ def serve_native(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading
             send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
         finally:
             busy.clear()
+    return True

@@ -7,7 +7,9 @@ One file in /dev/shm (tmpfs), created mode 0600 with O_EXCL by the coordinator a
 soon as every worker has mapped it, so a killed coordinator leaves nothing behind. Layout
 (offsets in :class:`SegmentLayout`, 64-byte aligned):
 
-    header      comm.h's pi_shm_hdr: abort flag, one cache line per rank (generation, sleepers), pids
+    header      comm.h's pi_shm_hdr: abort flag, the step doorbell, per rank a cache line for the
+                merges (generation, sleepers) and one for its answer to the step (done, rc, times), pids
+    io          [3, max_t] i64: the step's token ids, positions and KV slots (written by the coordinator)
     banks       [2, max_t * width] f32: the all-gather's two banks (width: the widest gathered row)
     hidden      [max_t, d] f32: final-normed hidden states, written by rank 0
     logits      [logit_rows, vocab] f32: each rank writes its head rows' columns
@@ -65,8 +67,12 @@ class SegmentLayout:
         return max(1, min(self.max_t, LOGITS_BYTES // (self.vocab * 4)))
 
     @property
+    def banks_off(self) -> int:
+        return _al(self.hdr_bytes + 3 * self.max_t * 8)
+
+    @property
     def hidden_off(self) -> int:
-        return _al(self.hdr_bytes + 2 * self.cap * 4)
+        return _al(self.banks_off + 2 * self.cap * 4)
 
     @property
     def logits_off(self) -> int:
@@ -95,6 +101,7 @@ class Segment:
         self._buf = np.frombuffer(self._map, dtype=np.uint8)
         self.base = int(self._buf.ctypes.data)
         L = layout
+        self.io = self._buf[L.hdr_bytes : L.hdr_bytes + 3 * L.max_t * 8].view(np.int64).reshape(3, L.max_t)
         self.hidden = self._buf[L.hidden_off : L.hidden_off + L.max_t * L.d * 4].view(np.float32).reshape(L.max_t, L.d)
         self.logits = self._buf[L.logits_off : L.logits_off + L.logit_rows * L.vocab * 4].view(np.float32).reshape(L.logit_rows, L.vocab)
 
@@ -108,6 +115,7 @@ class Segment:
     def close(self) -> None:
         self.unlink()
         self.hidden = self.logits = self._buf = np.empty(0, dtype=np.float32)
+        self.io = np.empty((3, 0), dtype=np.int64)
         try:
             self._map.close()
         except BufferError:  # a view is still exported somewhere: the mapping goes with it
@@ -119,7 +127,7 @@ def create_segment(lib: ctypes.CDLL, cfg: ModelConfig, n_ranks: int, max_t: int)
     layout = SegmentLayout.for_model(cfg, n_ranks, max_t, int(lib.pi_comm_hdr_bytes()))
     where = SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
     seg = Segment(str(where / f"powerinfer-{os.getpid()}-{secrets.token_hex(6)}"), layout, create=True)
-    if lib.pi_comm_format(seg.base, n_ranks, layout.cap):
+    if lib.pi_comm_format(seg.base, n_ranks, layout.cap, max_t):
         seg.close()
         raise InvalidArgumentError(f"cannot format a merge segment for {n_ranks} ranks")
     return seg

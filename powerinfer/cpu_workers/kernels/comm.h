@@ -51,18 +51,41 @@ typedef struct {
     uint8_t pad[56];
 } pi_rank_line;
 
+/* The step doorbell (coordinator -> ranks): the coordinator writes T tokens' ids, positions and
+ * slots into the segment's io area, T and mode here, then bumps gen. control is bumped when a
+ * ZeroMQ message waits for the ranks (LOGITS, SHUTDOWN): a serving rank then returns to Python. */
+typedef struct {
+    _Atomic uint32_t gen, control;
+    _Atomic uint32_t seq, sleepers; /* seq: bumped after either; the ranks sleep on it */
+    int32_t T, mode;
+    uint8_t pad[40];
+} pi_door;
+
+/* A rank's answer to step gen (rank -> coordinator): done = gen once its outputs are written. */
+typedef struct {
+    _Atomic uint32_t done, sleepers;
+    int32_t rc, pad;
+    int64_t compute_ns, wait_ns, syncs;
+    uint8_t pad2[24];
+} pi_done_line;
+
 typedef struct {
     uint32_t magic, n_ranks;
     _Atomic uint32_t abort; /* nonzero: every wait fails (the coordinator saw a rank die) */
     uint32_t pad0;
-    int64_t cap; /* floats per bank */
-    uint8_t pad1[40];
+    int64_t cap;   /* floats per bank */
+    int64_t max_t; /* tokens of the io area */
+    uint8_t pad1[32];
+    pi_door door;
     pi_rank_line ranks[PI_MAX_RANKS];
+    pi_done_line done[PI_MAX_RANKS];
     int32_t pids[PI_MAX_RANKS];
 } pi_shm_hdr;
 
-/* Bytes of the header (buffers follow, 64-byte aligned). */
+/* Bytes of the header; the io area (int64 [3, max_t]: ids, positions, slots) follows, then the
+ * banks, each 64-byte aligned. */
 static inline size_t pi_shm_hdr_bytes(void) { return (sizeof(pi_shm_hdr) + 63) & ~(size_t)63; }
+static inline size_t pi_shm_banks_off(int64_t max_t) { return (pi_shm_hdr_bytes() + 3 * 8 * (size_t)max_t + 63) & ~(size_t)63; }
 
 /* One rank's handle (private to its process). */
 typedef struct {
@@ -98,39 +121,51 @@ static int pi_pid_dead(int32_t pid) {
     return p && (p[2] == 'Z' || p[2] == 'X');
 }
 
-static int pi_wait_gen(pi_comm *c, int r, uint32_t gen) {
-    pi_rank_line *line = &c->hdr->ranks[r];
-    if ((int32_t)(atomic_load_explicit(&line->gen, memory_order_acquire) - gen) >= 0) return 0;
-    const uint64_t t0 = pi_now_ns(), spin_end = t0 + (uint64_t)c->spin_us * 1000u;
-    for (;;) { /* spin: a peer a few microseconds behind costs no system call */
+/* Wait until *word >= gen (wrapping compare): spin with `pause` for spin_us, then sleep on the
+ * word with futex in slices of slice_ms (its writer wakes the sleepers: Dekker pairing through
+ * *sleepers). Between slices: the abort flag, the peer's liveness (pid > 0), the deadline. */
+static int pi_wait_word(pi_shm_hdr *h, _Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t gen, int spin_us, int slice_ms,
+                        int deadline_ms, int32_t pid) {
+    if ((int32_t)(atomic_load_explicit(word, memory_order_acquire) - gen) >= 0) return 0;
+    const uint64_t t0 = pi_now_ns(), spin_end = t0 + (uint64_t)spin_us * 1000u;
+    while (spin_us > 0) { /* spin: a peer a few microseconds behind costs no system call */
         for (int i = 0; i < 64; i++) {
-            if ((int32_t)(atomic_load_explicit(&line->gen, memory_order_acquire) - gen) >= 0) return 0;
+            if ((int32_t)(atomic_load_explicit(word, memory_order_acquire) - gen) >= 0) return 0;
             PI_PAUSE();
         }
-        if (atomic_load_explicit(&c->hdr->abort, memory_order_relaxed)) return PI_COMM_ABORT;
+        if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
         if (pi_now_ns() >= spin_end) break;
     }
-    const uint64_t deadline = t0 + (uint64_t)c->deadline_ms * 1000000ull;
-    for (;;) { /* sleep on the peer's word; its store wakes us (Dekker pairing with sleepers) */
-        atomic_fetch_add_explicit(&line->sleepers, 1, memory_order_seq_cst);
-        const uint32_t seen = atomic_load_explicit(&line->gen, memory_order_seq_cst);
+    const uint64_t deadline = t0 + (uint64_t)deadline_ms * 1000000ull;
+    for (;;) {
+        atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
+        const uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
         if ((int32_t)(seen - gen) < 0) {
-            struct timespec ts = {c->slice_ms / 1000, (long)(c->slice_ms % 1000) * 1000000L};
-            syscall(SYS_futex, (uint32_t *)&line->gen, FUTEX_WAIT, seen, &ts, NULL, 0);
+            struct timespec ts = {slice_ms / 1000, (long)(slice_ms % 1000) * 1000000L};
+            syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
         }
-        atomic_fetch_sub_explicit(&line->sleepers, 1, memory_order_seq_cst);
-        if ((int32_t)(atomic_load_explicit(&line->gen, memory_order_acquire) - gen) >= 0) return 0;
-        if (atomic_load_explicit(&c->hdr->abort, memory_order_relaxed)) return PI_COMM_ABORT;
-        if (pi_pid_dead(c->hdr->pids[r])) return PI_COMM_PEER_DEAD;
+        atomic_fetch_sub_explicit(sleepers, 1, memory_order_seq_cst);
+        if ((int32_t)(atomic_load_explicit(word, memory_order_acquire) - gen) >= 0) return 0;
+        if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
+        if (pid > 0 && pi_pid_dead(pid)) return PI_COMM_PEER_DEAD;
         if (pi_now_ns() >= deadline) return PI_COMM_TIMEOUT;
     }
 }
 
+/* Store gen into word and wake whoever sleeps on it. */
+static void pi_post_word(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uint32_t gen) {
+    atomic_store_explicit(word, gen, memory_order_seq_cst);
+    if (atomic_load_explicit(sleepers, memory_order_seq_cst)) syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+static int pi_wait_gen(pi_comm *c, int r, uint32_t gen) {
+    pi_rank_line *line = &c->hdr->ranks[r];
+    return pi_wait_word(c->hdr, &line->gen, &line->sleepers, gen, c->spin_us, c->slice_ms, c->deadline_ms, c->hdr->pids[r]);
+}
+
 static void pi_publish(pi_comm *c, uint32_t gen) {
     pi_rank_line *me = &c->hdr->ranks[c->rank];
-    atomic_store_explicit(&me->gen, gen, memory_order_seq_cst);
-    if (atomic_load_explicit(&me->sleepers, memory_order_seq_cst))
-        syscall(SYS_futex, (uint32_t *)&me->gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    pi_post_word(&me->gen, &me->sleepers, gen);
 }
 
 /* x [T, ld]: columns [c0, c1) are this rank's; afterwards every row holds every rank's columns
@@ -168,12 +203,13 @@ int64_t pi_comm_hdr_bytes(void) { return (int64_t)pi_shm_hdr_bytes(); }
 int pi_comm_size(void) { return (int)sizeof(pi_comm); }
 
 /* The coordinator formats a fresh segment of pi_shm_hdr_bytes() + 2 * cap * 4 bytes (+ its outputs). */
-int pi_comm_format(void *base, int n_ranks, int64_t cap) {
-    if (n_ranks < 1 || n_ranks > PI_MAX_RANKS || cap < 1) return 1;
+int pi_comm_format(void *base, int n_ranks, int64_t cap, int64_t max_t) {
+    if (n_ranks < 1 || n_ranks > PI_MAX_RANKS || cap < 1 || max_t < 1) return 1;
     pi_shm_hdr *h = (pi_shm_hdr *)base;
     memset(h, 0, sizeof *h);
     h->n_ranks = (uint32_t)n_ranks;
     h->cap = cap;
+    h->max_t = max_t;
     atomic_thread_fence(memory_order_seq_cst);
     h->magic = PI_COMM_MAGIC;
     return 0;
@@ -185,7 +221,7 @@ int pi_comm_attach(pi_comm *c, void *base, int rank, int spin_us, int slice_ms, 
     if (h->magic != PI_COMM_MAGIC || rank < 0 || rank >= (int)h->n_ranks) return 1;
     memset(c, 0, sizeof *c);
     c->hdr = h;
-    c->bufs = (float *)((uint8_t *)base + pi_shm_hdr_bytes()); /* [2][cap] */
+    c->bufs = (float *)((uint8_t *)base + pi_shm_banks_off(h->max_t)); /* [2][cap] */
     c->rank = rank;
     c->spin_us = spin_us;
     c->slice_ms = slice_ms > 0 ? slice_ms : 50;
@@ -200,7 +236,83 @@ int pi_comm_attach(pi_comm *c, void *base, int rank, int spin_us, int slice_ms, 
 void pi_comm_abort(void *base) {
     pi_shm_hdr *h = (pi_shm_hdr *)base;
     atomic_store(&h->abort, 1u);
-    for (uint32_t r = 0; r < h->n_ranks; r++) syscall(SYS_futex, (uint32_t *)&h->ranks[r].gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    for (uint32_t r = 0; r < h->n_ranks; r++) {
+        syscall(SYS_futex, (uint32_t *)&h->ranks[r].gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+        syscall(SYS_futex, (uint32_t *)&h->done[r].done, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    }
+    syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* Coordinator: step gen is in the io area (T tokens, mode): ring the doorbell. */
+void pi_door_post(void *base, uint32_t gen, int T, int mode) {
+    pi_shm_hdr *h = (pi_shm_hdr *)base;
+    h->door.T = T;
+    h->door.mode = mode;
+    atomic_store_explicit(&h->door.gen, gen, memory_order_seq_cst);
+    pi_post_word(&h->door.seq, &h->door.sleepers, atomic_load(&h->door.seq) + 1);
+}
+
+/* Coordinator: a ZeroMQ message waits for the ranks; serving ranks return to Python to read it. */
+void pi_door_control(void *base) {
+    pi_shm_hdr *h = (pi_shm_hdr *)base;
+    atomic_fetch_add(&h->door.control, 1u);
+    atomic_fetch_add(&h->door.seq, 1u);
+    syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* A rank: wait for step want or a control bump. 0: the step is there; 2: control; 1: idle_ms
+ * passed; PI_COMM_ABORT. Sleeps on seq, which every post bumps, so no post is missed. */
+static int pi_door_next(pi_shm_hdr *h, uint32_t want, uint32_t control, int spin_us, int idle_ms) {
+    const uint64_t spin_end = pi_now_ns() + (uint64_t)spin_us * 1000u;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if ((int32_t)(atomic_load_explicit(&h->door.gen, memory_order_acquire) - want) >= 0) return 0;
+            PI_PAUSE();
+        }
+        if (atomic_load(&h->door.control) != control) return 2;
+        if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
+        if (pi_now_ns() >= spin_end) break;
+    }
+    atomic_fetch_add_explicit(&h->door.sleepers, 1, memory_order_seq_cst);
+    const uint32_t seen = atomic_load_explicit(&h->door.seq, memory_order_seq_cst);
+    if ((int32_t)(atomic_load(&h->door.gen) - want) < 0 && atomic_load(&h->door.control) == control) {
+        struct timespec ts = {idle_ms / 1000, (long)(idle_ms % 1000) * 1000000L};
+        syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+    }
+    atomic_fetch_sub_explicit(&h->door.sleepers, 1, memory_order_seq_cst);
+    if ((int32_t)(atomic_load_explicit(&h->door.gen, memory_order_acquire) - want) >= 0) return 0;
+    if (atomic_load(&h->door.control) != control) return 2;
+    if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
+    return 1;
+}
+
+/* Coordinator: wait up to slice_ms for every rank to finish step gen (no spinning: the ranks need
+ * the cores). 0: all done; 1: not yet (the caller checks the ranks' health and waits again);
+ * PI_COMM_ABORT. out [R, 4] int64: rc, compute ns, wait ns, syncs of each rank. */
+int pi_door_wait(void *base, uint32_t gen, int slice_ms, int64_t *out) {
+    pi_shm_hdr *h = (pi_shm_hdr *)base;
+    for (uint32_t r = 0; r < h->n_ranks; r++) {
+        int rc = pi_wait_word(h, &h->done[r].done, &h->done[r].sleepers, gen, 0, slice_ms, slice_ms, 0);
+        if (rc == PI_COMM_TIMEOUT) return 1;
+        if (rc) return rc;
+    }
+    for (uint32_t r = 0; r < h->n_ranks; r++) {
+        out[4 * r] = h->done[r].rc;
+        out[4 * r + 1] = h->done[r].compute_ns;
+        out[4 * r + 2] = h->done[r].wait_ns;
+        out[4 * r + 3] = h->done[r].syncs;
+    }
+    return 0;
+}
+
+/* One rank's answer to step gen. */
+static void pi_rank_done(pi_comm *c, uint32_t gen, int rc, int64_t compute_ns, int64_t wait_ns, int64_t syncs) {
+    pi_done_line *d = &c->hdr->done[c->rank];
+    d->rc = rc;
+    d->compute_ns = compute_ns;
+    d->wait_ns = wait_ns;
+    d->syncs = syncs;
+    pi_post_word(&d->done, &d->sleepers, gen);
 }
 
 /* The micro-benchmark: n syncs of a [1, m] row, this rank's columns [c0, c1) set to rank + 1

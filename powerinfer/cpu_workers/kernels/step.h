@@ -95,6 +95,48 @@ int pi_rank_step(const pi_model *m, const pi_wt *embd, float embed_scale, const 
     return 0;
 }
 
+/* A serving rank: what pi_rank_step needs besides the step itself (native_worker.py fills it). */
+typedef struct {
+    const pi_model *m;
+    const pi_wt *embd;
+    float *x, *logits, *hidden; /* hidden: rank 0's output, else NULL */
+    void *scratch;
+    int64_t ld, logit_rows;
+    float embed_scale;
+    int32_t pad;
+    uint32_t last_gen, last_control;
+} pi_rank_ctx;
+
+int pi_rank_ctx_size(void) { return (int)sizeof(pi_rank_ctx); }
+
+/* Serve steps from the doorbell until a ZeroMQ message waits (returns 2) or nothing came for
+ * idle_ms (returns 1): spin spin_us for the next step, then sleep on the doorbell. Each step's
+ * ids, positions and slots are read from the segment's io area; the answer goes to the rank's
+ * done line. */
+int pi_rank_serve(pi_rank_ctx *ctx, int spin_us, int idle_ms) {
+    pi_comm *c = (pi_comm *)ctx->m->comm;
+    pi_shm_hdr *h = c->hdr;
+    const int64_t *io = (const int64_t *)((const uint8_t *)h + pi_shm_hdr_bytes());
+    for (;;) {
+        const uint32_t want = ctx->last_gen + 1;
+        int rc = pi_door_next(h, want, ctx->last_control, spin_us, idle_ms);
+        if (rc == 2) { /* a ZeroMQ message first: a pending step is served on the next call */
+            ctx->last_control = atomic_load(&h->door.control);
+            return 2;
+        }
+        if (rc) return rc;
+        ctx->last_gen = want;
+        const int T = h->door.T, mode = h->door.mode;
+        const uint64_t t0 = pi_now_ns(), w0 = c->wait_ns, s0 = c->n_syncs;
+        if (mode < 0 || mode > 2 || T < 1 || T > h->max_t || ((mode == 2) && T > ctx->logit_rows))
+            rc = 1;
+        else
+            rc = pi_rank_step(ctx->m, ctx->embd, ctx->embed_scale, io, io + h->max_t, io + 2 * h->max_t, T, mode, ctx->x, ctx->logits, ctx->ld,
+                              ctx->hidden, ctx->scratch);
+        pi_rank_done(c, want, rc, (int64_t)(pi_now_ns() - t0), (int64_t)(c->wait_ns - w0), (int64_t)(c->n_syncs - s0));
+    }
+}
+
 /* The coordinator's half of the decode logits: rows of logits [T, V] from the ranks' 8-bit head,
  * each row's candidates within margin of its best (at most k) recomputed in float32 from the
  * file's head w and the final hidden [T, d] (pi_decode_logits' rule, without the matmul). */
