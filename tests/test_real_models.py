@@ -91,15 +91,23 @@ def test_chat_answers_and_stops(model: tuple[str, LLM]) -> None:
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3])
 @pytest.mark.parametrize("key", ["smollm2", "gemma3"])
-def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, request: pytest.FixtureRequest, reference: dict[str, Any]) -> None:
-    # 3 workers divide neither SmolLM2's 3 kv heads x 1536 neurons evenly into 32-aligned
-    # ranges nor Gemma's single kv head (two of its workers serve only FFN neurons).
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, transport: str, request: pytest.FixtureRequest,
+                                                 reference: dict[str, Any]) -> None:
+    # shm: native ranks against the native in-process decoder (bit-identical: the ranks gather
+    # whole dot products); 3 ranks split a kv group of both models (SmolLM2 9 query heads over 3
+    # kv heads into 3+3+3 is even, Gemma's 4 over 1 kv head into 2+1+1 duplicates its kv head).
+    # zmq: torch shards against the sharded torch oracle; 3 workers divide neither SmolLM2's 3 kv
+    # heads x 1536 neurons evenly into 32-aligned ranges nor Gemma's single kv head.
     path: Path = request.getfixturevalue(f"{key}_path")
     ids = reference[key]["greedy"][0]["prompt_tokens"]
-    oracle = LLM(path, n_ctx=128, executor="inprocess", n_shards=n_workers, native=False)
-    llm = LLM(path, n_ctx=128, n_threads=n_workers)
+    if transport == "shm":
+        oracle = LLM(path, n_ctx=128, executor="inprocess", n_threads=2, native=True)
+    else:
+        oracle = LLM(path, n_ctx=128, executor="inprocess", n_shards=n_workers, native=False)
+    llm = LLM(path, n_ctx=128, n_threads=n_workers, transport=transport)
     try:
-        np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3, rtol=0)
+        np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3 if transport == "zmq" else 0, rtol=0)
         assert [c.token for c in llm.generate(ids, 8, temperature=0)] == [c.token for c in oracle.generate(ids, 8, temperature=0)]
     finally:
         llm.close()

@@ -21,7 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native_lib import TYPES, PiLayer, PiModel, PiWt
+from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt
 from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import RankShard

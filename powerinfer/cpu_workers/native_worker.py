@@ -105,38 +105,38 @@ def _serve_message(sock: zmq.Socket, rank: NativeRank, index: int, busy: threadi
         log.error("worker %d: dropped a malformed message: %s", index, e)
         send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=str(e)))
         return True
-        if isinstance(msg, ShutdownMsg):
-            return False
-        if not isinstance(msg, (StepMsg, LogitsMsg)):
-            send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
-            return True
-        busy.set()
-        t0 = time.perf_counter()
-        syncs0, wait0 = int(rank.comm.comm.n_syncs), int(rank.comm.comm.wait_ns)
-        try:
-            if isinstance(msg, StepMsg):
-                ids = msg.tensors[0]
-                T = int(ids.shape[0])
-                if not 1 <= T <= rank.max_t or msg.tensors[1].shape[0] != T or msg.tensors[2].shape[0] != T:
-                    raise ValueError(f"a STEP takes 1..{rank.max_t} tokens with one position and slot each")
-                for i in range(3):
-                    rank.io[i, :T] = msg.tensors[i]
-                rc = rank.run(msg.mode, T)
-            else:
-                x = msg.tensors[0]
-                T = int(x.shape[0])
-                if x.dtype != np.float32 or x.shape[1:] != (rank.d,) or not 1 <= T <= rank.max_t:
-                    raise ValueError(f"LOGITS takes f32 [1..{rank.max_t}, {rank.d}], got {x.dtype} {list(x.shape)}")
-                rank.x[:T] = x
-                rc = rank.run(3, T)
-            if rc:
-                raise RuntimeError(comm_error(rc) if rc >= 10 else f"the native step refused its input (code {rc})")
-            c = rank.comm.comm
-            send(sock, ResultMsg(req=msg.req, step=msg.step, worker=index, compute_us=int((time.perf_counter() - t0) * 1e6),
-                                 wait_us=(int(c.wait_ns) - wait0) // 1000, syncs=int(c.n_syncs) - syncs0))
-        except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR
-            log.warning("worker %d: step failed: %s", index, e)
-            send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
-        finally:
-            busy.clear()
+    if isinstance(msg, ShutdownMsg):
+        return False
+    if not isinstance(msg, (StepMsg, LogitsMsg)):
+        send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
+        return True
+    busy.set()
+    t0 = time.perf_counter()
+    syncs0, wait0 = int(rank.comm.comm.n_syncs), int(rank.comm.comm.wait_ns)
+    try:
+        if isinstance(msg, StepMsg):
+            ids = msg.tensors[0]
+            T = int(ids.shape[0])
+            if not 1 <= T <= rank.max_t or msg.tensors[1].shape[0] != T or msg.tensors[2].shape[0] != T:
+                raise ValueError(f"a STEP takes 1..{rank.max_t} tokens with one position and slot each")
+            for i in range(3):
+                rank.io[i, :T] = msg.tensors[i]
+            rc = rank.run(msg.mode, T)
+        else:
+            x = msg.tensors[0]
+            T = int(x.shape[0])
+            if x.dtype != np.float32 or x.shape[1:] != (rank.d,) or not 1 <= T <= rank.max_t:
+                raise ValueError(f"LOGITS takes f32 [1..{rank.max_t}, {rank.d}], got {x.dtype} {list(x.shape)}")
+            rank.x[:T] = x
+            rc = rank.run(3, T)
+        if rc:
+            raise RuntimeError(comm_error(rc) if rc >= 10 else f"the native step refused its input (code {rc})")
+        c = rank.comm.comm
+        send(sock, ResultMsg(req=msg.req, step=msg.step, worker=index, compute_us=int((time.perf_counter() - t0) * 1e6),
+                             wait_us=(int(c.wait_ns) - wait0) // 1000, syncs=int(c.n_syncs) - syncs0))
+    except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR
+        log.warning("worker %d: step failed: %s", index, e)
+        send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
+    finally:
+        busy.clear()
     return True

@@ -1,4 +1,8 @@
-"""Multiprocess executor: equals the in-process oracle, survives dead and hung workers, leaves no orphans."""
+"""Multiprocess executors: equal their in-process oracles, survive dead and hung workers, leave no orphans.
+
+Transport "zmq" (torch shards, one message per layer) is held to the torch in-process executor;
+transport "shm" (native ranks, the default) to the native one in tests/coordinator/test_native_pool.py.
+The failure tests run on both."""
 
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int
     # 3 workers: more than the 2 kv heads, and 160 neurons do not split evenly into 3 x 32-aligned ranges
     path = make_model(arch="gemma3", qtype=QT.Q8_0, n_layers=3)
     oracle = LLM(path, n_ctx=64, executor="inprocess", n_shards=n_workers, native=False)
-    llm = LLM(path, n_ctx=64, n_threads=n_workers, pin=False)
+    llm = LLM(path, n_ctx=64, n_threads=n_workers, pin=False, transport="zmq")
     try:
         np.testing.assert_allclose(llm.logits(IDS), oracle.logits(IDS), atol=1e-3, rtol=0)
         a = [c.token for c in llm.generate(IDS, 8, temperature=0)]
@@ -47,8 +51,9 @@ def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int
     assert _gone(pids)
 
 
-def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[..., Path]) -> None:
-    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False)
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[..., Path], transport: str) -> None:
+    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False, transport=transport)
     try:
         victim = llm.engine.executor.pids[1]  # type: ignore[attr-defined]
         gen = llm.generate(IDS, max_tokens=-1, temperature=0)
@@ -70,8 +75,9 @@ def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[...
     assert _gone(pids)
 
 
-def test_stopped_worker_is_detected(make_model: Callable[..., Path]) -> None:
-    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False)
+@pytest.mark.parametrize("transport", ["shm", "zmq"])
+def test_stopped_worker_is_detected(make_model: Callable[..., Path], transport: str) -> None:
+    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False, transport=transport)
     victim = llm.engine.executor.pids[0]  # type: ignore[attr-defined]
     try:
         os.kill(victim, signal.SIGSTOP)
@@ -117,7 +123,7 @@ def test_slots_and_batched_decode_over_workers(make_model: Callable[..., Path]) 
     """Protocol v3: ATTN carries each token's KV slot; workers keep one cache per slot."""
     path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=2)
     oracle = LLM(path, n_ctx=32, executor="inprocess", n_slots=2, n_shards=2)
-    llm = LLM(path, n_ctx=32, n_threads=2, pin=False, n_slots=2)
+    llm = LLM(path, n_ctx=32, n_threads=2, pin=False, n_slots=2, transport="zmq")
     try:
         for eng in (oracle.engine, llm.engine):
             eng.eval(IDS[:5], slot=0)

@@ -1,0 +1,211 @@
+"""The native pool (transport "shm"): ranks equal the unsplit native decoder bit for bit, the merge
+moves the right numbers, a rank that dies or stops inside a merge fails the step without a hang,
+and an idle pool sleeps."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import psutil
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.api import LLM
+from powerinfer.config import ModelConfig, config_from_gguf
+from powerinfer.coordinator.native_pool import NativePoolExecutor
+from powerinfer.coordinator.process_executor import ProcessExecutor
+from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.cpu_workers.native_model import NativeDecoder
+from powerinfer.cpu_workers.shm_segment import RankComm, create_segment
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.sharding import plan_ranks
+from powerinfer.protocol import WorkerDiedError
+
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
+lib = decoder_lib()
+pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the native pool is unavailable")
+
+
+def _gone(pids: list[int], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _ranks_in_threads(path: Path, n: int, x: np.ndarray, pos: np.ndarray, slots: np.ndarray, n_slots: int = 1) -> list[np.ndarray]:
+    """n ranks of the model, each in a thread of this process, sharing one segment: their hidden states."""
+    assert lib is not None
+    cfg = config_from_gguf(GGUFFile(path))
+    seg = create_segment(lib, cfg, n, 16)
+    decs, comms = [], []
+    for r, sh in enumerate(plan_ranks(cfg, n)):
+        d = NativeDecoder(lib, GGUFFile(path), cfg, 32, n_slots, 1, 16, sh)
+        comms.append(RankComm(lib, seg, r))
+        d.model.comm = comms[-1].ptr
+        decs.append(d)
+    outs: list[np.ndarray] = [np.empty(0)] * n
+
+    def run(r: int) -> None:
+        outs[r] = decs[r].forward(x.copy(), pos, slots).copy()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(c.comm.n_syncs == 4 * cfg.n_layers for c in comms)  # four gathers a layer
+    seg.close()
+    return outs
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", QT.Q4_0), ("llama", QT.Q5_0), ("qwen2", QT.Q8_0), ("gemma3", QT.Q4_1), ("gemma3", QT.F16)])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ranks_equal_unsplit_decoder_bit_for_bit(make_model: Callable[..., Path], arch: str, qtype: QT, n: int) -> None:
+    # 4 query heads over 2 kv heads: 3 ranks split a group (its kv head computed by two ranks)
+    path = make_model(arch=arch, qtype=qtype, n_layers=2, d_model=256, n_ff=512, n_heads=4, n_kv_heads=2, head_dim=64)
+    assert lib is not None
+    cfg = config_from_gguf(GGUFFile(path))
+    rng = np.random.default_rng(n)
+    for x, pos, slots in ((rng.standard_normal((5, cfg.d_model)).astype(np.float32), np.arange(5), np.zeros(5, np.int64)),
+                          (rng.standard_normal((2, cfg.d_model)).astype(np.float32), np.array([0, 0]), np.array([0, 1]))):
+        pos, slots = pos.astype(np.int64), slots.astype(np.int64)
+        want = NativeDecoder(lib, GGUFFile(path), cfg, 32, 2, 1, 16).forward(x.copy(), pos, slots)
+        for got in _ranks_in_threads(path, n, x, pos, slots, n_slots=2):
+            np.testing.assert_array_equal(got, want)
+
+
+def _cfg(make_model: Callable[..., Path], **over: object) -> ModelConfig:
+    return replace(config_from_gguf(GGUFFile(make_model(arch="llama"))), **over)  # type: ignore[arg-type]
+
+
+def test_plan_ranks_covers_every_part_once(make_model: Callable[..., Path]) -> None:
+    cfg = _cfg(make_model, vocab_size=1001, d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, v_head_dim=64, n_ff=1536)
+    for n in (1, 2, 3, 4, 9):
+        ranks = plan_ranks(cfg, n)
+        assert [r.q0 for r in ranks] + [cfg.n_heads] == [0] + [r.q1 for r in ranks]
+        assert sum(r.n1 - r.n0 for r in ranks) == cfg.n_ff and sum(r.d1 - r.d0 for r in ranks) == cfg.d_model
+        assert sum(r.v1 - r.v0 for r in ranks) == cfg.vocab_size
+        assert all(r.kv0 == r.q0 // 3 and r.kv1 == (r.q1 - 1) // 3 + 1 for r in ranks)
+    with pytest.raises(InvalidArgumentError, match="query head"):
+        plan_ranks(cfg, 10)
+
+
+def test_merge_gathers_every_rank_and_records_latency(make_model: Callable[..., Path]) -> None:
+    """The micro-benchmark's own sync: each rank's columns arrive at every rank, every time."""
+    assert lib is not None
+    cfg = _cfg(make_model, d_model=96, n_ff=96)
+    seg = create_segment(lib, cfg, 3, 1)
+    comms = [RankComm(lib, seg, r) for r in range(3)]
+    xs = [np.zeros(96, np.float32) for _ in range(3)]
+    rcs = [-1] * 3
+
+    def run(r: int) -> None:
+        rcs[r] = lib.pi_comm_bench(ctypes.byref(comms[r].comm), 96, 32 * r, 32 * r + 32, 500, xs[r].ctypes.data)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert rcs == [0, 0, 0]
+    for x in xs:
+        np.testing.assert_array_equal(x, np.repeat(np.arange(1, 4, dtype=np.float32), 32))
+    assert all(len(c.latencies_ns()) == 500 and c.latencies_ns().min() > 0 for c in comms)
+    seg.close()
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3])
+def test_pool_equals_native_inprocess(make_model: Callable[..., Path], n_workers: int) -> None:
+    path = make_model(arch="gemma3", qtype=QT.Q8_0, n_layers=3)
+    oracle = LLM(path, n_ctx=64, executor="inprocess", n_threads=1, native=True)
+    llm = LLM(path, n_ctx=64, n_threads=n_workers, pin=False)
+    try:
+        assert isinstance(llm.engine.executor, NativePoolExecutor)
+        np.testing.assert_array_equal(llm.logits(IDS), oracle.logits(IDS))
+        a = [c.token for c in llm.generate(IDS, 8, temperature=0)]
+        assert a == [c.token for c in oracle.generate(IDS, 8, temperature=0)]
+        np.testing.assert_array_equal(llm.engine.eval(IDS[:3]), oracle.engine.eval(IDS[:3]))  # prompt: one STEP, last row's logits
+    finally:
+        pids = llm.engine.executor.pids  # type: ignore[attr-defined]
+        llm.close()
+    assert _gone(pids)
+
+
+def test_batched_decode_on_ranks_equals_each_alone(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="qwen2", qtype=QT.Q4_0, n_layers=2)
+    llm = LLM(path, n_ctx=32, n_threads=2, pin=False, n_slots=2)
+    solo = LLM(path, n_ctx=32, executor="inprocess", n_threads=1, native=True)
+    try:
+        llm.engine.eval(IDS[:5], slot=0)
+        llm.engine.eval(IDS[2:11], slot=1)
+        got = llm.engine.decode([7, 9], [0, 1])
+        for row, (prompt, tok) in enumerate(((IDS[:5], 7), (IDS[2:11], 9))):
+            solo.engine.rewind_all()
+            solo.engine.eval(prompt)
+            np.testing.assert_array_equal(got[row], solo.engine.eval([tok])[0])
+    finally:
+        llm.close()
+
+
+def test_rank_killed_inside_a_merge_fails_the_step_without_a_hang(make_model: Callable[..., Path]) -> None:
+    """Rank 1 stopped, so rank 0 sits in a merge waiting for it; then rank 1 is killed."""
+    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativePoolExecutor)
+    victim, survivor = ex.pids[1], ex.pids[0]
+    try:
+        llm.complete(IDS, max_tokens=2, temperature=0)
+        os.kill(victim, signal.SIGSTOP)
+        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="killed by SIGKILL"):
+            llm.complete(IDS, max_tokens=8, temperature=0)
+        assert time.monotonic() - t0 < 5.0
+        # the survivor left its merge (abort / dead peer) and answered; the next request restarts the pool
+        assert llm.complete(IDS, max_tokens=3, temperature=0)[1] in ("length", "stop")
+        assert victim not in ex.pids and survivor not in ex.pids
+    finally:
+        pids = ex.pids
+        llm.close()
+    assert _gone(pids + [victim, survivor])
+
+
+def test_idle_pool_sleeps(make_model: Callable[..., Path]) -> None:
+    llm = LLM(make_model(arch="llama"), n_ctx=64, n_threads=2, pin=False)
+    try:
+        llm.complete(IDS, max_tokens=4, temperature=0)
+        procs = [psutil.Process(p) for p in llm.engine.executor.pids]  # type: ignore[attr-defined]
+        time.sleep(0.3)  # past every spin
+        before = [sum(p.cpu_times()[:2]) for p in procs]
+        time.sleep(2.0)
+        used = sum(sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before))
+        assert used < 0.1, f"idle workers used {used:.3f} CPU-s in 2 s"
+    finally:
+        llm.close()
+
+
+def test_transport_choice_and_fallbacks(make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    path = make_model(arch="llama")
+    with pytest.raises(InvalidArgumentError, match="transport"):
+        LLM(path, transport="udp")
+    with pytest.raises(InvalidArgumentError, match="query head"):
+        LLM(path, n_threads=5, pin=False, transport="shm")  # 4 query heads
+    monkeypatch.setenv("POWERINFER_NATIVE", "0")
+    with pytest.raises(InvalidArgumentError, match="shm is not possible"):
+        LLM(path, n_threads=2, pin=False, transport="shm")
+    with LLM(path, n_ctx=32, n_threads=2, pin=False) as llm:
+        assert isinstance(llm.engine.executor, ProcessExecutor)
+    assert "over ZeroMQ" in caplog.text
