@@ -41,11 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     from powerinfer.cli.main import _Parser, positive_int
 
     p = _Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per worker count.")
-    p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
+    p.add_argument("-m", "--model", default=None, help="GGUF file or known model name (not needed for --merge)")
     p.add_argument("--workers", "-t", "--threads", dest="workers", type=_int_list, default=[1, 2],
                    help="comma-separated CPU worker (or, with --executor inprocess, thread) counts (default 1,2)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
-    p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
+    p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
     p.add_argument("--predictor", default=None, help="measure sparse decode with this .predictor file")
     p.add_argument("--vs-dense", action="store_true",
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="native decoder: split a decode step's time into its layer phases, the head and the rest "
                         "(in process, first --workers value, --gen-tokens steps)")
+    p.add_argument("--paired", action="store_true",
+                   help="the default executor at each --workers count and the in-process decoder in alternating rounds of one run "
+                        "(--rounds): paired ratios, merge latency, wait share, memory; --plot draws the scaling")
+    p.add_argument("--merge", action="store_true",
+                   help="the shared-memory merge alone between real rank processes (first --workers value, at least 2): "
+                        "latency per sync")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -119,8 +125,9 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             logits = eng.eval(ids)
             prefill.append(prompt_tokens / (time.perf_counter() - t))
             token = int(np.argmax(logits[-1]))
-            if stats is not None:
-                stats.reset()
+            reset = getattr(eng.executor, "reset_stats", None) or getattr(stats, "reset", None)
+            if reset is not None:
+                reset()
             t = time.perf_counter()
             for _ in range(gen_tokens):  # greedy, never stopping at end-of-text, so every run is equal
                 token = int(np.argmax(eng.eval([token])[-1]))
@@ -147,7 +154,14 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             "read_mib_per_token": round(read / 2**20, 1),
             "decode_gbs": round(statistics.median(decode) * read / 1e9, 2),
         }
-        if stats is not None:
+        merge = getattr(eng.executor, "merge_latencies_ns", None)
+        if merge is not None and stats is not None:  # the native pool: one step per token, four merges per layer
+            lat = merge() / 1e3
+            row["decode_step_us"] = round(stats.round_trip_us / max(1, stats.calls), 1)
+            row["merge_median_us"] = round(float(np.median(lat)), 2) if lat.size else 0.0
+            row["merge_p99_us"] = round(float(np.percentile(lat, 99)), 2) if lat.size else 0.0
+            row["merge_wait_share"] = round(stats.wait_share, 3)
+        elif stats is not None:
             # per layer and decode step: one attention and one FFN round trip
             calls = max(1, stats.attention.calls)
             row["decode_layer_us"] = round((stats.attention.round_trip_us + stats.ffn.round_trip_us) / calls, 1)
@@ -180,6 +194,17 @@ def _plot(rows: list[dict[str, Any]], ceiling_tps: float, path: str) -> None:
 
 def run_bench(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        from powerinfer.cli.bench_merge import bench_merge
+
+        mb = bench_merge(ranks=max(2, args.workers[0]))
+        print(mb.report())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(mb.__dict__, fh, indent=2)
+        return 0
+    if not args.model:
+        raise PowerInferError("powerinfer bench needs -m MODEL")
     from powerinfer.fetch import resolve_model
 
     model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
@@ -191,6 +216,18 @@ def run_bench(argv: Sequence[str]) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(as_dict(prof), fh, indent=2)
+        return 0
+    if args.paired:
+        from powerinfer.cli.bench_scaling import compare_scaling, plot_scaling
+
+        sc = compare_scaling(model, args.workers, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, rounds=args.rounds,
+                             worker_threads=args.worker_threads, n_batch=args.batch_size)
+        print(sc.report())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(sc.as_dict(), fh, indent=2)
+        if args.plot:
+            plot_scaling(sc, args.plot)
         return 0
     if args.vs_llama_cpp and not args.vs_dense:
         if args.predictor:
@@ -239,6 +276,8 @@ def run_bench(argv: Sequence[str]) -> int:
     cols = ["workers", "load_s", "peak_rss_mib", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps", "decode_gbs"]
     if "decode_layer_us" in rows[0]:
         cols += ["decode_layer_us", "decode_layer_compute_us", "decode_layer_ipc_us"]
+    if "merge_median_us" in rows[0]:
+        cols += ["decode_step_us", "merge_median_us", "merge_p99_us", "merge_wait_share"]
     print(f"model: {rows[0]['model']}  executor: {args.executor}  {'sparse: ' + args.predictor if args.predictor else 'dense'}  prompt: {args.prompt_tokens} tokens  "
           f"decode: {args.gen_tokens} tokens  (median of {args.repeat})")
     print(f"streaming read with {max(args.workers)} threads: {bandwidth:.1f} GB/s; a decode step reads {rows[0]['read_mib_per_token']} MiB "

@@ -53,9 +53,12 @@ def positive_int(text: str) -> int:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
-    p.add_argument("--worker-threads", type=positive_int, default=1, help="torch threads per worker process (default 1)")
+    p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process",
                    help="process: shards in CPU worker processes (default); inprocess: everything in this process")
+    p.add_argument("--transport", choices=["auto", "shm", "zmq"], default="auto",
+                   help="worker processes: shm = native ranks, one step per forward pass, merged in shared memory; zmq = torch "
+                        "shards, one message per layer (predictors use it); auto (default): shm when the native decoder runs the model")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
                    help="context size in tokens; 0 = the model's trained context (default: 4096, or less if the model was trained on less)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
@@ -144,7 +147,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
     return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
                worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
                progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
-               gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None)
+               gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)
 
 
 def run_generate(argv: Sequence[str]) -> int:

@@ -10,6 +10,8 @@ import os
 from collections import Counter
 from typing import TYPE_CHECKING, TextIO
 
+import numpy as np
+
 if TYPE_CHECKING:
     from powerinfer.api import LLM
 
@@ -65,10 +67,17 @@ def load_summary(llm: LLM) -> str:
     elif pids:
         placements = getattr(ex, "placements", ())
         where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in placements) or "not pinned"
-        lines.append(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling")
-        plan = ex.plan
-        heads = ", ".join(f"w{i}: kv {h.kv_start}-{h.kv_stop - 1}" if h else f"w{i}: -" for i, h in enumerate(plan.heads))
-        lines.append(f"shards     attention {heads}; FFN and output head split evenly")
+        ranks = getattr(ex, "ranks", None)
+        if ranks is not None:  # the native pool
+            lines.append(f"placement  {len(pids)} CPU worker processes ({where}), each a native rank of every layer, merging in shared "
+                         "memory; coordinator: steps, refinement of the best logits, sampling")
+            lines.append("shards     " + ", ".join(f"w{i}: q heads {r.q0}-{r.q1 - 1}, neurons {r.n0}-{r.n1 - 1}, rows {r.d0}-{r.d1 - 1}"
+                                                   for i, r in enumerate(ranks)))
+        else:
+            lines.append(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling")
+            plan = ex.plan
+            heads = ", ".join(f"w{i}: kv {h.kv_start}-{h.kv_stop - 1}" if h else f"w{i}: -" for i, h in enumerate(plan.heads))
+            lines.append(f"shards     attention {heads}; FFN and output head split evenly")
     else:
         lines.append("placement  everything in this process (in-process executor)")
     rss = _memory_of([os.getpid(), *pids])
@@ -113,6 +122,18 @@ def layer_figures(llm: LLM) -> str:
             f"hot-neuron ratio {100 * ratio:.1f}% ({100 * pl.mass_on_gpu:.0f}% of the activation mass); per FFN call (n={stats.ffn_calls}):",
             f"  CPU cold neurons {stats.cpu_ffn_s / n * 1e6:10.1f} µs   waiting for the GPU's hot partial {stats.gpu_ffn_wait_s / n * 1e6:10.1f} µs",
             f"  attention: GPU {stats.gpu_attention_s / n * 1e6:10.1f} µs, CPU {stats.cpu_attention_s / n * 1e6:10.1f} µs per layer call",
+        ])
+    merge = getattr(llm.engine.executor, "merge_latencies_ns", None)
+    if merge is not None:  # the native pool: one step per forward pass
+        n = max(1, stats.calls)
+        ranks = len(getattr(llm.engine.executor, "ranks", ())) or 1
+        lat = merge() / 1e3
+        med = f"{float(np.median(lat)):.1f}" if lat.size else "-"
+        p99 = f"{float(np.percentile(lat, 99)):.1f}" if lat.size else "-"
+        return "\n".join([
+            f"per step (n={stats.calls}): round trip {stats.round_trip_us / n:.1f} µs, a rank's native time {stats.compute_us / n / ranks:.1f} µs, "
+            f"of it {100 * stats.wait_share:.1f}% waiting in merges ({stats.syncs / n:.0f} merges a step)",
+            f"merge latency per sync: median {med} µs, p99 {p99} µs",
         ])
     rows = ["per request (averaged over this run)   calls   round trip µs   worker compute µs   IPC µs"]
     for name in ("attention", "ffn", "head"):

@@ -30,7 +30,7 @@ import numpy as np
 from powerinfer.config import ModelConfig
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
 from powerinfer.cpu_workers.native_model import weight
-from powerinfer.cpu_workers.shm_segment import Segment, comm_error, create_segment
+from powerinfer.cpu_workers.shm_segment import Segment, comm_error, create_segment, merge_latencies_ns
 from powerinfer.cpu_workers.topology import Placement
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
@@ -169,6 +169,15 @@ class NativePoolExecutor:
         if self.lib.pi_refine(ctypes.byref(self.head), h.ctypes.data, h.shape[0], ix.ctypes.data, ix.shape[1], logits.ctypes.data,
                               logits.shape[1], self._row.ctypes.data):
             raise InvalidArgumentError("head rows to refine are outside the vocabulary")
+
+    def merge_latencies_ns(self) -> np.ndarray:
+        """The ranks' latest merge latencies (ns, up to comm.h's ring per rank), since reset_stats."""
+        return merge_latencies_ns(self._seg)
+
+    def reset_stats(self) -> None:
+        """Zero the step statistics and the ranks' latency rings (between steps: no rank writes them)."""
+        self.stats.reset()
+        self._seg.lat[:] = 0
 
     def check_health(self) -> None:
         self._pool.check_health()

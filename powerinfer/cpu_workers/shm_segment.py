@@ -11,6 +11,7 @@ soon as every worker has mapped it, so a killed coordinator leaves nothing behin
                 merges (generation, sleepers) and one for its answer to the step (done, rc, times), pids
     io          [3, max_t] i64: the step's token ids, positions and KV slots (written by the coordinator)
     banks       [2, max_t * width] f32: the all-gather's two banks (width: the widest gathered row)
+    latency     [n_ranks, LAT_RING] u32: each rank's latest merge latencies in ns (the benchmark reads them)
     hidden      [max_t, d] f32: final-normed hidden states, written by rank 0
     logits      [logit_rows, vocab] f32: each rank writes its head rows' columns
 
@@ -71,8 +72,12 @@ class SegmentLayout:
         return _al(self.hdr_bytes + 3 * self.max_t * 8)
 
     @property
-    def hidden_off(self) -> int:
+    def lat_off(self) -> int:
         return _al(self.banks_off + 2 * self.cap * 4)
+
+    @property
+    def hidden_off(self) -> int:
+        return _al(self.lat_off + self.n_ranks * LAT_RING * 4)
 
     @property
     def logits_off(self) -> int:
@@ -102,6 +107,7 @@ class Segment:
         self.base = int(self._buf.ctypes.data)
         L = layout
         self.io = self._buf[L.hdr_bytes : L.hdr_bytes + 3 * L.max_t * 8].view(np.int64).reshape(3, L.max_t)
+        self.lat = self._buf[L.lat_off : L.lat_off + L.n_ranks * LAT_RING * 4].view(np.uint32).reshape(L.n_ranks, LAT_RING)
         self.hidden = self._buf[L.hidden_off : L.hidden_off + L.max_t * L.d * 4].view(np.float32).reshape(L.max_t, L.d)
         self.logits = self._buf[L.logits_off : L.logits_off + L.logit_rows * L.vocab * 4].view(np.float32).reshape(L.logit_rows, L.vocab)
 
@@ -116,6 +122,7 @@ class Segment:
         self.unlink()
         self.hidden = self.logits = self._buf = np.empty(0, dtype=np.float32)
         self.io = np.empty((3, 0), dtype=np.int64)
+        self.lat = np.empty((0, LAT_RING), dtype=np.uint32)
         try:
             self._map.close()
         except BufferError:  # a view is still exported somewhere: the mapping goes with it
@@ -123,8 +130,13 @@ class Segment:
 
 
 def create_segment(lib: ctypes.CDLL, cfg: ModelConfig, n_ranks: int, max_t: int) -> Segment:
-    """A fresh, formatted segment in /dev/shm (falls back to the temp dir's file system)."""
-    layout = SegmentLayout.for_model(cfg, n_ranks, max_t, int(lib.pi_comm_hdr_bytes()))
+    """A fresh, formatted segment for n_ranks ranks of this model, max_t tokens per step."""
+    return create_segment_with(lib, SegmentLayout.for_model(cfg, n_ranks, max_t, int(lib.pi_comm_hdr_bytes())))
+
+
+def create_segment_with(lib: ctypes.CDLL, layout: SegmentLayout) -> Segment:
+    """A fresh segment of this layout in /dev/shm (falls back to the temp dir's file system), formatted."""
+    n_ranks, max_t = layout.n_ranks, layout.max_t
     where = SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path(os.environ.get("TMPDIR", "/tmp"))
     seg = Segment(str(where / f"powerinfer-{os.getpid()}-{secrets.token_hex(6)}"), layout, create=True)
     if lib.pi_comm_format(seg.base, n_ranks, layout.cap, max_t):
@@ -134,11 +146,11 @@ def create_segment(lib: ctypes.CDLL, cfg: ModelConfig, n_ranks: int, max_t: int)
 
 
 class RankComm:
-    """One rank's handle (comm.h's pi_comm) and its latency ring; ``ptr`` goes into pi_model.comm."""
+    """One rank's handle (comm.h's pi_comm) and its latency ring in the segment; ``ptr`` goes into pi_model.comm."""
 
     def __init__(self, lib: ctypes.CDLL, seg: Segment, rank: int) -> None:
         self.comm = PiComm()
-        self.lat = np.zeros(LAT_RING, dtype=np.uint32)
+        self.lat = seg.lat[rank]
         if lib.pi_comm_attach(ctypes.byref(self.comm), seg.base, rank, SPIN_US, SLICE_MS, DEADLINE_MS, self.lat.ctypes.data):
             raise InvalidArgumentError(f"rank {rank} cannot attach to the merge segment {seg.path}")
         self.ptr = ctypes.addressof(self.comm)
@@ -147,6 +159,12 @@ class RankComm:
         """The latest (up to LAT_RING) merge latencies, ns."""
         n = int(self.comm.n_syncs)
         return self.lat[: min(n, LAT_RING)].copy()
+
+
+def merge_latencies_ns(seg: Segment) -> np.ndarray:
+    """Every rank's recorded merge latencies (ns; the rings' unused entries are 0)."""
+    lat = seg.lat.ravel()
+    return lat[lat > 0].copy()
 
 
 def comm_error(code: int) -> str:

@@ -20,7 +20,9 @@ from tests.server.conftest import N_PREDICT, RunningServer, start_server
 pytestmark = pytest.mark.real_model
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# "Answer in one word" keeps the greedy reply on Paris on every path: without it the first token is a
+# near-tie ("L" 24.77 vs "The" 24.68 on the native decoder), which llama.cpp also resolves to "L'Étoile, ...".
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 def client(server: RunningServer, key: str = "unused", strict: bool = True) -> openai.OpenAI:
@@ -93,11 +95,11 @@ def test_completion_max_tokens_and_stop(smollm2_server: RunningServer) -> None:
     s = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."])
     assert s.choices[0].finish_reason == "stop"
     assert s.choices[0].text == text.split(".")[0]
-    # a stop string split across tokens, streamed: nothing of it leaks out
-    chunks = completion_stream(smollm2_server, model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["is:"])
+    # a stop string split across tokens (" States" | " has"), streamed: nothing of it leaks out
+    chunks = completion_stream(smollm2_server, model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["es ha"])
     streamed = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["stop"]
-    assert streamed == text.split("is:")[0] and "is:" not in streamed
+    assert streamed == text.split("es ha")[0] and "es ha" not in streamed
 
 
 def test_logprobs_n_and_seed(smollm2_server: RunningServer) -> None:
@@ -153,8 +155,8 @@ def test_non_streaming_client_that_hangs_up_frees_its_slot(smollm2_server: Runni
     ok = metric(smollm2_server, 'powerinfer_sequences_total{outcome="ok"}', 0.0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(smollm2_server.base_url + "/completions", json={"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0},
-                   timeout=httpx.Timeout(5, read=1.0))
-    deadline = time.monotonic() + 3  # 400 tokens would take ~10 s or more
+                   timeout=httpx.Timeout(5, read=0.3))  # 400 tokens take ~1 s on the native pool
+    deadline = time.monotonic() + 3  # the cancelled count below proves it did not simply finish
     while metric(smollm2_server, "powerinfer_requests_running") != 0:
         assert time.monotonic() < deadline, "the abandoned request kept its slot"
         time.sleep(0.05)

@@ -1,0 +1,81 @@
+"""`powerinfer bench --merge`: the shared-memory merge alone, between real rank processes.
+
+Runs in: the user's process (creates the segment, starts one process per rank, reads their
+latency rings) and, with ``python -m powerinfer.cli.bench_merge``, each rank process (pins itself
+to one CPU, attaches, runs ``pi_comm_bench``: back-to-back gathers of a [1, width] row whose
+columns the ranks split, the shape of a decode step's merges). Reports median, p99 and mean
+latency per sync over every rank's syncs; no work between syncs, so this is the merge's own cost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.cpu_workers.shm_segment import RankComm, Segment, SegmentLayout, create_segment_with, merge_latencies_ns
+from powerinfer.errors import PowerInferError
+
+
+@dataclass(frozen=True)
+class MergeBench:
+    ranks: int
+    width: int
+    syncs: int
+    median_us: float
+    p99_us: float
+    mean_us: float
+    wall_s: float
+
+    def report(self) -> str:
+        return (f"merge (shared-memory all-gather), {self.ranks} rank processes, a [1, {self.width}] f32 row per sync, "
+                f"{self.syncs} syncs per rank back to back:\n"
+                f"  latency per sync: median {self.median_us:.2f} us, p99 {self.p99_us:.2f} us, mean {self.mean_us:.2f} us "
+                f"({self.wall_s:.2f} s in all)")
+
+
+def bench_merge(ranks: int = 2, width: int = 576, syncs: int = 20000) -> MergeBench:
+    """Start `ranks` processes that merge `syncs` times; their latencies from the segment's rings."""
+    lib = decoder_lib()
+    if lib is None:
+        raise PowerInferError("--merge needs the native library (a C compiler, POWERINFER_NATIVE not 0)")
+    layout = SegmentLayout(ranks, 1, width, 8, width, int(lib.pi_comm_hdr_bytes()))
+    seg = create_segment_with(lib, layout)
+    cpus = sorted(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", str(r), seg.path, str(ranks), str(width), str(syncs),
+                               str(cpus[r % len(cpus)])]) for r in range(ranks)]
+    t0 = time.perf_counter()
+    codes = [p.wait() for p in procs]
+    wall = time.perf_counter() - t0
+    lat = merge_latencies_ns(seg) / 1e3
+    seg.close()
+    if any(codes):
+        raise PowerInferError(f"a merge rank failed (exit codes {codes})")
+    return MergeBench(ranks, width, syncs, float(np.median(lat)), float(np.percentile(lat, 99)), float(lat.mean()), wall)
+
+
+def _rank_main(rank: int, path: str, ranks: int, width: int, syncs: int, cpu: int) -> int:
+    lib = decoder_lib()
+    assert lib is not None
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        pass
+    layout = SegmentLayout(ranks, 1, width, 8, width, int(lib.pi_comm_hdr_bytes()))
+    seg = Segment(path, layout, create=False)
+    comm = RankComm(lib, seg, rank)
+    x = np.zeros(width, dtype=np.float32)
+    c0, c1 = width * rank // ranks, width * (rank + 1) // ranks
+    rc = lib.pi_comm_bench(ctypes.byref(comm.comm), width, c0, c1, syncs, x.ctypes.data)
+    want = np.concatenate([np.full(width * (r + 1) // ranks - width * r // ranks, r + 1, np.float32) for r in range(ranks)])
+    return 0 if rc == 0 and np.array_equal(x, want) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])))

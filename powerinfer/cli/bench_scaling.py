@@ -1,0 +1,159 @@
+"""`powerinfer bench --paired`: executors and worker counts side by side, in alternating rounds of one run.
+
+Runs in: the user's process (coordinator of every pool it loads) and their worker processes.
+
+Loads the model once per configuration (the default executor with each --workers count, and the
+in-process native decoder with the largest count as threads), then runs rounds A B C A B C ...
+(each: a prompt, then greedy decode steps) and reports per configuration the median tokens/s and
+the medians of the per-round ratios against the in-process decoder and against the first worker
+count, so the VM's drift cancels out. For the worker pools also: the merge's latency per sync
+(median, p99, from the ranks' rings), the share of the ranks' time spent waiting in merges, the
+coordinator's share of a step (round trip minus the slowest rank), and RSS/PSS of all processes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from powerinfer.errors import PowerInferError
+
+
+@dataclass
+class ConfigResult:
+    name: str
+    workers: int
+    decode_tps: list[float] = field(default_factory=list)
+    prefill_tps: list[float] = field(default_factory=list)
+    merge_median_us: float = 0.0
+    merge_p99_us: float = 0.0
+    wait_share: float = 0.0
+    syncs_per_step: float = 0.0
+    rss_mib: float = 0.0
+    pss_mib: float = 0.0
+    processes: int = 1
+
+
+@dataclass
+class ScalingResult:
+    model: str
+    prompt_tokens: int
+    gen_tokens: int
+    rounds: int
+    configs: list[ConfigResult]
+
+    def ratio(self, a: ConfigResult, b: ConfigResult, what: str = "decode_tps") -> tuple[float, float, float]:
+        r = np.array(getattr(a, what)) / np.array(getattr(b, what))
+        return float(np.median(r)), float(np.percentile(r, 25)), float(np.percentile(r, 75))
+
+    def report(self) -> str:
+        ref = next(c for c in self.configs if c.name.startswith("in-process"))
+        first = next(c for c in self.configs if not c.name.startswith("in-process"))
+        lines = [f"model: {self.model}  prompt: {self.prompt_tokens} tokens  decode: {self.gen_tokens} tokens  rounds: {self.rounds} "
+                 "(alternating; ratios are medians of per-round ratios, quartiles in brackets)",
+                 f"{'configuration':<28}{'decode tok/s':>13}{'prefill tok/s':>14}{'vs in-process':>22}{'vs ' + first.name:>26}"
+                 f"{'merge med/p99 us':>18}{'wait':>7}{'RSS/PSS MiB':>14}"]
+        for c in self.configs:
+            vs_ref = "%.3f (%.3f-%.3f)" % self.ratio(c, ref)
+            vs_first = "%.3f (%.3f-%.3f)" % self.ratio(c, first)
+            merge = f"{c.merge_median_us:.1f}/{c.merge_p99_us:.1f}" if c.syncs_per_step else "-"
+            wait = f"{100 * c.wait_share:.0f}%" if c.syncs_per_step else "-"
+            lines.append(f"{c.name:<28}{statistics.median(c.decode_tps):>13.1f}{statistics.median(c.prefill_tps):>14.1f}{vs_ref:>22}"
+                         f"{vs_first:>26}{merge:>18}{wait:>7}{f'{c.rss_mib:.0f}/{c.pss_mib:.0f}':>14}")
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "prompt_tokens": self.prompt_tokens, "gen_tokens": self.gen_tokens, "rounds": self.rounds,
+                "configs": [c.__dict__ for c in self.configs]}
+
+
+def _memory(pids: Sequence[int]) -> tuple[float, float]:
+    import psutil
+
+    rss = pss = 0.0
+    for pid in pids:
+        try:
+            info = psutil.Process(pid).memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss / 2**20, pss / 2**20
+
+
+def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128, gen_tokens: int = 64, rounds: int = 6,
+                    worker_threads: int = 1, n_batch: int = 512) -> ScalingResult:
+    """The default executor at each worker count and the in-process decoder, in alternating rounds."""
+    from powerinfer.api import LLM
+    from powerinfer.coordinator.native_pool import NativePoolExecutor
+    from powerinfer.sparsity.speed import PROMPT_TEXT
+
+    if rounds < 2:
+        raise PowerInferError("--paired needs at least 2 --rounds")
+    n_ctx = prompt_tokens + gen_tokens + 8
+    llms: dict[str, Any] = {}
+    results: list[ConfigResult] = []
+    try:
+        for n in workers:
+            llms[f"{n} worker{'s' if n > 1 else ''}"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n, worker_threads=worker_threads)
+        top = max(workers) * worker_threads
+        llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=top, executor="inprocess")
+        for name, llm in llms.items():
+            ex = llm.engine.executor
+            results.append(ConfigResult(name, len(getattr(ex, "pids", [])) or top))
+        first = next(iter(llms.values()))
+        ids = first.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
+        for _ in range(rounds):
+            for res, llm in zip(results, llms.values()):
+                eng, ex = llm.engine, llm.engine.executor
+                eng.rewind_all()
+                t = time.perf_counter()
+                token = int(np.argmax(eng.eval(ids)[-1]))
+                res.prefill_tps.append(len(ids) / (time.perf_counter() - t))
+                if isinstance(ex, NativePoolExecutor):
+                    ex.reset_stats()
+                t = time.perf_counter()
+                for _ in range(gen_tokens):
+                    token = int(np.argmax(eng.eval([token])[-1]))
+                res.decode_tps.append(gen_tokens / (time.perf_counter() - t))
+                if isinstance(ex, NativePoolExecutor):
+                    lat = ex.merge_latencies_ns() / 1e3
+                    res.merge_median_us, res.merge_p99_us = float(np.median(lat)), float(np.percentile(lat, 99))
+                    res.wait_share = ex.stats.wait_share
+                    res.syncs_per_step = ex.stats.syncs / max(1, ex.stats.calls)
+        for res, llm in zip(results, llms.values()):
+            pids = [os.getpid(), *getattr(llm.engine.executor, "pids", [])]
+            res.rss_mib, res.pss_mib = _memory(pids)
+            res.processes = len(pids)
+        name = first.config.name
+    finally:
+        for llm in llms.values():
+            llm.close()
+    return ScalingResult(name, prompt_tokens, gen_tokens, rounds, results)
+
+
+def plot_scaling(res: ScalingResult, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pools = [c for c in res.configs if not c.name.startswith("in-process")]
+    ref = next(c for c in res.configs if c.name.startswith("in-process"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [c.workers for c in pools]
+    ax.plot(xs, [statistics.median(c.decode_tps) for c in pools], "o-", label="default executor (worker processes)")
+    ax.axhline(statistics.median(ref.decode_tps), color="gray", linestyle="--", label=ref.name)
+    ax.set_xlabel("CPU worker processes")
+    ax.set_ylabel("decode tokens/s (median of alternating rounds)")
+    ax.set_xticks(xs)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{res.model}: thread scaling")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
