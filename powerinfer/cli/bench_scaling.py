@@ -2,8 +2,8 @@
 
 Runs in: the user's process (coordinator of every pool it loads) and their worker processes.
 
-Loads the model once per configuration (the default executor with each --workers count, and the
-in-process native decoder with the largest count as threads), then runs rounds A B C A B C ...
+Loads the model once per configuration (the default executor with each --workers count, one
+worker with as many threads, and the in-process native decoder with that many threads), then runs rounds A B C A B C ...
 (each: a prompt, then greedy decode steps) and reports per configuration the median tokens/s and
 the medians of the per-round ratios against the in-process decoder and against the first worker
 count, so the VM's drift cancels out. For the worker pools also: the merge's latency per sync
@@ -102,6 +102,8 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
         for n in workers:
             llms[f"{n} worker{'s' if n > 1 else ''}"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n, worker_threads=worker_threads)
         top = max(workers) * worker_threads
+        if top > 1 and worker_threads == 1:  # the other way to use the cores: one rank with `top` threads
+            llms[f"1 worker x {top} threads"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=1, worker_threads=top)
         llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=top, executor="inprocess")
         for name, llm in llms.items():
             ex = llm.engine.executor
