@@ -111,3 +111,32 @@ def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, trans
         assert [c.token for c in llm.generate(ids, 8, temperature=0)] == [c.token for c in oracle.generate(ids, 8, temperature=0)]
     finally:
         llm.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_gate_predictor(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A gate-mode predictor for SmolLM2 calibrated on a short generated text (thresholds only: seconds)."""
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+    from powerinfer.sparsity.predictor_file import write_predictor
+
+    path = tmp_path_factory.mktemp("predictor") / "smollm2.predictor"
+    write_predictor(path, calibrate(smollm2_path, CalibrationSettings(mode="gate", sparsity=0.3, tokens=64, window=32, steps=1)))
+    return path
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 3])
+def test_worker_processes_with_a_predictor_equal_inprocess(n_workers: int, smollm2_path: Path, smollm2_gate_predictor: Path,
+                                                          reference: dict[str, Any]) -> None:
+    """With a predictor the pool takes transport zmq (sparse torch shards); it equals the sharded in-process oracle.
+
+    Each worker runs one torch thread, and torch's packed kernels round differently with more
+    (measured: head logits one bf16 step apart with 2), so the oracle runs one thread too."""
+    ids = reference["smollm2"]["greedy"][0]["prompt_tokens"]
+    oracle = LLM(smollm2_path, n_ctx=128, executor="inprocess", n_shards=n_workers, predictor=smollm2_gate_predictor, n_threads=1)
+    llm = LLM(smollm2_path, n_ctx=128, n_threads=n_workers, predictor=smollm2_gate_predictor)
+    try:
+        assert llm.sparse and type(llm.engine.executor).__name__ == "ProcessExecutor"
+        np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3, rtol=0)
+        assert [c.token for c in llm.generate(ids, 8, temperature=0)] == [c.token for c in oracle.generate(ids, 8, temperature=0)]
+    finally:
+        llm.close()

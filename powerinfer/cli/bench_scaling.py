@@ -7,13 +7,13 @@ worker with as many threads, and the in-process native decoder with that many th
 (each: a prompt, then greedy decode steps) and reports per configuration the median tokens/s and
 the medians of the per-round ratios against the in-process decoder and against the first worker
 count, so the VM's drift cancels out. For the worker pools also: the merge's latency per sync
-(median, p99, from the ranks' rings), the share of the ranks' time spent waiting in merges, the
-coordinator's share of a step (round trip minus the slowest rank), and RSS/PSS of all processes.
+(median, p99, from the ranks' rings) and the share of the ranks' time spent waiting in merges.
+Memory is not reported here:
+every configuration shares this process (the non-paired mode measures each alone).
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -34,9 +34,6 @@ class ConfigResult:
     merge_p99_us: float = 0.0
     wait_share: float = 0.0
     syncs_per_step: float = 0.0
-    rss_mib: float = 0.0
-    pss_mib: float = 0.0
-    processes: int = 1
 
 
 @dataclass
@@ -57,33 +54,20 @@ class ScalingResult:
         lines = [f"model: {self.model}  prompt: {self.prompt_tokens} tokens  decode: {self.gen_tokens} tokens  rounds: {self.rounds} "
                  "(alternating; ratios are medians of per-round ratios, quartiles in brackets)",
                  f"{'configuration':<28}{'decode tok/s':>13}{'prefill tok/s':>14}{'vs in-process':>22}{'vs ' + first.name:>26}"
-                 f"{'merge med/p99 us':>18}{'wait':>7}{'RSS/PSS MiB':>14}"]
+                 f"{'merge med/p99 us':>18}{'wait':>7}"]
         for c in self.configs:
             vs_ref = "%.3f (%.3f-%.3f)" % self.ratio(c, ref)
             vs_first = "%.3f (%.3f-%.3f)" % self.ratio(c, first)
             merge = f"{c.merge_median_us:.1f}/{c.merge_p99_us:.1f}" if c.syncs_per_step else "-"
             wait = f"{100 * c.wait_share:.0f}%" if c.syncs_per_step else "-"
             lines.append(f"{c.name:<28}{statistics.median(c.decode_tps):>13.1f}{statistics.median(c.prefill_tps):>14.1f}{vs_ref:>22}"
-                         f"{vs_first:>26}{merge:>18}{wait:>7}{f'{c.rss_mib:.0f}/{c.pss_mib:.0f}':>14}")
+                         f"{vs_first:>26}{merge:>18}{wait:>7}")
+        lines.append("memory: `powerinfer bench --workers ...` (without --paired) measures each configuration alone, all its processes")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "gen_tokens": self.gen_tokens, "rounds": self.rounds,
                 "configs": [c.__dict__ for c in self.configs]}
-
-
-def _memory(pids: Sequence[int]) -> tuple[float, float]:
-    import psutil
-
-    rss = pss = 0.0
-    for pid in pids:
-        try:
-            info = psutil.Process(pid).memory_full_info()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        rss += info.rss
-        pss += getattr(info, "pss", info.rss)
-    return rss / 2**20, pss / 2**20
 
 
 def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128, gen_tokens: int = 64, rounds: int = 6,
@@ -128,10 +112,6 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
                     res.merge_median_us, res.merge_p99_us = float(np.median(lat)), float(np.percentile(lat, 99))
                     res.wait_share = ex.stats.wait_share
                     res.syncs_per_step = ex.stats.syncs / max(1, ex.stats.calls)
-        for res, llm in zip(results, llms.values()):
-            pids = [os.getpid(), *getattr(llm.engine.executor, "pids", [])]
-            res.rss_mib, res.pss_mib = _memory(pids)
-            res.processes = len(pids)
         name = first.config.name
     finally:
         for llm in llms.values():
