@@ -26,7 +26,7 @@ import zmq
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
-from powerinfer.cpu_workers.shm_segment import RankComm, Segment, SegmentLayout, comm_error
+from powerinfer.cpu_workers.shm_segment import SPIN_US, RankComm, Segment, SegmentLayout, comm_error
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks
@@ -42,7 +42,10 @@ CONTROL_WAIT_MS = 2000  # how long a rung rank waits for the ZeroMQ message
 class NativeRank:
     """This worker's rank: the decoder over its shard, the segment and its merge handle."""
 
-    def __init__(self, load: LoadMsg, rank: int) -> None:
+    def __init__(self, load: LoadMsg, rank: int, n_cpus: int = 0) -> None:
+        """n_cpus: the CPUs this worker could use before it was pinned (0: unknown). With more
+        threads in the pool than that, waiting ranks sleep at once instead of spinning: a spinning
+        rank would hold a core that a rank still computing needs."""
         lib = decoder_lib()
         if lib is None:
             raise UnsupportedModelError("the native decoder is unavailable in this worker (POWERINFER_NATIVE=0 or no C compiler)")
@@ -56,7 +59,12 @@ class NativeRank:
         self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard)
         layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()))
         self.seg = Segment(load.shm, layout, create=False)
-        self.comm = RankComm(lib, self.seg, rank)
+        oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) > n_cpus
+        if oversubscribed:
+            log.info("worker %d: %d ranks x %d threads on %d CPUs: merges and steps sleep without spinning", rank, load.n_workers,
+                     max(1, load.threads), n_cpus)
+        self.step_spin_us = 0 if oversubscribed else STEP_SPIN_US
+        self.comm = RankComm(lib, self.seg, rank, spin_us=0 if oversubscribed else SPIN_US)
         self.dec.model.comm = self.comm.ptr
         self.rank, self.d, self.max_t = rank, cfg.d_model, load.max_t
         self.io = np.zeros((3, load.max_t), dtype=np.int64)
@@ -85,7 +93,7 @@ def serve_native(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading
     """Steps from the doorbell in native code (pi_rank_serve); between them, when the coordinator
     rings for it, one ZeroMQ message: LOGITS or STEP -> RESULT (or ERROR), SHUTDOWN -> return."""
     while True:
-        rc = rank.lib.pi_rank_serve(ctypes.byref(rank.ctx), STEP_SPIN_US, IDLE_MS)
+        rc = rank.lib.pi_rank_serve(ctypes.byref(rank.ctx), rank.step_spin_us, IDLE_MS)
         if rc == 1:  # idle: nothing to do (the heartbeat thread keeps beating)
             continue
         # 2: a message waits (sent before the doorbell rang, so it is at most in flight); an

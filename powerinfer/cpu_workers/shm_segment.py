@@ -148,10 +148,10 @@ def create_segment_with(lib: ctypes.CDLL, layout: SegmentLayout) -> Segment:
 class RankComm:
     """One rank's handle (comm.h's pi_comm) and its latency ring in the segment; ``ptr`` goes into pi_model.comm."""
 
-    def __init__(self, lib: ctypes.CDLL, seg: Segment, rank: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, seg: Segment, rank: int, spin_us: int = SPIN_US) -> None:
         self.comm = PiComm()
         self.lat = seg.lat[rank]
-        if lib.pi_comm_attach(ctypes.byref(self.comm), seg.base, rank, SPIN_US, SLICE_MS, DEADLINE_MS, self.lat.ctypes.data):
+        if lib.pi_comm_attach(ctypes.byref(self.comm), seg.base, rank, spin_us, SLICE_MS, DEADLINE_MS, self.lat.ctypes.data):
             raise InvalidArgumentError(f"rank {rank} cannot attach to the merge segment {seg.path}")
         self.ptr = ctypes.addressof(self.comm)
 

@@ -92,13 +92,13 @@ class _Shards:
         release_freed_memory()
 
 
-def _load(load: LoadMsg, index: int) -> "_Shards | NativeRank":
+def _load(load: LoadMsg, index: int, n_cpus: int) -> "_Shards | NativeRank":
     """This worker's part of the model for the LOAD's transport."""
     if load.transport == "shm":
         os.environ["OMP_NUM_THREADS"] = str(max(1, load.threads))
         from powerinfer.cpu_workers.native_worker import NativeRank
 
-        return NativeRank(load, index)
+        return NativeRank(load, index, n_cpus)
     if load.transport != "zmq":
         raise ProtocolError(f"unknown transport {load.transport!r} (expected 'shm' or 'zmq')")
     import torch
@@ -171,6 +171,7 @@ def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, l
             return
         if not isinstance(load, LoadMsg):
             raise ProtocolError(f"expected LOAD, got {type(load).__name__}")
+        n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 0)
         if load.cpus:
             pin_current_process(Placement(worker=index, node=load.node, cpus=tuple(load.cpus)))
         if load.node >= 0:
@@ -178,7 +179,7 @@ def worker_main(index: int, endpoint: str, hb_endpoint: str, coordinator: int, l
         t0 = time.perf_counter()
         busy.set()
         try:
-            shards = _load(load, index)
+            shards = _load(load, index, n_cpus)
         except Exception as e:  # noqa: BLE001 - the coordinator reports it as a load failure
             send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))
             return
