@@ -125,13 +125,16 @@ def plot_scaling(res: ScalingResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pools = [c for c in res.configs if not c.name.startswith("in-process")]
+    pools = [c for c in res.configs if not c.name.startswith("in-process") and " x " not in c.name]
+    threaded = [c for c in res.configs if " x " in c.name]
     ref = next(c for c in res.configs if c.name.startswith("in-process"))
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [c.workers for c in pools]
-    ax.plot(xs, [statistics.median(c.decode_tps) for c in pools], "o-", label="default executor (worker processes)")
+    ax.plot(xs, [statistics.median(c.decode_tps) for c in pools], "o-", label="default executor: N single-thread workers")
+    for c in threaded:
+        ax.plot([max(xs)], [statistics.median(c.decode_tps)], "s", color="tab:orange", label=c.name)
     ax.axhline(statistics.median(ref.decode_tps), color="gray", linestyle="--", label=ref.name)
-    ax.set_xlabel("CPU worker processes")
+    ax.set_xlabel("CPU worker processes (= threads)")
     ax.set_ylabel("decode tokens/s (median of alternating rounds)")
     ax.set_xticks(xs)
     ax.set_ylim(bottom=0)
