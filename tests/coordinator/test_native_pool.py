@@ -29,19 +29,11 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks
 from powerinfer.protocol import WorkerDiedError
+from tests.coordinator.helpers import gone
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 lib = decoder_lib()
 pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: the native pool is unavailable")
-
-
-def _gone(pids: list[int], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _ranks_in_threads(path: Path, n: int, x: np.ndarray, pos: np.ndarray, slots: np.ndarray, n_slots: int = 1) -> list[np.ndarray]:
@@ -140,7 +132,7 @@ def test_pool_equals_native_inprocess(make_model: Callable[..., Path], n_workers
     finally:
         pids = llm.engine.executor.pids  # type: ignore[attr-defined]
         llm.close()
-    assert _gone(pids)
+    assert gone(pids)
 
 
 def test_batched_decode_on_ranks_equals_each_alone(make_model: Callable[..., Path]) -> None:
@@ -179,7 +171,7 @@ def test_rank_killed_inside_a_merge_fails_the_step_without_a_hang(make_model: Ca
     finally:
         pids = ex.pids
         llm.close()
-    assert _gone(pids + [victim, survivor])
+    assert gone(pids + [victim, survivor])
 
 
 def test_idle_pool_sleeps(make_model: Callable[..., Path]) -> None:

@@ -15,23 +15,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import psutil
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.api import LLM
 from powerinfer.protocol import WorkerDiedError
+from tests.coordinator.helpers import gone
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
-
-
-def _gone(pids: list[int], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3])
@@ -48,7 +39,7 @@ def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int
     finally:
         pids = llm.engine.executor.pids  # type: ignore[attr-defined]
         llm.close()
-    assert _gone(pids)
+    assert gone(pids)
 
 
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
@@ -64,7 +55,7 @@ def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[...
             for _ in gen:
                 pass
         assert time.monotonic() - t0 < 5.0
-        assert _gone([victim])
+        assert gone([victim])
         # the pool was restored: the next request works and matches a fresh computation
         text, finish = llm.complete(IDS, max_tokens=4, temperature=0)
         assert finish in ("length", "stop")
@@ -72,7 +63,7 @@ def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[...
     finally:
         pids = llm.engine.executor.pids  # type: ignore[attr-defined]
         llm.close()
-    assert _gone(pids)
+    assert gone(pids)
 
 
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
@@ -89,7 +80,7 @@ def test_stopped_worker_is_detected(make_model: Callable[..., Path], transport: 
     finally:
         pids = llm.engine.executor.pids  # type: ignore[attr-defined]
         llm.close()
-    assert _gone(pids + [victim])
+    assert gone(pids + [victim])
 
 
 _CHILD = """
@@ -113,7 +104,7 @@ def test_workers_exit_when_coordinator_dies(make_model: Callable[..., Path], how
         time.sleep(0.5)  # mid-generation
         proc.send_signal(how)
         proc.wait(timeout=5)
-        assert _gone(pids, timeout=5.0), "orphan worker processes"
+        assert gone(pids, timeout=5.0), "orphan worker processes"
     finally:
         proc.kill()
         proc.wait()

@@ -40,12 +40,9 @@ int pi_decode_logits(const pi_model *m, const float *hidden, int T, float *out, 
     return rc ? rc : pi_refine_best(&m->head, hidden, T, out, margin, k, cand, row);
 }
 
-/* A whole step in one call: the embedding rows of ids (times embed_scale) into x [T, d], every
- * layer and the final norm, then the decode logits (pi_decode_logits) of the last row, or of each
- * row (batched decode), into out. */
-int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
-            int each, float *x, float *out, float margin, int k, void *scratch, int32_t *cand, float *row) {
-    if (T < 1 || T > m->max_t || embd->cols != m->d) return 1;
+/* x [T, d] = embedding rows of ids times embed_scale. 0, 1 (a bad table), 3 (an id outside it). */
+static int embed_ids(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, int T, float *x) {
+    if (embd->cols != m->d) return 1;
     for (int t = 0; t < T; t++) {
         if (ids[t] < 0 || ids[t] >= embd->rows) return 3;
         float *xt = x + (size_t)t * m->d;
@@ -53,7 +50,17 @@ int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64
         if (embed_scale != 1.0f)
             for (int i = 0; i < m->d; i++) xt[i] *= embed_scale;
     }
-    int rc = pi_forward(m, x, pos, slot, T, scratch);
+    return 0;
+}
+
+/* A whole step in one call: the embedding rows of ids (times embed_scale) into x [T, d], every
+ * layer and the final norm, then the decode logits (pi_decode_logits) of the last row, or of each
+ * row (batched decode), into out. */
+int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
+            int each, float *x, float *out, float margin, int k, void *scratch, int32_t *cand, float *row) {
+    if (T < 1 || T > m->max_t) return 1;
+    int rc = embed_ids(m, embd, embed_scale, ids, T, x);
+    if (!rc) rc = pi_forward(m, x, pos, slot, T, scratch);
     if (rc) return rc;
     return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
 }
@@ -69,15 +76,8 @@ int pi_rank_step(const pi_model *m, const pi_wt *embd, float embed_scale, const 
                  int mode, float *x, float *logits, int64_t ld, float *hidden, void *scratch) {
     if (T < 1 || T > m->max_t || mode < 0 || mode > 3) return 1;
     if (mode != 3) {
-        if (embd->cols != m->d) return 1;
-        for (int t = 0; t < T; t++) {
-            if (ids[t] < 0 || ids[t] >= embd->rows) return 3;
-            float *xt = x + (size_t)t * m->d;
-            if (dequant_row(embd->type, embd->data + (size_t)ids[t] * embd->row_bytes, m->d, xt)) return 1;
-            if (embed_scale != 1.0f)
-                for (int i = 0; i < m->d; i++) xt[i] *= embed_scale;
-        }
-        int rc = pi_forward(m, x, pos, slot, T, scratch);
+        int rc = embed_ids(m, embd, embed_scale, ids, T, x);
+        if (!rc) rc = pi_forward(m, x, pos, slot, T, scratch);
         if (rc) return rc;
         if (hidden) memcpy(hidden, x, sizeof(float) * (size_t)T * m->d);
         if (mode == 0) return 0;
