@@ -26,11 +26,11 @@ import numpy as np
 from powerinfer.chat import ChatMessage, ChatTemplate
 from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.engine_core import EngineCore, Seq
 from powerinfer.coordinator.executor import Executor, InProcessExecutor
 from powerinfer.errors import ChatTemplateError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
-from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.sampling import SamplingParams
 from powerinfer.sparsity.predictor_file import read_predictor
@@ -166,22 +166,17 @@ class LLM:
             raise
         self.n_ctx = n_ctx
         self.sparse = use is not None
-        self._broken = False
+        # one step loop and one failure path for generate() here and the server's scheduler
+        self.core = EngineCore(self.engine, restart=self._restart_pool)
         release_freed_memory()
         self.timings = Timings(load_s=time.perf_counter() - t0)
         log.info("loaded %s (%s) in %.2fs", self.config.name, self.config.arch, self.timings.load_s)
 
     def _eval(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """engine.eval; after a worker failure the error goes to this request at once and the
-        pool is restarted at the start of the next one (so the error is not delayed by a restart)."""
-        if self._broken:
-            self.restart_workers()
-        try:
+        """engine.eval through the core's failure path: after a worker failure the error goes to
+        this request at once and the pool is restarted at the start of the next one."""
+        with self.core.guard():
             return self.engine.eval(ids, all_logits=all_logits)
-        except (WorkerDiedError, WorkerError):
-            self.engine.rewind_all()  # the restarted workers will hold no KV cache
-            self._broken = True
-            raise
 
     def _process_executor(self, transport: str, sparse: bool, predictor: "str | os.PathLike[str] | None", n_ctx: int, n_threads: int | None,
                           worker_threads: int, pin: bool, n_slots: int, n_batch: int) -> Executor:
@@ -260,11 +255,12 @@ class LLM:
 
     def restart_workers(self) -> None:
         """Start fresh workers (their KV caches are empty, so every slot is forgotten)."""
+        self.core.recover()
+
+    def _restart_pool(self) -> None:
         restart = getattr(self.engine.executor, "restart", None)
         if restart is not None:
             restart()
-        self.engine.rewind_all()
-        self._broken = False
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -282,18 +278,6 @@ class LLM:
         return self._eval(token_ids, all_logits=True)
 
     # -- generation ----------------------------------------------------------------------------
-
-    def _prefill(self, ids: list[int]) -> np.ndarray:
-        """Evaluate ids, reusing the cached common prefix; -> logits [1, vocab] of the last token."""
-        if not ids:
-            raise InvalidArgumentError("the prompt is empty")
-        keep = self.engine.reusable_prefix(ids)
-        self.engine.rewind(keep)
-        t0 = time.perf_counter()
-        logits = self._eval(ids[keep:])
-        self.timings.prompt_tokens = len(ids) - keep
-        self.timings.prompt_s = time.perf_counter() - t0
-        return logits
 
     def generate(
         self,
@@ -321,22 +305,39 @@ class LLM:
 
     def _generate(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: tuple[str, ...],
                   logprobs: int | None = None) -> Iterator[GenerationChunk]:
-        seq = SequenceState(self.tokenizer, ids, max_tokens, params, stop, logprobs)
-        logits = self._prefill(ids)
-        self.timings.generated_tokens, t0 = 0, time.perf_counter()
-        self.timings.decode_evals, self.timings.decode_s = 0, 0.0
-        while True:
-            chunks = seq.step(logits[-1], context_full=len(self.engine.tokens) + 1 >= self.n_ctx)
-            self.timings.generated_tokens = seq.generated
-            if seq.done:
-                self.timings.generate_s = time.perf_counter() - t0
-            yield from chunks
-            if seq.next_token is None:
-                return
-            t_eval = time.perf_counter()
-            logits = self._eval([seq.next_token])
-            self.timings.decode_s += time.perf_counter() - t_eval
-            self.timings.decode_evals += 1
+        """One sequence through the engine core (the server's scheduler runs many the same way).
+        A new generate abandons a sequence still unfinished from an earlier one."""
+        if not ids:
+            raise InvalidArgumentError("the prompt is empty")
+        for old in list(self.core.active):
+            self.core.remove(old)
+        seq = Seq(ids, SequenceState(self.tokenizer, ids, max_tokens, params, stop, logprobs))
+        with self.core.guard():
+            self.core.add(seq)
+        t = self.timings
+        t.prompt_tokens, t.prompt_s = len(ids) - seq.prefilled, 0.0
+        t.generated_tokens, t.decode_evals, t.decode_s, t.generate_s = 0, 0, 0.0, 0.0
+        t_start = 0.0
+        try:
+            while True:
+                was_prefill = seq.in_prefill
+                outs = self.core.step()
+                if was_prefill:
+                    t.prompt_s += self.core.prefill_s
+                    t_start = time.perf_counter()
+                else:
+                    t.decode_s += self.core.decode_s
+                    t.decode_evals += 1
+                for out in outs:
+                    if out.seq is seq:
+                        t.generated_tokens = seq.state.generated
+                        if seq.state.done:
+                            t.generate_s = time.perf_counter() - t_start
+                        yield from out.chunks
+                if seq.state.done:
+                    return
+        finally:
+            self.core.remove(seq)
 
     def complete(self, prompt: str | Sequence[int], max_tokens: int = 128, **kwargs: Any) -> tuple[str, str]:
         """Non-streaming generate: (text, finish_reason)."""

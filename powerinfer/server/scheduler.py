@@ -8,9 +8,9 @@ KV-cache slot; the rest wait in a bounded FIFO. Every loop iteration (a "step"):
 1. cancelled jobs (client gone) leave, freeing their slot;
 2. waiting jobs take free slots (the slot whose cached tokens share the longest prefix with the
    prompt, so a chat's next turn reuses its history);
-3. one job in prefill advances by one chunk of ``n_batch`` prompt tokens (so a long prompt does
-   not stall everyone's decoding);
-4. every job in decode advances by one token in a single batched forward pass.
+3. the engine core (coordinator/engine_core.py, the same loop ``LLM.generate`` runs) advances one
+   job in prefill by one chunk of ``n_batch`` prompt tokens and every job in decode by one token
+   in a single batched forward pass.
 
 Jobs join and leave only between steps. A batched row is bit-identical to the same sequence
 decoded alone (attention is per slot; norms, projections and the head refinement are per row),
@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-import numpy as np
 
 from powerinfer.api import LLM
+from powerinfer.coordinator.engine_core import Seq
 from powerinfer.errors import PowerInferError
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.protocol import WorkerDiedError, WorkerError
@@ -63,11 +63,10 @@ class Job:
     sink: Callable[["Job", Event], None]
     index: int = 0  # choice index within its request
     cancelled: threading.Event = field(default_factory=threading.Event)
-    slot: int = -1
-    prefilled: int = 0  # prompt tokens already in the slot's cache
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float = 0.0  # first token emitted (monotonic), 0 before
     finished: bool = False
+    seq: Seq | None = None  # the engine core's view (slot, prompt tokens cached), made at admission
 
     @property
     def completion_tokens(self) -> int:
@@ -77,13 +76,12 @@ class Job:
 class Scheduler:
     def __init__(self, llm: LLM, metrics: ServerMetrics, max_queue: int) -> None:
         self.llm = llm
-        self.engine = llm.engine
+        self.core = llm.core
         self.metrics = metrics
         self.max_queue = max_queue
         self.n_slots = llm.engine.n_slots
         self.waiting: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
-        self.slot_used = [0.0] * self.n_slots  # last use (monotonic), for least-recently-used choice
         self.cond = threading.Condition()
         self.stopping = False
         self.healthy = True
@@ -153,17 +151,23 @@ class Scheduler:
             jobs, self.waiting = [*self.active, *self.waiting], collections.deque()
             self.active = []
         for job in jobs:
+            if job.seq is not None:
+                self.core.remove(job.seq)
             self._end(job, err)
 
     def _step(self) -> None:
         self._drop_cancelled()
         self._admit()
-        prefilling = [j for j in self.active if j.prefilled < len(j.prompt)]
-        if prefilling:
-            self._prefill_chunk(min(prefilling, key=lambda j: j.t_submit))
-        decoding = [j for j in self.active if j.prefilled == len(j.prompt) and j.state.next_token is not None]
-        if decoding:
-            self._decode(decoding)
+        outs = self.core.step()
+        if self.core.last_batch:
+            self.metrics.batch_size.observe(self.core.last_batch)
+        for out in outs:
+            job = out.seq.tag
+            assert isinstance(job, Job)
+            if out.prompt_tokens:
+                self.metrics.prompt_tokens.inc(out.prompt_tokens)
+            if out.chunks or out.first or not out.prompt_tokens:
+                self._emit(job, out.chunks)
 
     def _drop_cancelled(self) -> None:
         with self.cond:
@@ -182,37 +186,14 @@ class Scheduler:
         with self.cond:
             while self.waiting and len(self.active) < self.n_slots:
                 job = self.waiting.popleft()
-                job.slot = self._pick_slot(job.prompt)
+                job.seq = Seq(job.prompt, job.state, tag=job)
+                self.core.add(job.seq)
                 self.active.append(job)
-                keep = self.engine.reusable_prefix(job.prompt, job.slot)
-                self.engine.rewind(keep, job.slot)
-                job.prefilled = keep
             self.metrics.waiting.set(len(self.waiting))
             self.metrics.running.set(len(self.active))
 
-    def _pick_slot(self, prompt: list[int]) -> int:
-        busy = {j.slot for j in self.active}
-        free = [s for s in range(self.n_slots) if s not in busy]
-        return max(free, key=lambda s: (self.engine.common_prefix(prompt, s), -self.slot_used[s]))
-
-    def _prefill_chunk(self, job: Job) -> None:
-        chunk = job.prompt[job.prefilled : job.prefilled + self.engine.n_batch]
-        logits = self.engine.eval(chunk, slot=job.slot)
-        job.prefilled += len(chunk)
-        self.metrics.prompt_tokens.inc(len(chunk))
-        if job.prefilled == len(job.prompt):
-            self._emit(job, logits[-1])
-
-    def _decode(self, jobs: list[Job]) -> None:
-        tokens = [int(j.state.next_token) for j in jobs if j.state.next_token is not None]
-        logits = self.engine.decode(tokens, [j.slot for j in jobs])
-        self.metrics.batch_size.observe(len(jobs))
-        for job, row in zip(jobs, logits):
-            self._emit(job, row)
-
-    def _emit(self, job: Job, logits: np.ndarray) -> None:
-        full = len(self.engine.slot_tokens[job.slot]) + 1 >= self.engine.n_ctx
-        chunks = job.state.step(logits, context_full=full)
+    def _emit(self, job: Job, chunks: list[GenerationChunk]) -> None:
+        """A token was sampled for job (its chunks, possibly none while a stop string may start)."""
         now = time.monotonic()
         if not job.t_first:
             job.t_first = now
@@ -229,9 +210,10 @@ class Scheduler:
             self._release(job)
 
     def _release(self, job: Job) -> None:
+        if job.seq is not None:
+            self.core.remove(job.seq)
         if job in self.active:
             self.active.remove(job)
-            self.slot_used[job.slot] = time.monotonic()
         self.metrics.running.set(len(self.active))
 
     def _end(self, job: Job, error: BaseException) -> None:
@@ -242,6 +224,9 @@ class Scheduler:
 
     def _fail_active(self, error: BaseException) -> None:
         jobs, self.active = self.active, []
+        for job in jobs:
+            if job.seq is not None:
+                self.core.remove(job.seq)
         self.metrics.running.set(0)
         for job in jobs:
             self._end(job, error)

@@ -96,8 +96,9 @@ def test_sigterm_stops_generation_and_workers(make_model: Callable[..., Path]) -
     import psutil
 
     proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "-m", str(make_model(arch="llama")), "-p", "abc",
-                             "-n", "-1", "-c", "65536", "-t", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # read the text as a terminal would: a full pipe would block the writer, not what is tested here
+                             "-n", "-1", "-c", "65536", "-t", "2", "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # greedy: this model never samples its end token then (a random draw can, within a second at
+    # ~10k tokens/s); the text is read as a terminal would: a full pipe would block the writer
     drain = threading.Thread(target=lambda: proc.stdout.read() if proc.stdout else None, daemon=True)
     drain.start()
     try:

@@ -1,0 +1,151 @@
+"""The engine core: sequences stepped through the engine one forward pass at a time, and the failure path.
+
+Runs in: the coordinator (the user's process for ``LLM.generate``; the server's scheduler thread).
+
+``LLM.generate`` (one sequence) and the server's scheduler (many: continuous batching) drive the
+same loop. A step:
+
+1. the oldest sequence still in prefill advances by one chunk of ``n_batch`` prompt tokens (so a
+   long prompt does not stall everyone's decoding); when its prompt is done, its first token is
+   sampled from the chunk's last logits;
+2. every sequence in decode advances by one token in a single batched forward pass.
+
+Sequences join between steps (:meth:`EngineCore.add` gives each a free KV slot: the one whose
+cached tokens share the longest prefix with its prompt, so a chat's next turn reuses its history)
+and leave when done or cancelled (:meth:`EngineCore.remove`).
+
+Failure: a worker that dies or errs during a step (or during any other engine call made through
+:meth:`EngineCore.guard`) fails every active sequence: the core forgets them and the cached tokens
+(the restarted workers hold no KV cache) and re-raises; the next step, or :meth:`recover`,
+restarts the pool first. The caller decides what the error means for its sequences (``LLM``
+raises it, the scheduler sends it to each job's client).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from powerinfer.coordinator.engine import Engine
+from powerinfer.errors import ContextOverflowError, InvalidArgumentError
+from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.protocol import WorkerDiedError, WorkerError
+
+
+@dataclass(eq=False)
+class Seq:
+    """One sequence: its prompt, sampling state, KV slot and how much of the prompt is cached."""
+
+    prompt: list[int]
+    state: SequenceState
+    tag: object = None  # the caller's own handle (the scheduler's job)
+    slot: int = -1
+    prefilled: int = 0
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one sequence: prompt tokens it cached, the chunks it produced."""
+
+    seq: Seq
+    prompt_tokens: int = 0
+    chunks: list[GenerationChunk] = field(default_factory=list)
+    first: bool = False  # the sequence's first token was sampled in this step
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, restart: Callable[[], None]) -> None:
+        """restart: bring up a fresh worker pool (a no-op in process)."""
+        self.engine = engine
+        self._restart = restart
+        self.active: list[Seq] = []
+        self.slot_used = [0.0] * engine.n_slots  # last use (monotonic), for the least-recently-used choice
+        self.broken = False
+        self.last_batch = 0  # sequences in the last decode pass
+        self.prefill_s = self.decode_s = 0.0  # time in the last step's forward passes (sampling excluded)
+
+    @property
+    def free_slots(self) -> int:
+        return self.engine.n_slots - len(self.active)
+
+    def add(self, seq: Seq) -> None:
+        """Give seq a free slot (longest cached common prefix, then least recently used) and keep
+        what of its prompt is cached there."""
+        if not seq.prompt:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(seq.prompt) > self.engine.n_ctx:
+            raise ContextOverflowError(f"{len(seq.prompt)} tokens do not fit the context of {self.engine.n_ctx} (raise -c/--ctx-size)")
+        if self.free_slots < 1:
+            raise InvalidArgumentError(f"all {self.engine.n_slots} sequence slots are busy")
+        busy = {s.slot for s in self.active}
+        free = [s for s in range(self.engine.n_slots) if s not in busy]
+        seq.slot = max(free, key=lambda s: (self.engine.common_prefix(seq.prompt, s), -self.slot_used[s]))
+        keep = self.engine.reusable_prefix(seq.prompt, seq.slot)
+        self.engine.rewind(keep, seq.slot)
+        seq.prefilled = keep
+        self.active.append(seq)
+
+    def remove(self, seq: Seq) -> None:
+        """seq leaves (done, cancelled or abandoned); its slot keeps its tokens for a later prefix."""
+        if seq in self.active:
+            self.active.remove(seq)
+            self.slot_used[seq.slot] = time.monotonic()
+
+    def recover(self) -> None:
+        """Restart the worker pool (every slot starts empty)."""
+        self._restart()
+        self.engine.rewind_all()
+        self.broken = False
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Engine calls inside: a worker failure fails every active sequence (see the module docstring)."""
+        if self.broken:
+            self.recover()
+        try:
+            yield
+        except (WorkerDiedError, WorkerError):
+            self.active.clear()
+            self.engine.rewind_all()  # the restarted workers will hold no KV cache
+            self.broken = True
+            raise
+
+    def step(self) -> list[StepOutput]:
+        """One prefill chunk (the oldest sequence in prefill) and one batched decode pass."""
+        outs: list[StepOutput] = []
+        self.prefill_s = self.decode_s = 0.0
+        with self.guard():
+            prefilling = [s for s in self.active if s.in_prefill]
+            decoding = [s for s in self.active if not s.in_prefill and s.state.next_token is not None]
+            if prefilling:
+                seq = prefilling[0]
+                chunk = seq.prompt[seq.prefilled : seq.prefilled + self.engine.n_batch]
+                t0 = time.perf_counter()
+                logits = self.engine.eval(chunk, slot=seq.slot)
+                self.prefill_s = time.perf_counter() - t0
+                seq.prefilled += len(chunk)
+                out = StepOutput(seq, prompt_tokens=len(chunk))
+                if not seq.in_prefill:
+                    out.chunks, out.first = self._sample(seq, logits[-1]), True
+                outs.append(out)
+            self.last_batch = len(decoding)
+            if decoding:
+                tokens = [int(s.state.next_token) for s in decoding]  # type: ignore[arg-type]
+                t0 = time.perf_counter()
+                logits = self.engine.decode(tokens, [s.slot for s in decoding])
+                self.decode_s = time.perf_counter() - t0
+                outs.extend(StepOutput(s, chunks=self._sample(s, row)) for s, row in zip(decoding, logits))
+        return outs
+
+    def _sample(self, seq: Seq, logits: object) -> list[GenerationChunk]:
+        full = len(self.engine.slot_tokens[seq.slot]) + 1 >= self.engine.n_ctx
+        chunks = seq.state.step(logits, context_full=full)  # type: ignore[arg-type]
+        if seq.state.done:
+            self.remove(seq)
+        return chunks
