@@ -27,15 +27,20 @@ def _progress(msg: str) -> None:
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    from powerinfer.cli.main import _Parser, positive_int
+    from powerinfer.cli.main import CLIError, _Parser, positive_int
 
     p = _Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
     p.add_argument("-o", "--output", required=True, help="predictor file to write (e.g. MODEL.predictor)")
     p.add_argument("--text", default=None, help="calibration text file (default: text the model generates itself)")
-    p.add_argument("--sparsity", type=float, default=0.5, help="target share of FFN neurons skipped per token (default 0.5)")
-    p.add_argument("--mode", choices=["predictor", "gate"], default="predictor",
-                   help="predictor: a trained low-rank MLP picks neurons (gate, up, down skipped); gate: dense gate, threshold on it")
+    p.add_argument("--max-ppl-increase", type=float, default=0.02,
+                   help="quality budget (default 0.02 = +2%%): without --sparsity, the sparsest gate-mode setting (per-layer levels "
+                        "allocated by measured damage) whose perplexity on a held-out fifth of the corpus stays within it")
+    p.add_argument("--sparsity", type=float, default=None,
+                   help="force one share of FFN neurons skipped per token in every layer instead of the budget search")
+    p.add_argument("--mode", choices=["predictor", "gate"], default="gate",
+                   help="gate (default): dense gate, threshold on it; predictor: a trained low-rank MLP picks neurons (gate, up, "
+                        "down skipped; needs --sparsity)")
     p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--recall", type=float, default=0.97, help="share of activation mass the predicted set keeps (default 0.97)")
     p.add_argument("--seed", type=int, default=0)
@@ -44,9 +49,19 @@ def run_calibrate(argv: Sequence[str]) -> int:
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
     from powerinfer.sparsity.predictor_file import write_predictor
 
-    settings = CalibrationSettings(mode=args.mode, sparsity=args.sparsity, tokens=args.tokens, recall=args.recall, seed=args.seed)
+    if args.sparsity is None and args.mode == "predictor":
+        raise CLIError("--mode predictor needs --sparsity (the quality-budget search chooses gate-mode levels)")
+    settings = CalibrationSettings(mode=args.mode, sparsity=0.5 if args.sparsity is None else args.sparsity, tokens=args.tokens,
+                                   recall=args.recall, seed=args.seed)
     text = _read_text(args.text) if args.text else None
-    pf = calibrate(resolve_model(args.model, progress=sys.stderr.isatty()), settings, text, progress=_progress)
+    model = resolve_model(args.model, progress=sys.stderr.isatty())
+    if args.sparsity is None:
+        from powerinfer.sparsity.budget import calibrate_within_budget
+
+        pf, point = calibrate_within_budget(model, settings, args.max_ppl_increase, text, progress=_progress)
+        _progress(point.report())
+    else:
+        pf = calibrate(model, settings, text, progress=_progress)
     write_predictor(args.output, pf)
     print(args.output)
     return 0

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("kernels") / "sparse_ffn.c"  # includes kernel
 HEADERS = (SOURCE.with_name("pi_rows.h"), SOURCE.with_name("half.h"), SOURCE.with_name("exp8.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 MODES = {"all": 0, "gate": 1, "mask": 2, "oracle": 3, "given_gate": 4, "given_h": 5}
-ACTIVATIONS = {"silu": 0, "gelu": 1}
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 1}  # ModelConfig.activation -> pi_rows.h PI_SILU / PI_GELU (tanh form)
 
 
 class PiMat(ctypes.Structure):

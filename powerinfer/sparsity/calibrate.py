@@ -17,11 +17,11 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
-from powerinfer.config import config_from_gguf
+from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
@@ -120,9 +120,37 @@ def _train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndar
             fc2.weight.detach().numpy().copy(), fc2.bias.detach().numpy().copy())
 
 
-def calibrate(model: str | Path, settings: CalibrationSettings, text: str | None = None,
-              progress: Callable[[str], None] = lambda _: None) -> PredictorFile:
-    t0 = time.perf_counter()
+@dataclass
+class Profile:
+    """A profiled corpus: the model, the profiler's per-layer samples, and the tokens held out."""
+
+    f: GGUFFile
+    cfg: ModelConfig
+    tok: GGUFTokenizer
+    ex: ProfilingExecutor
+    tokens: int  # profiled
+    source: str  # "text" | "generated"
+    held_out: list[int]  # not profiled (the budget search scores them)
+
+
+def _writer(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> Engine | None:
+    """An engine on the native decoder to write the corpus (one token at a time: the torch
+    profiler would take minutes), or None where it cannot run (the profiler writes it then)."""
+    from powerinfer.coordinator.native_executor import NativeExecutor
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.cpu_workers.native_model import supports
+    from powerinfer.cpu_workers.topology import default_workers
+
+    lib = decoder_lib()
+    if lib is None or supports(f, cfg) is not None:
+        return None
+    return Engine(f, cfg, NativeExecutor(lib, f, cfg, n_ctx, default_workers(), max_tokens=n_ctx), n_ctx=n_ctx, n_batch=n_ctx)
+
+
+def profile(model: str | Path, settings: CalibrationSettings, text: str | None = None, hold_out: float = 0.0,
+            progress: Callable[[str], None] = lambda _: None) -> Profile:
+    """Profile settings.tokens tokens of text (or of text the model writes itself), keeping the last
+    hold_out share of them out of the profile."""
     f = GGUFFile(model)
     cfg = config_from_gguf(f)
     tok = GGUFTokenizer.from_metadata(f.metadata)
@@ -134,22 +162,34 @@ def calibrate(model: str | Path, settings: CalibrationSettings, text: str | None
         if len(ids) < 16:
             raise InvalidArgumentError(f"the calibration text has only {len(ids)} tokens; give at least 16")
     else:
-        ex.recording = False
         progress(f"generating {settings.tokens} calibration tokens with the model itself")
-        ids = generate_corpus(engine, tok, settings.tokens, settings.window, settings.seed)
-        source = "generated"
+        writer = _writer(f, cfg, settings.window + 1)
+        ex.recording = writer is not None  # the profiler itself writes: not recorded
+        ids = generate_corpus(writer or engine, tok, settings.tokens, settings.window, settings.seed)
         ex.recording = True
+        source = "generated"
     ids = ids[: settings.tokens]
+    cut = len(ids) - int(len(ids) * hold_out)
+    ids, held = ids[:cut], ids[cut:]
     progress(f"profiling {len(ids)} tokens")
     run_tokens(engine, windows_of(ids, settings.window, tok.bos_id if tok.add_bos else None))
+    return Profile(f, cfg, tok, ex, len(ids), source, held)
+
+
+def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[float],
+                    progress: Callable[[str], None] = lambda _: None) -> PredictorFile:
+    """The predictor file for per-layer sparsity levels (thresholds at those quantiles; in
+    predictor mode each layer's MLP trained for its level)."""
+    cfg = p.cfg
     rank = settings.rank or max(32, cfg.d_model // 4)
     layers = []
     for layer in range(cfg.n_layers):
-        x, gate, act = ex.samples[layer].arrays()
+        x, gate, act = p.ex.samples[layer].arrays()
+        level = float(levels[layer])
         score = gate if settings.mode == "gate" else act
-        thr = float(np.quantile(score.astype(np.float32), settings.sparsity))
-        active = act.astype(np.float32) > float(np.quantile(act.astype(np.float32), settings.sparsity))
-        norms = ex.down_norms(layer)
+        thr = float(np.quantile(score.astype(np.float32), level)) if level > 0 else 0.0
+        active = act.astype(np.float32) > float(np.quantile(act.astype(np.float32), level))
+        norms = p.ex.down_norms(layer)
         mass = (act.astype(np.float32) * norms[None, :]).sum(0)
         if settings.mode == "predictor":
             w1, b1, w2, b2 = _train_predictor(x, act, thr, norms, rank, settings.steps, settings.recall, settings.seed + layer)
@@ -159,13 +199,22 @@ def calibrate(model: str | Path, settings: CalibrationSettings, text: str | None
         layers.append(LayerPredictor(fc1_w=w1, fc1_b=b1, fc2_w=w2, fc2_b=b2, threshold=thr,
                                      act_freq=active.mean(0).astype(np.float32),
                                      act_mass=(mass / max(float(mass.sum()), 1e-12)).astype(np.float32)))
-        progress(f"layer {layer + 1}/{cfg.n_layers}: threshold {thr:.4g}")
-    log.info("calibrated %d layers in %.1fs", cfg.n_layers, time.perf_counter() - t0)
+        progress(f"layer {layer + 1}/{cfg.n_layers}: sparsity {level:.2f}, threshold {thr:.4g}")
     return PredictorFile(
-        mode=settings.mode, model_name=cfg.name, fingerprint=model_fingerprint(f), n_layers=cfg.n_layers,
+        mode=settings.mode, model_name=cfg.name, fingerprint=model_fingerprint(p.f), n_layers=cfg.n_layers,
         d_model=cfg.d_model, n_ff=cfg.n_ff, rank=rank if settings.mode == "predictor" else 0,
-        target_sparsity=settings.sparsity,
-        calibration={"source": source, "tokens": len(ids), "window": settings.window, "seed": settings.seed,
+        target_sparsity=float(np.mean(levels)),
+        calibration={"source": p.source, "tokens": p.tokens, "window": settings.window, "seed": settings.seed,
                      "recall": settings.recall, "steps": settings.steps},
         layers=tuple(layers),
     )
+
+
+def calibrate(model: str | Path, settings: CalibrationSettings, text: str | None = None,
+              progress: Callable[[str], None] = lambda _: None) -> PredictorFile:
+    """One sparsity level for every layer (settings.sparsity)."""
+    t0 = time.perf_counter()
+    p = profile(model, settings, text, progress=progress)
+    pf = build_predictor(p, settings, [settings.sparsity] * p.cfg.n_layers, progress)
+    log.info("calibrated %d layers in %.1fs", p.cfg.n_layers, time.perf_counter() - t0)
+    return pf

@@ -47,7 +47,8 @@ class PerplexityReport:
         return float(np.mean([q.sparsity for q in self.layers])) if self.layers else 0.0
 
 
-def _nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
+def nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
+    """Summed negative log-likelihood of every token after the first of each window, and how many."""
     total, count = 0.0, 0
     for ids in windows:
         engine.rewind(0)
@@ -71,11 +72,11 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
     if not windows:
         raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
     count = sum(len(w) - 1 for w in windows)
-    nll = math.nan
+    d_nll = math.nan
     if dense:
         progress(f"dense pass over {len(ids)} tokens in {len(windows)} windows")
         engine = Engine(f, cfg, InProcessExecutor(f, cfg, n_ctx), n_ctx=n_ctx, n_batch=n_ctx)
-        nll, count = _nll(engine, windows)
+        d_nll, count = nll(engine, windows)
         engine.executor.close()
     sparse_ppl, layers = None, ()
     if predictor is not None:
@@ -84,7 +85,7 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
         for shards in ex.ffns:
             for shard in shards:
                 shard.track_quality = True  # true/false positives need every neuron's activation
-        s_nll, _ = _nll(Engine(f, cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
+        s_nll, _ = nll(Engine(f, cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
         sparse_ppl = math.exp(s_nll / count)
         out = []
         for layer in ex.ffns:
@@ -92,4 +93,4 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
             tp, fp, fn, seen, computed = (int(v) for v in c)
             out.append(LayerQuality(recall=tp / max(1, tp + fn), precision=tp / max(1, tp + fp), sparsity=1 - computed / max(1, seen)))
         layers = tuple(out)
-    return PerplexityReport(tokens=count, dense_ppl=math.exp(nll / count), sparse_ppl=sparse_ppl, layers=layers)
+    return PerplexityReport(tokens=count, dense_ppl=math.exp(d_nll / count), sparse_ppl=sparse_ppl, layers=layers)
