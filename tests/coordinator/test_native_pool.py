@@ -201,3 +201,20 @@ def test_transport_choice_and_fallbacks(make_model: Callable[..., Path], monkeyp
     with LLM(path, n_ctx=32, n_threads=2, pin=False) as llm:
         assert isinstance(llm.engine.executor, ProcessExecutor)
     assert "over ZeroMQ" in caplog.text
+
+
+def test_step_messages_over_zeromq_equal_the_doorbell(make_model: Callable[..., Path]) -> None:
+    """STEP/RESULT (the protocol's portable form of a step) give the same numbers as the doorbell."""
+    path = make_model(arch="llama", qtype=QT.Q8_0, n_layers=2)
+    llm = LLM(path, n_ctx=64, n_threads=2, pin=False)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativePoolExecutor)
+    try:
+        want = llm.logits(IDS)
+        tokens = [c.token for c in llm.generate(IDS, 6, temperature=0)]
+        ex.step_channel = "zmq"
+        np.testing.assert_array_equal(llm.logits(IDS), want)
+        assert [c.token for c in llm.generate(IDS, 6, temperature=0)] == tokens
+        assert ex.stats.syncs > 0 and ex.stats.wait_us >= 0
+    finally:
+        llm.close()
