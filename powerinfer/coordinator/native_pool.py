@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -94,7 +94,7 @@ class NativePoolExecutor:
         c = self._config
         self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t)
         try:
-            self.pool = WorkerPool(PoolConfig(**{**c.__dict__, "shm": self.seg.path}))
+            self.pool = WorkerPool(replace(c, shm=self.seg.path))
         except BaseException:
             self.seg.close()
             self.seg = None
