@@ -228,16 +228,23 @@ class NativePoolExecutor:
         seg.io[2, :T] = slots
         self._gen += 1
         t0 = time.perf_counter()
-        self.lib.pi_door_post(seg.base, self._gen, T, mode)
         out = self._answers
+        deferred: KeyboardInterrupt | None = None
         try:
             while True:
-                rc = self.lib.pi_door_wait(seg.base, self._gen, WAIT_SLICE_MS, out.ctypes.data)
-                if rc == 0:
+                try:
+                    # posting the same generation twice is harmless, so an interrupt right after
+                    # the post (before this loop notes it) only makes it ring again
+                    self.lib.pi_door_post(seg.base, self._gen, T, mode)
+                    while (rc := self.lib.pi_door_wait(seg.base, self._gen, WAIT_SLICE_MS, out.ctypes.data)) != 0:
+                        if rc != 1:
+                            raise WorkerError(f"the step was aborted ({comm_error(rc)})")
+                        pool.check_health()  # a slow step, or a dead / stopped rank: WorkerDiedError
                     break
-                if rc != 1:
-                    raise WorkerError(f"the step was aborted ({comm_error(rc)})")
-                pool.check_health()  # a slow step, or a dead / stopped rank: WorkerDiedError
+                except KeyboardInterrupt as e:
+                    # Ctrl+C mid-step: the ranks are inside the pass; let it finish (milliseconds)
+                    # so they and this side stay in step, then stop the caller
+                    deferred = e
             bad = [(i, int(out[i, 0])) for i in range(len(self.ranks)) if out[i, 0]]
             if bad:
                 pool.check_health()  # a rank that saw its peer die: name the dead one
@@ -247,6 +254,8 @@ class NativePoolExecutor:
             self.abort()  # wake every rank still waiting in a merge
             raise
         self._account((time.perf_counter() - t0) * 1e6, out[:, 1].sum() / 1e3, out[:, 2].sum() / 1e3, int(out[:, 3].max()))
+        if deferred is not None:
+            raise deferred
 
     def _account(self, wall_us: float, compute_us: float, wait_us: float, syncs: int) -> None:
         s = self.stats
@@ -271,9 +280,8 @@ class NativePoolExecutor:
             if isinstance(e, WorkerError):
                 pool.check_health()  # a rank that saw its peer die: name the dead one
             raise
-        except BaseException:
-            self.abort()  # KeyboardInterrupt mid-step: the ranks must not wait for each other forever
-            raise
+        # an interrupted wait needs no abort: every rank got the message and finishes it, and
+        # the pool ignores replies to an older request
         res = [r for r in replies.values() if isinstance(r, ResultMsg)]
         self._account((time.perf_counter() - t0) * 1e6, sum(r.compute_us for r in res), sum(r.wait_us for r in res), max(r.syncs for r in res))
 

@@ -94,11 +94,10 @@ def serve_native(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading
     rings for it, one ZeroMQ message: LOGITS or STEP -> RESULT (or ERROR), SHUTDOWN -> return."""
     while True:
         rc = rank.lib.pi_rank_serve(ctypes.byref(rank.ctx), rank.step_spin_us, IDLE_MS)
-        if rc == 1:  # idle: nothing to do (the heartbeat thread keeps beating)
-            continue
+        # 1 (idle): a message rung for earlier may have arrived after its wait below ran out.
         # 2: a message waits (sent before the doorbell rang, so it is at most in flight); an
         # abort code: the pool is being torn down and SHUTDOWN follows
-        if sock.poll(CONTROL_WAIT_MS) and not _serve_message(sock, rank, index, busy):
+        if sock.poll(0 if rc == 1 else CONTROL_WAIT_MS) and not _serve_message(sock, rank, index, busy):
             return
         while sock.poll(0):
             if not _serve_message(sock, rank, index, busy):

@@ -218,3 +218,32 @@ def test_step_messages_over_zeromq_equal_the_doorbell(make_model: Callable[..., 
         assert ex.stats.syncs > 0 and ex.stats.wait_us >= 0
     finally:
         llm.close()
+
+
+@pytest.mark.real_model
+def test_ctrl_c_mid_step_lets_the_step_finish_and_the_pool_stays_usable(smollm2_path: Path) -> None:
+    """An interrupt while the ranks are inside a pass is raised once the pass is done: no abort,
+    no restart, and the next request computes the same numbers as ever."""
+    llm = LLM(smollm2_path, n_ctx=600, n_threads=2, pin=False)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativePoolExecutor)
+    ids = llm.tokenize("The history of the city " * 100)[:500]  # a prefill of several wait slices
+    try:
+        want = llm.logits(ids[:40])
+        real, calls = ex._pool.check_health, [0]
+
+        def interrupting() -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise KeyboardInterrupt
+            real()
+
+        ex._pool.check_health = interrupting  # type: ignore[method-assign]
+        pids = list(ex.pids)
+        with pytest.raises(KeyboardInterrupt):
+            llm.engine.eval(ids)
+        assert calls[0] >= 1 and ex.pids == pids  # the same workers: nothing was aborted
+        ex._pool.check_health = real  # type: ignore[method-assign]
+        np.testing.assert_array_equal(llm.logits(ids[:40]), want)
+    finally:
+        llm.close()

@@ -113,7 +113,7 @@ static int pi_pid_dead(int32_t pid) {
     char path[64], buf[256];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     FILE *fp = fopen(path, "r");
-    if (!fp) return 1;
+    if (!fp) return 0; /* kill() found it: alive, whatever /proc says */
     size_t n = fread(buf, 1, sizeof buf - 1, fp);
     fclose(fp);
     buf[n] = 0;
@@ -140,7 +140,7 @@ static int pi_wait_word(pi_shm_hdr *h, _Atomic uint32_t *word, _Atomic uint32_t 
     for (;;) {
         atomic_fetch_add_explicit(sleepers, 1, memory_order_seq_cst);
         const uint32_t seen = atomic_load_explicit(word, memory_order_seq_cst);
-        if ((int32_t)(seen - gen) < 0) {
+        if ((int32_t)(seen - gen) < 0 && !atomic_load_explicit(&h->abort, memory_order_seq_cst)) {
             struct timespec ts = {slice_ms / 1000, (long)(slice_ms % 1000) * 1000000L};
             syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
         }
@@ -161,6 +161,16 @@ static void pi_post_word(_Atomic uint32_t *word, _Atomic uint32_t *sleepers, uin
 static int pi_wait_gen(pi_comm *c, int r, uint32_t gen) {
     pi_rank_line *line = &c->hdr->ranks[r];
     return pi_wait_word(c->hdr, &line->gen, &line->sleepers, gen, c->spin_us, c->slice_ms, c->deadline_ms, c->hdr->pids[r]);
+}
+
+/* After setting abort: wake every sleeper (the doorbell's word changes, so its sleepers cannot miss it). */
+static void pi_wake_all(pi_shm_hdr *h) {
+    atomic_fetch_add(&h->door.seq, 1u);
+    syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    for (uint32_t r = 0; r < h->n_ranks; r++) {
+        syscall(SYS_futex, (uint32_t *)&h->ranks[r].gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+        syscall(SYS_futex, (uint32_t *)&h->done[r].done, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    }
 }
 
 static void pi_publish(pi_comm *c, uint32_t gen) {
@@ -186,7 +196,11 @@ static int pi_allgather(pi_comm *c, float *x, int T, int ld, int c0, int c1) {
     for (int r = 0; r < R; r++) {
         if (r == c->rank) continue;
         int rc = pi_wait_gen(c, r, gen);
-        if (rc) return c->err = rc;
+        if (rc) { /* the peers would wait for this rank's next generation: fail them now */
+            atomic_store(&c->hdr->abort, 1u);
+            pi_wake_all(c->hdr);
+            return c->err = rc;
+        }
     }
     const uint64_t t2 = pi_now_ns();
     if (R > 1) memcpy(x, bank, sizeof(float) * (size_t)n);
@@ -236,11 +250,7 @@ int pi_comm_attach(pi_comm *c, void *base, int rank, int spin_us, int slice_ms, 
 void pi_comm_abort(void *base) {
     pi_shm_hdr *h = (pi_shm_hdr *)base;
     atomic_store(&h->abort, 1u);
-    for (uint32_t r = 0; r < h->n_ranks; r++) {
-        syscall(SYS_futex, (uint32_t *)&h->ranks[r].gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
-        syscall(SYS_futex, (uint32_t *)&h->done[r].done, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
-    }
-    syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    pi_wake_all(h);
 }
 
 /* Coordinator: step gen is in the io area (T tokens, mode): ring the doorbell. */
@@ -249,7 +259,9 @@ void pi_door_post(void *base, uint32_t gen, int T, int mode) {
     h->door.T = T;
     h->door.mode = mode;
     atomic_store_explicit(&h->door.gen, gen, memory_order_seq_cst);
-    pi_post_word(&h->door.seq, &h->door.sleepers, atomic_load(&h->door.seq) + 1);
+    atomic_fetch_add(&h->door.seq, 1u);
+    if (atomic_load_explicit(&h->door.sleepers, memory_order_seq_cst))
+        syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
 /* Coordinator: a ZeroMQ message waits for the ranks; serving ranks return to Python to read it. */
@@ -262,26 +274,33 @@ void pi_door_control(void *base) {
 
 /* A rank: wait for step want or a control bump. 0: the step is there; 2: control; 1: idle_ms
  * passed; PI_COMM_ABORT. Sleeps on seq, which every post bumps, so no post is missed. */
-static int pi_door_next(pi_shm_hdr *h, uint32_t want, uint32_t control, int spin_us, int idle_ms) {
+static int pi_door_next(pi_shm_hdr *h, uint32_t want, uint32_t *control, int spin_us, int idle_ms) {
+    uint32_t now;
     const uint64_t spin_end = pi_now_ns() + (uint64_t)spin_us * 1000u;
     for (;;) {
         for (int i = 0; i < 64; i++) {
             if ((int32_t)(atomic_load_explicit(&h->door.gen, memory_order_acquire) - want) >= 0) return 0;
             PI_PAUSE();
         }
-        if (atomic_load(&h->door.control) != control) return 2;
+        if ((now = atomic_load(&h->door.control)) != *control) {
+            *control = now;
+            return 2;
+        }
         if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
         if (pi_now_ns() >= spin_end) break;
     }
     atomic_fetch_add_explicit(&h->door.sleepers, 1, memory_order_seq_cst);
     const uint32_t seen = atomic_load_explicit(&h->door.seq, memory_order_seq_cst);
-    if ((int32_t)(atomic_load(&h->door.gen) - want) < 0 && atomic_load(&h->door.control) == control) {
+    if ((int32_t)(atomic_load(&h->door.gen) - want) < 0 && atomic_load(&h->door.control) == *control && !atomic_load(&h->abort)) {
         struct timespec ts = {idle_ms / 1000, (long)(idle_ms % 1000) * 1000000L};
         syscall(SYS_futex, (uint32_t *)&h->door.seq, FUTEX_WAIT, seen, &ts, NULL, 0);
     }
     atomic_fetch_sub_explicit(&h->door.sleepers, 1, memory_order_seq_cst);
     if ((int32_t)(atomic_load_explicit(&h->door.gen, memory_order_acquire) - want) >= 0) return 0;
-    if (atomic_load(&h->door.control) != control) return 2;
+    if ((now = atomic_load(&h->door.control)) != *control) {
+        *control = now;
+        return 2;
+    }
     if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
     return 1;
 }

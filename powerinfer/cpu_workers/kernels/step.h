@@ -119,13 +119,13 @@ int pi_rank_serve(pi_rank_ctx *ctx, int spin_us, int idle_ms) {
     const int64_t *io = (const int64_t *)((const uint8_t *)h + pi_shm_hdr_bytes());
     for (;;) {
         const uint32_t want = ctx->last_gen + 1;
-        int rc = pi_door_next(h, want, ctx->last_control, spin_us, idle_ms);
-        if (rc == 2) { /* a ZeroMQ message first: a pending step is served on the next call */
-            ctx->last_control = atomic_load(&h->door.control);
-            return 2;
-        }
+        /* 2: the coordinator rang for a ZeroMQ message (last_control now holds the bump seen; a
+         * later bump makes the next call return 2 again). A step already posted is served first. */
+        int rc = pi_door_next(h, want, &ctx->last_control, spin_us, idle_ms);
         if (rc) return rc;
-        ctx->last_gen = want;
+        /* the generation posted (the coordinator may have skipped one: answer the one it waits for) */
+        const uint32_t gen = atomic_load_explicit(&h->door.gen, memory_order_acquire);
+        ctx->last_gen = gen;
         const int T = h->door.T, mode = h->door.mode;
         const uint64_t t0 = pi_now_ns(), w0 = c->wait_ns, s0 = c->n_syncs;
         if (mode < 0 || mode > 2 || T < 1 || T > h->max_t || ((mode == 2) && T > ctx->logit_rows))
@@ -133,7 +133,7 @@ int pi_rank_serve(pi_rank_ctx *ctx, int spin_us, int idle_ms) {
         else
             rc = pi_rank_step(ctx->m, ctx->embd, ctx->embed_scale, io, io + h->max_t, io + 2 * h->max_t, T, mode, ctx->x, ctx->logits, ctx->ld,
                               ctx->hidden, ctx->scratch);
-        pi_rank_done(c, want, rc, (int64_t)(pi_now_ns() - t0), (int64_t)(c->wait_ns - w0), (int64_t)(c->n_syncs - s0));
+        pi_rank_done(c, gen, rc, (int64_t)(pi_now_ns() - t0), (int64_t)(c->wait_ns - w0), (int64_t)(c->n_syncs - s0));
     }
 }
 
