@@ -237,7 +237,8 @@ class NativePoolExecutor:
                     # the post (before this loop notes it) only makes it ring again
                     self.lib.pi_door_post(seg.base, self._gen, T, mode)
                     while (rc := self.lib.pi_door_wait(seg.base, self._gen, WAIT_SLICE_MS, out.ctypes.data)) != 0:
-                        if rc != 1:
+                        if rc != 1:  # a rank aborted the pool (its peer died): name the dead one if any
+                            _name_the_dead(pool)
                             raise WorkerError(f"the step was aborted ({comm_error(rc)})")
                         pool.check_health()  # a slow step, or a dead / stopped rank: WorkerDiedError
                     break
@@ -247,7 +248,7 @@ class NativePoolExecutor:
                     deferred = e
             bad = [(i, int(out[i, 0])) for i in range(len(self.ranks)) if out[i, 0]]
             if bad:
-                pool.check_health()  # a rank that saw its peer die: name the dead one
+                _name_the_dead(pool)  # a rank that saw its peer die: name the dead one
                 i, rc = bad[0]
                 raise WorkerError(f"worker {i} failed the step: {comm_error(rc) if rc >= 10 else f'input refused (code {rc})'}")
         except BaseException:
@@ -289,3 +290,14 @@ class NativePoolExecutor:
         """Wake every rank waiting in a merge with an error (a rank died, or the call was abandoned)."""
         if self.seg is not None:
             self.lib.pi_comm_abort(self.seg.base)
+
+
+def _name_the_dead(pool: WorkerPool, grace_s: float = 0.5) -> None:
+    """Raise WorkerDiedError for a worker that is gone. A rank saw its peer die through /proc;
+    the exit can reach this process's waitpid a moment later, so look for up to grace_s."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        pool.check_health()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
