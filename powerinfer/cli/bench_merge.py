@@ -47,14 +47,16 @@ def bench_merge(ranks: int = 2, width: int = 576, syncs: int = 20000) -> MergeBe
         raise PowerInferError("--merge needs the native library (a C compiler, POWERINFER_NATIVE not 0)")
     layout = SegmentLayout(ranks, 1, width, 8, width, int(lib.pi_comm_hdr_bytes()))
     seg = create_segment_with(lib, layout)
-    cpus = sorted(os.sched_getaffinity(0))
-    procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", str(r), seg.path, str(ranks), str(width), str(syncs),
-                               str(cpus[r % len(cpus)])]) for r in range(ranks)]
-    t0 = time.perf_counter()
-    codes = [p.wait() for p in procs]
-    wall = time.perf_counter() - t0
-    lat = merge_latencies_ns(seg) / 1e3
-    seg.close()
+    try:  # the segment's file goes whatever happens (Ctrl+C included)
+        cpus = sorted(os.sched_getaffinity(0))
+        procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", str(r), seg.path, str(ranks), str(width), str(syncs),
+                                   str(cpus[r % len(cpus)])]) for r in range(ranks)]
+        t0 = time.perf_counter()
+        codes = [p.wait() for p in procs]
+        wall = time.perf_counter() - t0
+        lat = merge_latencies_ns(seg) / 1e3
+    finally:
+        seg.close()
     if any(codes):
         raise PowerInferError(f"a merge rank failed (exit codes {codes})")
     return MergeBench(ranks, width, syncs, float(np.median(lat)), float(np.percentile(lat, 99)), float(lat.mean()), wall)

@@ -6,9 +6,10 @@ Every worker is a rank that runs every layer on its shard (query heads with thei
 neurons, rows of the output and down projections and of the head) in the native decoder and
 holds a replica of the residual stream; the ranks gather each other's slices through the
 shared-memory all-gather (kernels/comm.h) four times per layer, so every number equals the
-in-process decoder's bit for bit. The coordinator sends one STEP per forward pass over ZeroMQ and waits for one RESULT per
-rank; the outputs are in the segment (cpu_workers/shm_segment.py): rank 0's final hidden
-states and every rank's columns of the 8-bit logits. The coordinator then refines each row's
+in-process decoder's bit for bit. A forward pass is one ring of the segment's doorbell
+(cpu_workers/shm_segment.py; a STEP message over ZeroMQ with step_channel "zmq"), answered by
+every rank in the segment, where the outputs are too: rank 0's final hidden states and every
+rank's columns of the 8-bit logits. The coordinator then refines each row's
 best candidates in float32 from the file's head rows, the same rule and code as the in-process
 native executor (pi_refine_best), so both give the same tokens.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -52,11 +53,9 @@ class PoolStats:
     compute_us: float = 0.0  # summed over ranks
     wait_us: float = 0.0  # summed over ranks
     syncs: int = 0  # per rank
-    per_call_us: list[float] = field(default_factory=list)
 
     def reset(self) -> None:
         self.calls, self.round_trip_us, self.compute_us, self.wait_us, self.syncs = 0, 0.0, 0.0, 0.0, 0
-        self.per_call_us = []
 
     @property
     def wait_share(self) -> float:
@@ -99,7 +98,7 @@ class NativePoolExecutor:
             self.seg.close()
             self.seg = None
             raise
-        self.seg.unlink()  # every rank has it mapped: nothing is left behind if this process is killed
+        self.seg.unlink()  # every rank has it mapped: from here a killed coordinator leaves no file behind
         seg = self.seg
         self.pool.after_send = lambda: self.lib.pi_door_control(seg.base)
         self._gen = 0
@@ -262,7 +261,6 @@ class NativePoolExecutor:
         s = self.stats
         s.calls += 1
         s.round_trip_us += wall_us
-        s.per_call_us.append(wall_us)
         s.compute_us += compute_us
         s.wait_us += wait_us
         s.syncs += syncs
@@ -279,7 +277,7 @@ class NativePoolExecutor:
         except (WorkerDiedError, WorkerError) as e:
             self.abort()
             if isinstance(e, WorkerError):
-                pool.check_health()  # a rank that saw its peer die: name the dead one
+                _name_the_dead(pool)  # a rank that saw its peer die: name the dead one
             raise
         # an interrupted wait needs no abort: every rank got the message and finishes it, and
         # the pool ignores replies to an older request

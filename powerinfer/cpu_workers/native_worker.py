@@ -69,24 +69,22 @@ class NativeRank:
         self.rank, self.d, self.max_t = rank, cfg.d_model, load.max_t
         self.io = np.zeros((3, load.max_t), dtype=np.int64)
         self.x = np.empty((load.max_t, cfg.d_model), dtype=np.float32)  # the residual stream replica
-        self.embed_scale = float(cfg.embed_scale)
         self.weight_bytes = self.dec.weight_bytes
         L = self.seg.layout
+        # logits: this rank's first column of the segment's [rows, vocab]; hidden: rank 0 writes it
         self.ctx = PiRankCtx(ctypes.addressof(self.dec.model), ctypes.addressof(self.dec.embeddings), self.x.ctypes.data,
                              self.seg.base + L.logits_off + self.shard.v0 * 4, self.seg.base + L.hidden_off if rank == 0 else None,
-                             self.dec.scratch.ctypes.data, L.vocab, L.logit_rows, self.embed_scale)
+                             self.dec.scratch.ctypes.data, L.vocab, L.logit_rows, float(cfg.embed_scale))
 
     def run(self, mode: int, T: int) -> int:
-        """The native call for a STEP (mode 0-2, ids etc. in self.io) or a head pass (mode 3, self.x)."""
-        L = self.seg.layout
-        if mode in (2, 3) and T > L.logit_rows:
+        """The native call for a STEP message (mode 0-2, ids etc. in self.io) or a head pass (mode 3,
+        self.x), with the same outputs as a doorbell step (self.ctx)."""
+        if mode in (2, 3) and T > self.ctx.logit_rows:
             return 1
-        logits = self.seg.base + L.logits_off + self.shard.v0 * 4  # this rank's first column
-        hidden = self.seg.base + L.hidden_off if self.rank == 0 and mode != 3 else None
-        io = self.io
-        return int(self.lib.pi_rank_step(ctypes.byref(self.dec.model), ctypes.byref(self.dec.embeddings), self.embed_scale,
-                                         io[0].ctypes.data, io[1].ctypes.data, io[2].ctypes.data, T, mode, self.x.ctypes.data, logits,
-                                         L.vocab, hidden, self.dec.scratch.ctypes.data))
+        io, c = self.io, self.ctx
+        return int(self.lib.pi_rank_step(ctypes.byref(self.dec.model), ctypes.byref(self.dec.embeddings), c.embed_scale,
+                                         io[0].ctypes.data, io[1].ctypes.data, io[2].ctypes.data, T, mode, c.x, c.logits, c.ld, c.hidden,
+                                         c.scratch))
 
 
 def serve_native(sock: zmq.Socket, rank: NativeRank, index: int, busy: threading.Event) -> None:

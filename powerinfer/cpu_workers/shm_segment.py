@@ -4,7 +4,8 @@ Runs in: the coordinator (creates and formats the segment, reads the outputs, ab
 every CPU worker of the native pool (attaches as one rank). numpy, mmap and ctypes only.
 
 One file in /dev/shm (tmpfs), created mode 0600 with O_EXCL by the coordinator and unlinked as
-soon as every worker has mapped it, so a killed coordinator leaves nothing behind. Layout
+soon as every worker has mapped it, so from then on a killed coordinator leaves nothing behind
+(killed while its workers load, it leaves the file; tmpfs forgets it at the next boot). Layout
 (offsets in :class:`SegmentLayout`, 64-byte aligned):
 
     header      comm.h's pi_shm_hdr: abort flag, the step doorbell, per rank a cache line for the

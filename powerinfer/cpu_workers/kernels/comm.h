@@ -3,10 +3,11 @@
  * Runs in: every CPU worker process of the native pool (included by decoder.c); the coordinator
  * maps the same segment to publish aborts and read the counters.
  *
- * The segment (created by the coordinator, powerinfer/coordinator/shm.py) starts with a header:
- * a cache line of pool-wide words (abort flag, rank count, capacity), one cache line per rank
- * holding the generation that rank last published and how many of its peers sleep on it, the
- * ranks' pids, then two banks of `cap` floats. A sync of a [T, ld] matrix whose columns the ranks
+ * The segment (created by the coordinator, powerinfer/cpu_workers/shm_segment.py) starts with a
+ * header: a cache line of pool-wide words (abort flag, rank count, capacity), the step doorbell,
+ * one cache line per rank holding the generation that rank last published and how many of its
+ * peers sleep on it, one per rank for its answer to a step, the ranks' pids; then the step's io
+ * area and two banks of `cap` floats. A sync of a [T, ld] matrix whose columns the ranks
  * split between them:
  *   1. rank r copies its columns into bank[gen & 1] and stores gen into its line (release);
  *   2. it waits until every peer's line holds >= gen (acquire): spinning with `pause` for up to
