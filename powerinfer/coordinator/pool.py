@@ -203,7 +203,13 @@ class WorkerPool:
         try:
             send_routed(self.router, worker_identity(worker), msg)
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
-            raise WorkerDiedError(f"worker {worker} is unreachable: {e}") from None
+            # The socket can see the peer gone before waitpid does: wait a moment so the error names the exit.
+            p = self.procs[worker]
+            try:
+                p.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                raise WorkerDiedError(f"worker {worker} (pid {p.pid}) is unreachable: {e}") from None
+            raise WorkerDiedError(f"worker {worker} (pid {p.pid}) {_describe_exit(p.returncode)}") from None
 
     def _check_alive(self, pending: set[int], what: str) -> None:
         now = time.monotonic()

@@ -204,7 +204,13 @@ class GpuWorkerProcess:
         try:
             send_routed(self.router, self.ident, msg)
         except zmq.ZMQError as e:
-            raise WorkerDiedError(f"the GPU worker is unreachable: {e}") from None
+            # The socket can see the peer gone before waitpid does: give the exit a moment to show, so the
+            # error names what happened to the worker rather than the socket's view of it.
+            try:
+                code = self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) is unreachable: {e}") from None
+            raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) exited with status {code}") from None
 
     def _drain_beats(self) -> None:
         while True:
