@@ -33,7 +33,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.sampling import SamplingParams
-from powerinfer.sparsity.predictor_file import read_predictor
+from powerinfer.sparsity.predictor_file import PredictorFile, read_predictor
 from powerinfer.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
@@ -146,11 +146,12 @@ class LLM:
             ex = build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
                                        predictor_path=predictor, sparse=sparse, n_slots=n_slots, progress=progress,
                                        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-        elif executor == "inprocess" and (lib := self._native_lib(native, use is None and n_shards == 1)) is not None:
+        elif executor == "inprocess" and (lib := self._native_lib(native, n_shards == 1 and self._native_sparse_ok(use))) is not None:
             from powerinfer.coordinator.native_executor import NativeExecutor
             from powerinfer.cpu_workers.topology import default_workers
 
-            ex = NativeExecutor(lib, self.file, self.config, n_ctx, n_threads or default_workers(), n_slots=n_slots, max_tokens=n_batch)
+            ex = NativeExecutor(lib, self.file, self.config, n_ctx, n_threads or default_workers(), n_slots=n_slots, max_tokens=n_batch,
+                                predictor=use)
         elif executor == "inprocess":
             if n_threads is not None:
                 import torch
@@ -221,13 +222,24 @@ class LLM:
             return str(e)
         return None
 
+    def _native_sparse_ok(self, use: "PredictorFile | None") -> bool:
+        """Whether the native decoder can run this predictor's sparse FFNs (always, when dense)."""
+        if use is None:
+            return True
+        from powerinfer.cpu_workers.native_sparse import sparse_blocker
+
+        why = sparse_blocker(self.file, self.config)
+        if why is not None:
+            log.warning("sparse FFNs run on the torch path (slower): %s", why)
+        return why is None
+
     def _native_lib(self, native: bool | None, applies: bool) -> "ctypes.CDLL | None":
         """The native decoder library when the in-process executor should use it, else None."""
         if native is False:
             return None
         if not applies:
             if native:
-                raise InvalidArgumentError("the native decoder runs dense models in one shard: no predictor, n_shards=1")
+                raise InvalidArgumentError("the native decoder runs models in one shard (n_shards=1), sparse FFNs only from 4- and 8-bit blocks of 32")
             return None
         from powerinfer.cpu_workers.native_lib import decoder_lib
         from powerinfer.cpu_workers.native_model import supports

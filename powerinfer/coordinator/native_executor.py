@@ -4,9 +4,10 @@ Runs in: the coordinator process (the in-process executor's fast path; numpy and
 
 Where the in-process executor makes ~40 torch calls per layer and the engine adds norms and
 residuals between them in numpy, this one hands the whole step (embeddings in, final-normed
-hidden state out) to kernels/decoder.c, and the output head to the same dot products. It has no
-shards and no predictor: sparse FFNs and the GPU stay on the torch executors, which remain the
-oracle the tests hold this one to.
+hidden state out) to kernels/decoder.c, and the output head to the same dot products. With a
+predictor file its FFNs run sparsely inside the same call (cpu_workers/native_sparse.py). It has
+no shards: several shards and the GPU stay on the torch executors, which remain the oracle the
+tests hold this one to.
 """
 
 from __future__ import annotations
@@ -18,18 +19,51 @@ import numpy as np
 
 from powerinfer.config import ModelConfig
 from powerinfer.cpu_workers.native_model import NativeDecoder
+from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
+from powerinfer.sparsity.predictor_file import PredictorFile
 
 
 class NativeExecutor:
     """Whole forward passes in native code (see :meth:`forward`); ``logits`` runs the head."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_threads: int, n_slots: int = 1,
-                 max_tokens: int = 512) -> None:
+                 max_tokens: int = 512, predictor: PredictorFile | None = None) -> None:
         self.plan: ShardPlan = plan_shards(cfg, 1)
         self.n_threads = n_threads
-        self.decoder = NativeDecoder(lib, f, cfg, n_ctx, n_slots, n_threads, max_tokens)
+        self.sparse = NativeSparseFFNs(f, cfg, predictor) if predictor is not None else None
+        self.decoder = NativeDecoder(lib, f, cfg, n_ctx, n_slots, n_threads, max_tokens, sparse=self.sparse)
+        self._tokens = 0  # tokens through the layers since the sparse counters were reset
+
+    def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
+        """Sparse FFNs: every neuron (dense=True), the true active set (oracle=True), or the file's rule."""
+        if self.sparse is None:
+            return
+        mode = self.sparse.mode
+        if dense is not None:
+            mode = "all" if dense else ("oracle" if mode == "oracle" else "file")
+        if oracle is not None and mode != "all":
+            mode = "oracle" if oracle else "file"
+        self.sparse.set_mode(mode)
+
+    def decode_share(self) -> float:
+        """Share of FFN neurons computed per token so far (the rule is per token: prefill and decode
+        alike); 1.0 when dense."""
+        if self.sparse is None or not self._tokens:
+            return 1.0
+        return float(self.sparse.active.sum()) / (self._tokens * self.sparse.cfg.n_ff * self.sparse.cfg.n_layers)
+
+    def sparse_bytes(self) -> tuple[float, float]:
+        """(FFN weight bytes read per token so far, the dense FFNs' bytes): see NativeSparseFFNs."""
+        if self.sparse is None or not self._tokens:
+            raise ValueError("no sparse FFN tokens counted yet")
+        return self.sparse.bytes_per_token(self._tokens)
+
+    def reset_sparse_counts(self) -> None:
+        if self.sparse is not None:
+            self.sparse.active[:] = 0
+        self._tokens = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -37,6 +71,7 @@ class NativeExecutor:
 
     def forward(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """x [T, d] f32 scaled embeddings (updated in place), positions [T], slots [T] -> final-normed hidden [T, d] f32."""
+        self._tokens += x.shape[0]
         return self.decoder.forward(x, positions, slots)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
@@ -49,6 +84,7 @@ class NativeExecutor:
 
     def native_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
         """Embedding, every layer and the decode logits (last row, or each row) in one call."""
+        self._tokens += len(ids)
         return self.decoder.step(ids, positions, slots, each, margin, k)
 
     @property

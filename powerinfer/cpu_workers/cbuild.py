@@ -16,8 +16,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import ctypes
 import functools
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from powerinfer.cpu_workers.cbuild import load_library
+from powerinfer.cpu_workers.neuron_major import ACTIVATIONS, MODES, PiCall, pack_layer
 from powerinfer.quants.grouped import Grouped
 
 log = logging.getLogger(__name__)
@@ -30,26 +30,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels") / "sparse_ffn.c"  # includes kernels/pi_rows.h
 HEADERS = (SOURCE.with_name("pi_rows.h"), SOURCE.with_name("half.h"), SOURCE.with_name("exp8.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-MODES = {"all": 0, "gate": 1, "mask": 2, "oracle": 3, "given_gate": 4, "given_h": 5}
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 1}  # ModelConfig.activation -> pi_rows.h PI_SILU / PI_GELU (tanh form)
-
-
-class PiMat(ctypes.Structure):
-    """pi_mat in sparse_ffn.c: one matrix's codes, float16 scales and zeros."""
-
-    _fields_ = [("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("stride", ctypes.c_int64), ("sstride", ctypes.c_int64), ("bits", ctypes.c_int32), ("group", ctypes.c_int32),
-                ("zk", ctypes.c_float)]
-
-
-class PiCall(ctypes.Structure):
-    """pi_call in sparse_ffn.c: one call's arguments."""
-
-    _fields_ = [("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("active", ctypes.c_void_p), ("mask", ctypes.c_void_p),
-                ("given_a", ctypes.c_void_p), ("given_h", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("gate", PiMat), ("up", PiMat), ("down", PiMat),
-                ("T", ctypes.c_int32), ("d", ctypes.c_int32), ("n", ctypes.c_int32), ("act", ctypes.c_int32),
-                ("mode", ctypes.c_int32), ("parts", ctypes.c_int32), ("thr", ctypes.c_float)]
-
 
 @functools.lru_cache(maxsize=1)
 def native_lib() -> ctypes.CDLL | None:
@@ -73,104 +53,6 @@ def native_lib() -> ctypes.CDLL | None:
     lib.pi_ffn_scratch.argtypes = [i32, i32, i32]
     lib.pi_ffn_scratch.restype = ctypes.c_int64
     return lib
-
-
-def _pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
-    """Codes [n, d] -> uint8 [n, row bytes]. 4-bit: byte b of each 32-chunk = value b | value b + 16 << 4."""
-    if bits == 8:
-        return np.ascontiguousarray(q, dtype=np.int8).view(np.uint8)
-    u = q.astype(np.uint8).reshape(q.shape[0], -1, 2, 16)  # [n, chunks, half, 16]
-    return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(q.shape[0], -1)
-
-
-def supported(g: Grouped | np.ndarray) -> bool:
-    """Whether a decoded matrix has a layout the kernel takes (4-bit group 32, or int8 group 16/32)."""
-    return isinstance(g, Grouped) and g.shape[1] % 32 == 0 and (g.group == 32 or (g.bits == 8 and g.group == 16))
-
-
-@dataclass(frozen=True)
-class NeuronMajor:
-    """One layer shard's weights in the kernel's layout: three neuron-major matrices.
-
-    gate, up: (codes uint8 [n, row bytes], scale[, zero] float16 [n, d / group]), the file's rows;
-    down: (codes uint8 [n, row bytes] (row j = the file's column j), scale[, zero] float16
-    [n / group, d]: the file's down scales, one row per unit of `group` neurons). Zeros that are a
-    fixed multiple of the scales (:func:`zero_multiple`) are not stored. A matrix the caller
-    computes itself (given_* modes) is left out: an empty tuple, and a PiMat with no codes.
-
-    Plain arrays, read as sequential streams, measured fastest (SmolLM2, 30 layers, weights out
-    of cache, 2 threads, in-process A/B): one record per neuron holding its gate, up and down
-    bytes ran 162 µs a layer against 132; codes rows with their scales appended 167 against 148.
-    """
-
-    gate: tuple[torch.Tensor, ...]
-    up: tuple[torch.Tensor, ...]
-    down: tuple[torch.Tensor, ...]
-    mats: tuple[PiMat, PiMat, PiMat]  # gate, up, down pointing into the tensors above
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.gate, *self.up, *self.down))
-
-
-def _f16(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float16))
-
-
-# Multiples of the scale that a format's zeros may be: 0 (int8 formats), -8 (Q4_0), -16 (Q5_0), ...
-_ZERO_MULTIPLES = (0.0, -8.0, -16.0, -32.0, -4.0, -2.0, -1.0, -64.0, -128.0)
-
-
-def zero_multiple(scale: np.ndarray, zero: np.ndarray) -> float | None:
-    """zk when every float16 zero is exactly zk times its float16 scale (the kernel then derives
-    the zeros and never reads them: 10% fewer bytes for Q4_0, the down's per-unit scales halved),
-    else None. Powers of two times a float16 are exact, so the values the kernel uses are unchanged."""
-    s16 = np.asarray(scale, dtype=np.float16)
-    z16 = np.asarray(zero, dtype=np.float16)
-    with np.errstate(over="ignore"):
-        for zk in _ZERO_MULTIPLES:
-            if np.array_equal(z16, (s16.astype(np.float32) * np.float32(zk)).astype(np.float16)):
-                return zk
-    return None
-
-
-def _scales(scale: np.ndarray, zero: np.ndarray) -> tuple[tuple[torch.Tensor, ...], int, int, float]:
-    """(tensors to keep, scale address, zero address (0: derived), zk) for a matrix's scales and zeros."""
-    s = _f16(scale)
-    zk = zero_multiple(scale, zero)
-    if zk is not None:
-        return (s,), s.data_ptr(), 0, zk
-    z = _f16(zero)
-    return (s, z), s.data_ptr(), z.data_ptr(), 0.0
-
-
-def _row_matrix(m: Grouped) -> tuple[tuple[torch.Tensor, ...], PiMat]:
-    """gate or up [n, d] (groups along d) -> (codes, scale[, zero]) and the PiMat over them."""
-    codes = torch.from_numpy(np.ascontiguousarray(_pack_codes(m.q, m.bits)))
-    kept, sp, zp, zk = _scales(m.scale, m.zero)
-    mat = PiMat(codes.data_ptr(), sp, zp or None, codes.shape[1], m.shape[1] // m.group, m.bits, m.group, zk)
-    return (codes, *kept), mat
-
-
-def _absent(m: Grouped) -> tuple[tuple[torch.Tensor, ...], PiMat]:
-    return (), PiMat(None, None, None, 0, 0, m.bits, m.group, 0.0)
-
-
-def pack_layer(gate: Grouped, up: Grouped, down: Grouped, with_gate: bool = True, with_up: bool = True) -> NeuronMajor:
-    """gate, up [n, d] (groups along d) and down [d, n] (groups along n), as decoded from the file.
-
-    with_gate / with_up False leave that matrix out (the caller computes it densely and passes its
-    activations: modes given_gate, given_h); its PiMat then has no codes and must not be read.
-    """
-    n, d = gate.shape
-    if up.shape != (n, d) or down.shape != (d, n):
-        raise ValueError(f"gate {gate.shape}, up {up.shape}, down {down.shape} do not form one FFN")
-    g, gmat = _row_matrix(gate) if with_gate else _absent(gate)
-    u, umat = _row_matrix(up) if with_up else _absent(up)
-    dq = torch.from_numpy(np.ascontiguousarray(_pack_codes(np.ascontiguousarray(down.q.T), down.bits)))
-    kept, sp, zp, zk = _scales(down.scale.T, down.zero.T)
-    dmat = PiMat(dq.data_ptr(), sp, zp or None, dq.shape[1], d, down.bits, down.group, zk)
-    return NeuronMajor(g, u, (dq, *kept), (gmat, umat, dmat))
 
 
 class NativeFFN:
@@ -229,7 +111,7 @@ class NativeFFN:
         xc = self._f32(x, (T, self.d), "x")  # a local: the buffers must outlive the call
         parts = max(1, torch.get_num_threads())
         y = torch.empty(T, self.d)
-        scratch, active, scratch_ptr, active_ptr = self._buffers(T, parts)  # locals: they must outlive the call
+        _scratch, active, scratch_ptr, active_ptr = self._buffers(T, parts)  # _scratch: a local the buffer outlives the call by
         c = self._call
         c.x, c.y, c.active, c.scratch = xc.data_ptr(), y.data_ptr(), active_ptr, scratch_ptr
         c.T, c.mode, c.parts, c.thr = T, MODES[mode], parts, threshold

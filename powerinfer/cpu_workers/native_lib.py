@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h", "comm.h"))
+HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h", "comm.h",
+                                      "sparse_ffn.c", "pi_rows.h"))
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
@@ -53,7 +54,13 @@ class PiLayer(ctypes.Structure):
     _fields_ = [(n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
         (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
                                        "k_cache", "v_cache", "rope_cos", "rope_sin")
-    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32)]
+    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32), ("ffn", ctypes.c_void_p), ("pred", ctypes.c_void_p)]
+
+
+class PiPred(ctypes.Structure):
+    """model.h's pi_pred: a layer's neuron predictor (8-bit fc1 [r, d], fc2 [n_ff, r], float biases)."""
+
+    _fields_ = [("fc1", PiWt), ("fc2", PiWt), ("b1", ctypes.c_void_p), ("b2", ctypes.c_void_p)]
 
 
 class PiModel(ctypes.Structure):
@@ -61,7 +68,8 @@ class PiModel(ctypes.Structure):
                                                "n_slots", "n_threads", "max_t")] + [
         ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
         ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
-        *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "pad2")], ("comm", ctypes.c_void_p)]
+        *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "sparse")], ("comm", ctypes.c_void_p),
+        ("ffn_active", ctypes.c_void_p)]
 
 
 class PiComm(ctypes.Structure):
@@ -115,7 +123,7 @@ def requested_isa() -> str:
     return want
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(isa: str) -> ctypes.CDLL | None:
     try:
         lib = load_library(SOURCE, HEADERS, (*BASE_FLAGS, *ISA_FLAGS[isa]), f"decoder-{isa}")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -26,6 +27,9 @@ from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import RankShard
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
+
+if TYPE_CHECKING:
+    from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +93,13 @@ class NativeDecoder:
     """One model for the native decoder: forward passes over up to max_t tokens, KV cache per slot."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int,
-                 shard: RankShard | None = None) -> None:
-        """shard: this process is one rank of the native pool and holds that part of every layer."""
+                 shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None) -> None:
+        """shard: this process is one rank of the native pool and holds that part of every layer.
+        sparse: every layer's FFN runs through it (in process only) instead of wg/wu/wd."""
+        if sparse is not None and shard is not None:
+            raise InvalidArgumentError("sparse FFNs run in process, not in a rank of the pool")
         self.lib, self.cfg, self.f = lib, cfg, f
+        self.sparse = sparse
         sh = shard or RankShard(0, cfg.n_heads, 0, cfg.n_kv_heads, 0, cfg.n_ff, 0, cfg.d_model, 0, cfg.vocab_size)
         self.shard = sh
         n_kv = sh.kv1 - sh.kv0
@@ -106,7 +114,7 @@ class NativeDecoder:
             for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
                                 ("wu", "ffn_up"), ("wd", "ffn_down")):
                 w = weight(f, layer_tensor(i, part), *_slices(field, sh, D, Dv))
-                packed = repack_x8(lib, w)
+                packed = None if sparse is not None and field in ("wg", "wu", "wd") else repack_x8(lib, w)  # sparse: never read
                 if packed is not None:
                     self._keep.append(packed)
                 setattr(L, field, w)
@@ -154,6 +162,10 @@ class NativeDecoder:
                              0 if cfg.activation == "silu" else 1, n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale,
                              self._vec(f, "output_norm.weight", d), self.head, layers, None, sh.q0, sh.kv0, cfg.gqa_group, cfg.n_heads,
                              cfg.n_ff, sh.n0, sh.d0)
+        if sparse is not None:
+            self.model.sparse = 1
+            sparse.attach(layers)
+            self.model.ffn_active = sparse.active.ctypes.data
         self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
         self.max_t = max_t
 
@@ -166,8 +178,9 @@ class NativeDecoder:
 
     @property
     def weight_bytes(self) -> int:
-        mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [self.head]
-        return sum(m.rows * m.row_bytes for m in mats)
+        ffn = () if self.sparse is not None else ("wg", "wu", "wd")  # sparse: the FFNs' own layout instead
+        mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", *ffn)] + [self.head]
+        return sum(m.rows * m.row_bytes for m in mats) + (self.sparse.nbytes if self.sparse is not None else 0)
 
     def profile(self, on: bool = True) -> np.ndarray:
         """Start (or stop) accumulating seconds per layer phase (PHASES) into the returned array."""

@@ -26,11 +26,27 @@ import zmq
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
-from powerinfer.cpu_workers.shm_segment import SPIN_US, RankComm, Segment, SegmentLayout, comm_error
+from powerinfer.cpu_workers.shm_segment import (
+    SPIN_US,
+    RankComm,
+    Segment,
+    SegmentLayout,
+    comm_error,
+)
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks
-from powerinfer.protocol import ErrorMsg, LoadMsg, LogitsMsg, ProtocolError, ResultMsg, ShutdownMsg, StepMsg, recv, send
+from powerinfer.protocol import (
+    ErrorMsg,
+    LoadMsg,
+    LogitsMsg,
+    ProtocolError,
+    ResultMsg,
+    ShutdownMsg,
+    StepMsg,
+    recv,
+    send,
+)
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,15 @@ import torch
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.ops import RopeTable, activation, attend, attention_mask, neox_to_norm_perm
-from powerinfer.model.sharding import HeadRange, down_columns, packs_as_columns
 from powerinfer.model.linears import load_linear
+from powerinfer.model.ops import (
+    RopeTable,
+    activation,
+    attend,
+    attention_mask,
+    neox_to_norm_perm,
+)
+from powerinfer.model.sharding import HeadRange, down_columns, packs_as_columns
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 from powerinfer.quants import Int8Packer, PackedLinear
 

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native import NativeFFN, native_lib, supported
+from powerinfer.cpu_workers.native import NativeFFN, native_lib
+from powerinfer.cpu_workers.neuron_major import supported
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import activation

@@ -20,14 +20,17 @@ import signal
 import sys
 import threading
 import time
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 import zmq
 
 from powerinfer.config import config_from_gguf
-from powerinfer.cpu_workers.topology import Placement, bind_memory_to_node, pin_current_process
+from powerinfer.cpu_workers.topology import (
+    Placement,
+    bind_memory_to_node,
+    pin_current_process,
+)
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.model.sharding import plan_shards
@@ -92,7 +95,7 @@ class _Shards:
         release_freed_memory()
 
 
-def _load(load: LoadMsg, index: int, n_cpus: int) -> "_Shards | NativeRank":
+def _load(load: LoadMsg, index: int, n_cpus: int) -> _Shards | NativeRank:
     """This worker's part of the model for the LOAD's transport."""
     if load.transport == "shm":
         os.environ["OMP_NUM_THREADS"] = str(max(1, load.threads))
@@ -142,7 +145,7 @@ def _serve(sock: zmq.Socket, shards: _Shards, index: int, busy: threading.Event)
             if x.shape[0] >= TRIM_ROWS and isinstance(msg, FfnMsg) and msg.layer == shards.n_layers - 1:
                 # after a prefill chunk: give its [T, n_ff]-sized temporaries back (glibc keeps them)
                 release_freed_memory()
-        except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR, worker keeps serving
+        except Exception as e:
             log.exception("worker %d: layer %d failed", index, msg.layer)
             send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=msg.layer, worker=index, kind=type(e).__name__, message=str(e)))
         finally:

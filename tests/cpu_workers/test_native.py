@@ -5,14 +5,15 @@ Runs in: the pytest process (the kernel is compiled into the cache on first use)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 
-from powerinfer.cpu_workers.native import NativeFFN, native_lib, reference_ffn, supported, zero_multiple
+from powerinfer.cpu_workers.native import NativeFFN, native_lib, reference_ffn
+from powerinfer.cpu_workers.neuron_major import supported, zero_multiple
 from powerinfer.quants.grouped import Grouped
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: the native kernel is not built")

@@ -3,8 +3,8 @@ CPU runs, odd shapes, and whole forward passes against the torch in-process exec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -13,7 +13,13 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from powerinfer.api import LLM
-from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, best_isa, cpu_flags, decoder_lib, requested_isa
+from powerinfer.cpu_workers.native_lib import (
+    ISA_CPU_FLAGS,
+    best_isa,
+    cpu_flags,
+    decoder_lib,
+    requested_isa,
+)
 from powerinfer.cpu_workers.native_model import NativeMatmul
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile

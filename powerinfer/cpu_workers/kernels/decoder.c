@@ -25,6 +25,7 @@
 #include "qx8.h"
 #include "dequant.h"
 #include "comm.h"
+#include "sparse_ffn.c" /* one translation unit: the sparse FFN runs inside the decoder's parallel region */
 
 /* Rows [ra, rb) from the file's layout: groups of eight, then four tokens through the type's
  * several-token kernels (qtile.h), so the rows stay in L1 while the groups pass; then one token
@@ -152,6 +153,47 @@ static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
     pi_allgather((pi_comm *)m->comm, x, T, ld, c0, c1);
 }
 
+/* The FFN of a sparse layer (in process: one rank), from xn [T, d] (normed and quantized) into x:
+ * the predictor's mask when the layer has one (8-bit dot products: fc1, relu, fc2, logit > 0),
+ * then sparse_ffn.c's kernel over the active neurons, run by this region's threads. */
+static void sparse_ffn(const pi_model *m, const pi_layer *L, float *x, int T, const pi_scratch *s, double *last) {
+    const int d = m->d, n = m->n_ff;
+    const pi_pred *P = L->pred;
+    if (P) {
+        const int r = P->fc1.rows;
+        matmul(&P->fc1, s, s->xn, T, s->u, r);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < r; i++) {
+                const float v = s->u[(size_t)t * r + i] + P->b1[i];
+                s->u[(size_t)t * r + i] = v > 0.0f ? v : 0.0f;
+            }
+        quantize_rows(s, s->u, T, r);
+        matmul(&P->fc2, s, s->u, T, s->g, n);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int i = 0; i < T * n; i++) s->mask[i] = s->g[i] + P->b2[i % n] > 0.0f;
+    }
+    mark(m, PH_GATE_UP, last);
+    pi_call c = *(const pi_call *)L->ffn; /* each thread's copy, with this call's buffers */
+    c.x = s->xn;
+    c.y = s->tmp;
+    c.active = s->active;
+    c.mask = s->mask;
+    c.scratch = s->ffs;
+    c.T = T;
+    c.parts = omp_get_num_threads();
+    pi_ffn_team(&c);
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
+    if (m->ffn_active) {
+#pragma omp single
+        for (int t = 0; t < T; t++) m->ffn_active[L - m->layers] += s->active[t];
+    }
+    mark(m, PH_DOWN, last);
+}
+
 static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const int64_t *pos, const int64_t *slot, int T, const pi_scratch *s,
                           double *last) {
     const int d = m->d, D = m->D, Dv = m->Dv, Hq = m->n_head, Hkv = m->n_kv, nff = m->n_ff;
@@ -230,6 +272,10 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
     }
     quantize_rows(s, s->xn, T, d);
     mark(m, PH_FFN_NORM, last);
+    if (L->ffn) {
+        sparse_ffn(m, L, x, T, s, last);
+        return;
+    }
     /* gate into g [T, nffA] at this rank's neurons [n0, n0 + nff); up into u [T, nff] */
     const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
     matmul(&L->wg, s, s->xn, T, s->g + n0, nffA);

@@ -28,7 +28,19 @@ typedef struct {
     const float *rope_cos, *rope_sin;                                    /* [n_ctx, rope_dim / 2] */
     int32_t window;                                                      /* 0: full attention */
     int32_t pad;
+    /* A sparse FFN (in process only): ffn points at the layer's pi_call (sparse_ffn.c: gate, up
+     * and down neuron-major, the mode and threshold), and replaces wg/wu/wd; pred, when set, is
+     * the neuron predictor whose positive logits are the call's mask (PI_MASK). NULL: dense. */
+    const void *ffn;
+    const struct pi_pred *pred;
 } pi_layer;
+
+/* A layer's neuron predictor, in 8 bits through the same dot products as the weights:
+ * logits [T, n_ff] = fc2 . relu(fc1 . xn + b1) + b2, fc1 [r, d], fc2 [n_ff, r] (r % 32 == 0). */
+typedef struct pi_pred {
+    pi_wt fc1, fc2;
+    const float *b1, *b2;
+} pi_pred;
 
 typedef struct {
     int32_t n_layers, d, n_ff, n_head, n_kv, D, Dv, rope_dim, neox, act, n_ctx, n_slots, n_threads, max_t;
@@ -45,8 +57,9 @@ typedef struct {
      * its projection, the FFN's hidden, its projection), so each output row is one rank's whole
      * dot product and the numbers equal the unsplit model's bit for bit. In process: comm NULL,
      * the *_all counts 0 (= the local ones), offsets 0. */
-    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, pad2;
+    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, sparse; /* sparse: some layer has an ffn (the scratch holds its buffers) */
     void *comm;
+    int64_t *ffn_active; /* NULL, or [n_layers] neurons computed by each sparse FFN, summed over tokens and calls */
 } pi_model;
 
 /* Query heads per kv head of the whole model (grp, or what the local counts imply). */
@@ -78,6 +91,9 @@ typedef struct {
     int8_t *aq;
     float *ad;
     float *as;
+    float *ffs;      /* sparse FFN: pi_ffn_scratch(T, d, n_threads) floats */
+    uint8_t *mask;   /* [T, n_ff]: the predictor's active neurons */
+    int32_t *active; /* [T]: neurons the sparse FFN computed per token */
 } pi_scratch;
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -103,6 +119,12 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
     TAKE(aq, int8_t, (size_t)T * kmax);
     TAKE(ad, float, (size_t)T * kmax / 32 + 1);
     TAKE(as, float, (size_t)T * kmax / 32 + 1);
+    if (m->sparse) {
+        const int parts = m->n_threads > 0 ? m->n_threads : 1;
+        TAKE(ffs, float, (size_t)(parts + 1) * T * m->d + (size_t)parts * T);  /* = pi_ffn_scratch(T, d, parts) */
+        TAKE(mask, uint8_t, (size_t)T * m->n_ff);
+        TAKE(active, int32_t, (size_t)T);
+    }
 #undef TAKE
     return off;
 }

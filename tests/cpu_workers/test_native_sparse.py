@@ -1,0 +1,125 @@
+"""Sparse FFNs inside the native decoder (cpu_workers/native_sparse.py, decoder.c's sparse_ffn).
+
+Runs in: the pytest process, on tiny planted-sparsity llama files (Q4_0, Q4_1, Q8_0) and a
+synthetic float one; each test well under a few seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from powerinfer.api import LLM
+from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.native_executor import NativeExecutor
+from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+from powerinfer.sparsity.predictor_file import PredictorFile, write_predictor
+from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
+
+pytestmark = pytest.mark.skipif(decoder_lib() is None, reason="no C compiler for the native decoder")
+IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
+
+
+@pytest.fixture(scope="module", params=[QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda q: q.name)
+def relu(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    qt: QT = request.param
+    return write_relu_sparse_gguf(tmp_path_factory.mktemp("relu") / f"tiny-{qt.name}.gguf", ReluSparseSpec.shape("tiny", qtype=qt))
+
+
+_MADE: dict[tuple[Path, str, float], tuple[Path, PredictorFile]] = {}
+
+
+def _predictor(model: Path, tmp: Path, mode: str, sparsity: float = 0.8) -> tuple[Path, PredictorFile]:
+    """A calibrated predictor file for model (made once per model, mode and level in this session)."""
+    key = (model, mode, sparsity)
+    if key not in _MADE:
+        pf = calibrate(model, CalibrationSettings(mode=mode, sparsity=sparsity, tokens=128, window=64, steps=60))
+        path = model.with_name(f"{model.stem}.{mode}-{sparsity}.predictor")
+        write_predictor(path, pf)
+        _MADE[key] = (path, pf)
+    return _MADE[key]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_sparse_models_run_in_the_native_decoder(relu: Path, tmp_path: Path, mode: str) -> None:
+    path, _ = _predictor(relu, tmp_path, mode)
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativeExecutor) and ex.sparse is not None
+    dense = LLM(relu, n_ctx=128, executor="inprocess").logits(IDS)
+    sparse = llm.logits(IDS)
+    # the planted model leaves ~89% of neurons inactive: a calibrated 80% hardly moves the logits
+    assert _rel(sparse, dense) < 0.05
+    assert (sparse.argmax(1) == dense.argmax(1)).mean() >= 0.9
+    share = ex.decode_share()
+    assert 0.02 < share < 0.45, share  # most neurons were skipped (the predictor keeps a recall margin)
+    read, full = ex.sparse_bytes()
+    assert 0 < read < full
+
+
+def test_every_neuron_and_the_oracle_equal_dense(relu: Path, tmp_path: Path) -> None:
+    """Every neuron through the sparse layout is the dense FFN (int16 vs 8-bit activations aside); the
+    true active set (|act(gate) * up| above the calibrated threshold) changes the output no more."""
+    path, _ = _predictor(relu, tmp_path, "gate")
+    dense = LLM(relu, n_ctx=128, executor="inprocess").logits(IDS)
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativeExecutor)
+    ex.set_sparse(dense=True)
+    every = llm.logits(IDS)
+    assert _rel(every, dense) < 0.01
+    assert ex.decode_share() == 1.0
+    ex.reset_sparse_counts()
+    ex.set_sparse(dense=False, oracle=True)
+    oracle = llm.logits(IDS)
+    assert (oracle.argmax(1) == every.argmax(1)).all()
+    assert _rel(oracle, every) < 0.01
+    assert ex.decode_share() < 0.3  # and it computed only the active neurons
+    ex.set_sparse(oracle=False)
+    assert ex.sparse is not None and ex.sparse.mode == "file"
+
+
+def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> None:
+    """Each token's sparse FFN is computed the same way whatever else is in the call: bit for bit."""
+    path, _ = _predictor(relu, tmp_path, "predictor")
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    full = llm.engine.eval(IDS, all_logits=True)
+    llm.engine.rewind(0)
+    llm.engine.eval(IDS[:3])
+    steps = np.concatenate([llm.engine.eval([t]) for t in IDS[3:]])
+    assert (steps.argmax(1) == full[3:].argmax(1)).all()
+    np.testing.assert_array_equal(steps.max(1), full[3:].max(1))
+
+
+def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) -> None:
+    """The 8-bit predictor in the decoder picks (nearly) the neurons the float32 predictor picks."""
+    path, _ = _predictor(relu, tmp_path, "predictor")
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativeExecutor)
+    torch_llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path, native=False)
+    assert isinstance(torch_llm.engine.executor, InProcessExecutor)
+    llm.logits(IDS)
+    torch_llm.logits(IDS)
+    ours = ex.decode_share()
+    theirs = float(np.mean([s.last_active for layer in torch_llm.engine.executor.ffns for s in layer]))  # type: ignore[attr-defined]
+    assert abs(ours - theirs) < 0.02, (ours, theirs)
+
+
+def test_float_models_keep_the_torch_path(make_model: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model = make_model(arch="llama", n_layers=2)  # F32 weights: no sparse layout for them
+    path, _ = _predictor(model, tmp_path, "gate", sparsity=0.5)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path)
+    assert isinstance(llm.engine.executor, InProcessExecutor)
+    assert "torch path" in caplog.text and "F32" in caplog.text
