@@ -71,15 +71,16 @@ class LLM:
     """A loaded model. ``executor="process"`` (the default) runs every layer's shards in
     ``n_threads`` CPU worker processes (default: one per physical core) with ``worker_threads``
     torch threads each; ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
-    the native decoder (one C call per forward pass) when it applies (dense, one shard, a C
-    compiler, every matrix of a type it has a kernel for), else with torch, the test oracle.
-    ``native`` True insists on the native decoder, False asks for the torch path.
+    the native decoder (one C call per forward pass) when it applies (one shard, a C compiler,
+    every matrix of a type it has a kernel for; with a predictor, FFN weights in 4- or 8-bit
+    blocks of 32), else with torch, the test oracle. ``native`` True insists on the native
+    decoder, False asks for the torch path.
 
     ``transport`` (process executor): ``"shm"`` makes every worker a native rank that runs whole
-    forward passes on its shard and merges partials with the others in shared memory (one message
-    per step); ``"zmq"`` sends each layer to torch shards and sums their partials here (the path
-    for predictors, and the oracle); ``"auto"`` (default) takes shm when the model is dense and
-    the native decoder runs it, else zmq (one log line says why).
+    forward passes on its shard and merges with the others in shared memory (one message per
+    step; with a predictor each rank computes its neurons sparsely); ``"zmq"`` sends each layer
+    to torch shards and sums their partials here (the oracle); ``"auto"`` (default) takes shm
+    when the native decoder runs the model, else zmq (one log line says why).
     """
 
     def __init__(
@@ -187,17 +188,17 @@ class LLM:
         n_workers = n_threads or default_workers()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         if transport != "zmq":
-            why = "a predictor's sparse FFNs run on the torch shards" if sparse else self._shm_blocker(n_workers)
+            why = self._shm_blocker(n_workers, sparse)
             if why is None:
                 from powerinfer.coordinator.native_pool import NativePoolExecutor
                 from powerinfer.cpu_workers.native_lib import decoder_lib
 
                 placements = tuple(plan_placement(read_topology(), n_workers, worker_threads)) if pin else ()
                 return NativePoolExecutor(decoder_lib(), self.file, str(self.path), self.config, n_ctx, n_workers, worker_threads,  # type: ignore[arg-type]
-                                          placements, level, n_slots, n_batch)
+                                          placements, level, n_slots, n_batch, predictor=str(predictor) if sparse else "")
             if transport == "shm":
                 raise InvalidArgumentError(f"--transport shm is not possible here: {why}")
-            log.log(logging.INFO if sparse else logging.WARNING, "worker processes exchange each layer over ZeroMQ (slower): %s", why)
+            log.warning("worker processes exchange each layer over ZeroMQ (slower): %s", why)
         from powerinfer.coordinator.process_executor import ProcessExecutor
 
         # The coordinator itself only does small numpy vector work (norms, residuals, sampling)
@@ -205,8 +206,8 @@ class LLM:
         return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
 
-    def _shm_blocker(self, n_workers: int) -> str | None:
-        """None when native ranks can run this model on n_workers, else why not."""
+    def _shm_blocker(self, n_workers: int, sparse: bool = False) -> str | None:
+        """None when native ranks can run this model (sparsely: with the predictor) on n_workers, else why not."""
         from powerinfer.cpu_workers.native_lib import decoder_lib
         from powerinfer.cpu_workers.native_model import supports
         from powerinfer.model.sharding import plan_ranks
@@ -216,8 +217,14 @@ class LLM:
         why = supports(self.file, self.config)
         if why is not None:
             return f"the native decoder cannot run this model ({why})"
+        if sparse:
+            from powerinfer.cpu_workers.native_sparse import sparse_blocker
+
+            why = sparse_blocker(self.file, self.config)
+            if why is not None:
+                return f"the native ranks cannot run this model's FFNs sparsely ({why})"
         try:
-            plan_ranks(self.config, n_workers)
+            plan_ranks(self.config, n_workers, sparse)
         except InvalidArgumentError as e:
             return str(e)
         return None

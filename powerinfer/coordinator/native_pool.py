@@ -68,18 +68,20 @@ class NativePoolExecutor:
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
                  placements: tuple[Placement, ...] = (), log_level: str = "WARNING", n_slots: int = 1, max_tokens: int = 512,
-                 step_channel: str = "shm") -> None:
+                 step_channel: str = "shm", predictor: str = "") -> None:
         """step_channel "shm": steps through the segment's doorbell (the default); "zmq": a STEP
-        message per pass (the protocol's portable form; measured slower, see docs/protocol.md)."""
+        message per pass (the protocol's portable form; measured slower, see docs/protocol.md).
+        predictor: a .predictor file; each rank then computes its neurons' FFN sparsely and the
+        ranks sum their partial outputs (kernels/decoder.c, sparse_ffn)."""
         if max_tokens < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
         self.plan: ShardPlan = plan_shards(cfg, n_workers)
-        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers)
+        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers, bool(predictor))
         self.head = weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight")  # file rows, for refinement
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
         self._cand = np.empty(self.head.rows, dtype=np.int32)
-        self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, "", n_slots, "shm", "", max_tokens)
+        self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, predictor, n_slots, "shm", "", max_tokens)
         self.max_tokens = max_tokens
         self.step_channel = step_channel
         self._answers = np.zeros((n_workers, 4), dtype=np.int64)  # pi_door_wait: rc, compute ns, wait ns, syncs per rank
@@ -91,7 +93,7 @@ class NativePoolExecutor:
 
     def _start(self) -> None:
         c = self._config
-        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t)
+        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t, bool(c.predictor))
         try:
             self.pool = WorkerPool(replace(c, shm=self.seg.path))
         except BaseException:

@@ -95,9 +95,7 @@ class NativeDecoder:
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int,
                  shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None) -> None:
         """shard: this process is one rank of the native pool and holds that part of every layer.
-        sparse: every layer's FFN runs through it (in process only) instead of wg/wu/wd."""
-        if sparse is not None and shard is not None:
-            raise InvalidArgumentError("sparse FFNs run in process, not in a rank of the pool")
+        sparse: every layer's FFN runs through it instead of wg/wu/wd (a rank's: its neuron range)."""
         self.lib, self.cfg, self.f = lib, cfg, f
         self.sparse = sparse
         sh = shard or RankShard(0, cfg.n_heads, 0, cfg.n_kv_heads, 0, cfg.n_ff, 0, cfg.d_model, 0, cfg.vocab_size)
@@ -163,7 +161,7 @@ class NativeDecoder:
                              self._vec(f, "output_norm.weight", d), self.head, layers, None, sh.q0, sh.kv0, cfg.gqa_group, cfg.n_heads,
                              cfg.n_ff, sh.n0, sh.d0)
         if sparse is not None:
-            self.model.sparse = 1
+            self.model.sparse = sparse.ranks
             sparse.attach(layers)
             self.model.ffn_active = sparse.active.ctypes.data
         self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)

@@ -58,10 +58,11 @@ class LayerFFN:
     keep: tuple[np.ndarray, ...]  # the predictor's arrays pred points into
 
 
-def _decoded(f: GGUFFile, layer: int, kind: str) -> Grouped | np.ndarray:
+def _decoded(f: GGUFFile, layer: int, kind: str, rows: tuple[int, int] | None = None) -> Grouped | np.ndarray:
     name = layer_tensor(layer, kind)
     info = f.tensor(name)
-    return decode(info.qtype, f.raw(name), info.n_cols)
+    raw = f.raw(name)
+    return decode(info.qtype, raw if rows is None else raw[rows[0] : rows[1]], info.n_cols)
 
 
 def sparse_blocker(f: GGUFFile, cfg: ModelConfig) -> str | None:
@@ -83,15 +84,16 @@ def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
     return codes, PiWt(codes.ctypes.data, None, codes.shape[1], int(QT.Q8_0), w.shape[0], w.shape[1])
 
 
-def _predictor(pf: PredictorFile, layer: int, d: int) -> tuple[PiPred, tuple[np.ndarray, ...]]:
-    """fc1 [r, d], fc2 [n, r] in Q8_0 with r padded to a multiple of 32 (zero rows and columns:
-    relu(0 + 0) = 0 adds nothing), float biases."""
+def _predictor(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]) -> tuple[PiPred, tuple[np.ndarray, ...]]:
+    """fc1 [r, d], fc2 [n, r] (the rows of neurons [n0, n1)) in Q8_0 with r padded to a multiple of
+    32 (zero rows and columns: relu(0 + 0) = 0 adds nothing), float biases."""
     lp = pf.layers[layer]
+    n0, n1 = neurons
     r = lp.rank
     if r == 0:
         raise InvalidArgumentError(f"layer {layer} of the predictor has no predictor (rank 0) but the file's mode is 'predictor'")
     rp = -(-r // 32) * 32
-    n = lp.fc2_w.shape[0]
+    n = n1 - n0
     if rp > n:  # the decoder holds the predictor's hidden [T, r] in its [T, n_ff] buffer
         raise InvalidArgumentError(f"layer {layer}'s predictor rank {r} exceeds the layer's {n} neurons")
     fc1 = np.zeros((rp, d), dtype=np.float32)
@@ -99,8 +101,8 @@ def _predictor(pf: PredictorFile, layer: int, d: int) -> tuple[PiPred, tuple[np.
     b1 = np.zeros(rp, dtype=np.float32)
     b1[:r] = lp.fc1_b
     fc2 = np.zeros((n, rp), dtype=np.float32)
-    fc2[:, :r] = lp.fc2_w
-    b2 = np.ascontiguousarray(lp.fc2_b, dtype=np.float32)
+    fc2[:, :r] = lp.fc2_w[n0:n1]
+    b2 = np.ascontiguousarray(lp.fc2_b[n0:n1], dtype=np.float32)
     c1, w1 = _q8(fc1)
     c2, w2 = _q8(fc2)
     return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data), (c1, c2, b1, b2)
@@ -109,27 +111,32 @@ def _predictor(pf: PredictorFile, layer: int, d: int) -> tuple[PiPred, tuple[np.
 class NativeSparseFFNs:
     """Every layer's sparse FFN for the native decoder (in process, one rank)."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile) -> None:
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None, ranks: int = 1) -> None:
+        """neurons [n0, n1): a rank's range (whole groups of 32) of every layer; ranks: how many
+        share the FFNs (their partial outputs are summed in the decoder)."""
         why = sparse_blocker(f, cfg)
         if why is not None:
             raise InvalidArgumentError(f"the native decoder cannot run this model's FFNs sparsely: {why}")
         if pf.d_model != cfg.d_model or pf.n_ff != cfg.n_ff or pf.n_layers != cfg.n_layers:
             raise InvalidArgumentError("the predictor was made for another model shape")
-        self.cfg, self.file_mode = cfg, pf.mode
+        self.cfg, self.file_mode, self.ranks = cfg, pf.mode, ranks
+        n0, n1 = neurons or (0, cfg.n_ff)
+        self.n = n1 - n0
         self._attached: ctypes.Array | None = None  # type: ignore[type-arg]  # the decoder's PiLayer array
         self.layers: list[LayerFFN] = []
         for i in range(cfg.n_layers):
-            gate, up, down = (_decoded(f, i, k) for k in ("ffn_gate", "ffn_up", "ffn_down"))
+            gate, up = (_decoded(f, i, k, (n0, n1)) for k in ("ffn_gate", "ffn_up"))
+            down = _decoded(f, i, "ffn_down")
             if not all(isinstance(m, Grouped) and supported(m) for m in (gate, up, down)):
                 raise InvalidArgumentError(f"layer {i}'s FFN has no layout the sparse kernel takes")
             assert isinstance(gate, Grouped) and isinstance(up, Grouped) and isinstance(down, Grouped)
-            if cfg.n_ff % down.group or down.group > 64:
-                raise InvalidArgumentError(f"layer {i}: {cfg.n_ff} neurons are not whole groups of {down.group}")
-            weights = pack_layer(gate, up, down)
+            if n0 % down.group or self.n % down.group or down.group > 64:
+                raise InvalidArgumentError(f"layer {i}: neurons [{n0}, {n1}) are not whole groups of {down.group}")
+            weights = pack_layer(gate, up, down.cols(n0, n1) if (n0, n1) != (0, cfg.n_ff) else down)
             g, u, dn = weights.mats
-            call = PiCall(gate=g, up=u, down=dn, d=cfg.d_model, n=cfg.n_ff, act=ACTIVATIONS[cfg.activation],
+            call = PiCall(gate=g, up=u, down=dn, d=cfg.d_model, n=self.n, act=ACTIVATIONS[cfg.activation],
                           thr=float(pf.layers[i].threshold))
-            pred, keep = _predictor(pf, i, cfg.d_model) if pf.mode == "predictor" else (None, ())
+            pred, keep = _predictor(pf, i, cfg.d_model, (n0, n1)) if pf.mode == "predictor" else (None, ())
             self.layers.append(LayerFFN(weights, call, pred, keep))
         self.set_mode("file")
         self.active = np.zeros(cfg.n_layers, dtype=np.int64)  # neurons computed per layer (the decoder adds to it)
@@ -169,7 +176,7 @@ class NativeSparseFFNs:
         and down rows; the predictor's bytes are added in predictor mode."""
         if tokens <= 0:
             raise InvalidArgumentError("bytes per token need at least one token")
-        n = self.cfg.n_ff
+        n = self.n
         total = 0.0
         dense = 0.0
         for L, act in zip(self.layers, self.active):

@@ -26,6 +26,7 @@ import zmq
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
+from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
 from powerinfer.cpu_workers.shm_segment import (
     SPIN_US,
     RankComm,
@@ -36,6 +37,7 @@ from powerinfer.cpu_workers.shm_segment import (
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks
+from powerinfer.sparsity.predictor_file import read_predictor
 from powerinfer.protocol import (
     ErrorMsg,
     LoadMsg,
@@ -71,9 +73,14 @@ class NativeRank:
         why = supports(f, cfg)
         if why is not None:
             raise UnsupportedModelError(f"the native decoder cannot run this model: {why}")
-        self.shard = plan_ranks(cfg, load.n_workers)[rank]
-        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard)
-        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()))
+        sparse_on = bool(load.predictor)
+        self.shard = plan_ranks(cfg, load.n_workers, sparse_on)[rank]
+        sparse = None
+        if sparse_on:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
+            sparse = NativeSparseFFNs(f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1), load.n_workers)
+        self.sparse = sparse
+        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse)
+        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), sparse_on)
         self.seg = Segment(load.shm, layout, create=False)
         oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) > n_cpus
         if oversubscribed:

@@ -153,9 +153,12 @@ static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
     pi_allgather((pi_comm *)m->comm, x, T, ld, c0, c1);
 }
 
-/* The FFN of a sparse layer (in process: one rank), from xn [T, d] (normed and quantized) into x:
- * the predictor's mask when the layer has one (8-bit dot products: fc1, relu, fc2, logit > 0),
- * then sparse_ffn.c's kernel over the active neurons, run by this region's threads. */
+/* The FFN of a sparse layer, from xn [T, d] (normed and quantized) into x: the predictor's mask
+ * when the layer has one (8-bit dot products: fc1, relu, fc2, logit > 0), then sparse_ffn.c's
+ * kernel over this rank's active neurons, run by this region's threads. Ranks (m->sparse > 1)
+ * each hold a range of neurons (gate/up rows, down columns, predictor fc2 rows) and produce a
+ * partial output [T, d]; the partials are gathered side by side and every rank sums them in rank
+ * order, so the replicas of the residual stream stay identical. */
 static void sparse_ffn(const pi_model *m, const pi_layer *L, float *x, int T, const pi_scratch *s, double *last) {
     const int d = m->d, n = m->n_ff;
     const pi_pred *P = L->pred;
@@ -185,6 +188,21 @@ static void sparse_ffn(const pi_model *m, const pi_layer *L, float *x, int T, co
     c.T = T;
     c.parts = omp_get_num_threads();
     pi_ffn_team(&c);
+    const int R = m->sparse;
+    if (R > 1 && m->comm) {
+        const int r = ((const pi_comm *)m->comm)->rank;
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) memcpy(s->red + ((size_t)t * R + r) * d, s->tmp + (size_t)t * d, sizeof(float) * d);
+        gather(m, s->red, T, R * d, r * d, (r + 1) * d);
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            float *y = s->tmp + (size_t)t * d;
+            const float *p = s->red + (size_t)t * R * d;
+            memcpy(y, p, sizeof(float) * d);
+            for (int q = 1; q < R; q++)
+                for (int i = 0; i < d; i++) y[i] += p[(size_t)q * d + i];
+        }
+    }
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
     if (m->ffn_active) {

@@ -57,7 +57,9 @@ typedef struct {
      * its projection, the FFN's hidden, its projection), so each output row is one rank's whole
      * dot product and the numbers equal the unsplit model's bit for bit. In process: comm NULL,
      * the *_all counts 0 (= the local ones), offsets 0. */
-    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, sparse; /* sparse: some layer has an ffn (the scratch holds its buffers) */
+    /* sparse: 0 when every FFN is dense, else the ranks that share each sparse FFN (1 in process):
+     * the scratch then holds its buffers, and a rank's partial outputs are summed across ranks */
+    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, sparse;
     void *comm;
     int64_t *ffn_active; /* NULL, or [n_layers] neurons computed by each sparse FFN, summed over tokens and calls */
 } pi_model;
@@ -94,6 +96,7 @@ typedef struct {
     float *ffs;      /* sparse FFN: pi_ffn_scratch(T, d, n_threads) floats */
     uint8_t *mask;   /* [T, n_ff]: the predictor's active neurons */
     int32_t *active; /* [T]: neurons the sparse FFN computed per token */
+    float *red;      /* [T, ranks * d]: each rank's partial FFN output (ranks > 1) */
 } pi_scratch;
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -124,6 +127,7 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
         TAKE(ffs, float, (size_t)(parts + 1) * T * m->d + (size_t)parts * T);  /* = pi_ffn_scratch(T, d, parts) */
         TAKE(mask, uint8_t, (size_t)T * m->n_ff);
         TAKE(active, int32_t, (size_t)T);
+        if (m->sparse > 1) TAKE(red, float, (size_t)T * m->sparse * m->d);
     }
 #undef TAKE
     return off;
