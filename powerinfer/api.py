@@ -33,7 +33,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.sampling import SamplingParams
-from powerinfer.sparsity.predictor_file import PredictorFile, read_predictor
+from powerinfer.sparsity.predictor_file import read_predictor
 from powerinfer.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
@@ -71,10 +71,9 @@ class LLM:
     """A loaded model. ``executor="process"`` (the default) runs every layer's shards in
     ``n_threads`` CPU worker processes (default: one per physical core) with ``worker_threads``
     torch threads each; ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
-    the native decoder (one C call per forward pass) when it applies (one shard, a C compiler,
-    every matrix of a type it has a kernel for; with a predictor, FFN weights in 4- or 8-bit
-    blocks of 32), else with torch, the test oracle. ``native`` True insists on the native
-    decoder, False asks for the torch path.
+    the native decoder (one C call per forward pass, sparse FFNs included) when it applies (one
+    shard, a C compiler, every matrix of a type it has a kernel for), else with torch, the test
+    oracle. ``native`` True insists on the native decoder, False asks for the torch path.
 
     ``transport`` (process executor): ``"shm"`` makes every worker a native rank that runs whole
     forward passes on its shard and merges with the others in shared memory (one message per
@@ -147,7 +146,7 @@ class LLM:
             ex = build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
                                        predictor_path=predictor, sparse=sparse, n_slots=n_slots, progress=progress,
                                        log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-        elif executor == "inprocess" and (lib := self._native_lib(native, n_shards == 1 and self._native_sparse_ok(use))) is not None:
+        elif executor == "inprocess" and (lib := self._native_lib(native, n_shards == 1)) is not None:
             from powerinfer.coordinator.native_executor import NativeExecutor
             from powerinfer.cpu_workers.topology import default_workers
 
@@ -188,7 +187,7 @@ class LLM:
         n_workers = n_threads or default_workers()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         if transport != "zmq":
-            why = self._shm_blocker(n_workers, sparse)
+            why = self._shm_blocker(n_workers)
             if why is None:
                 from powerinfer.coordinator.native_pool import NativePoolExecutor
                 from powerinfer.cpu_workers.native_lib import decoder_lib
@@ -206,8 +205,8 @@ class LLM:
         return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
 
-    def _shm_blocker(self, n_workers: int, sparse: bool = False) -> str | None:
-        """None when native ranks can run this model (sparsely: with the predictor) on n_workers, else why not."""
+    def _shm_blocker(self, n_workers: int) -> str | None:
+        """None when native ranks can run this model (dense or sparse) on n_workers, else why not."""
         from powerinfer.cpu_workers.native_lib import decoder_lib
         from powerinfer.cpu_workers.native_model import supports
         from powerinfer.model.sharding import plan_ranks
@@ -217,28 +216,11 @@ class LLM:
         why = supports(self.file, self.config)
         if why is not None:
             return f"the native decoder cannot run this model ({why})"
-        if sparse:
-            from powerinfer.cpu_workers.native_sparse import sparse_blocker
-
-            why = sparse_blocker(self.file, self.config)
-            if why is not None:
-                return f"the native ranks cannot run this model's FFNs sparsely ({why})"
         try:
-            plan_ranks(self.config, n_workers, sparse)
+            plan_ranks(self.config, n_workers)
         except InvalidArgumentError as e:
             return str(e)
         return None
-
-    def _native_sparse_ok(self, use: "PredictorFile | None") -> bool:
-        """Whether the native decoder can run this predictor's sparse FFNs (always, when dense)."""
-        if use is None:
-            return True
-        from powerinfer.cpu_workers.native_sparse import sparse_blocker
-
-        why = sparse_blocker(self.file, self.config)
-        if why is not None:
-            log.warning("sparse FFNs run on the torch path (slower): %s", why)
-        return why is None
 
     def _native_lib(self, native: bool | None, applies: bool) -> "ctypes.CDLL | None":
         """The native decoder library when the in-process executor should use it, else None."""
@@ -246,7 +228,7 @@ class LLM:
             return None
         if not applies:
             if native:
-                raise InvalidArgumentError("the native decoder runs models in one shard (n_shards=1), sparse FFNs only from 4- and 8-bit blocks of 32")
+                raise InvalidArgumentError("the native decoder runs models in one shard: n_shards=1")
             return None
         from powerinfer.cpu_workers.native_lib import decoder_lib
         from powerinfer.cpu_workers.native_model import supports

@@ -211,7 +211,8 @@ def run_bench(argv: Sequence[str]) -> int:
     if args.profile:
         from powerinfer.cli.bench_profile import as_dict, profile_decode
 
-        prof = profile_decode(model, threads=args.workers[0], prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens)
+        prof = profile_decode(model, threads=args.workers[0], prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                              predictor=args.predictor)
         print(prof.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

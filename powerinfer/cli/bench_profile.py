@@ -45,12 +45,13 @@ class DecodeProfile:
         return "\n".join(lines)
 
 
-def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_tokens: int = 128) -> DecodeProfile:
+def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_tokens: int = 128, predictor: str | None = None) -> DecodeProfile:
+    """predictor: profile the sparse decoder (its predictor shows under gate+up, the sparse FFN under down)."""
     from powerinfer.api import LLM
     from powerinfer.coordinator.native_executor import NativeExecutor
     from powerinfer.cpu_workers.native_lib import PHASES
 
-    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_threads=threads, executor="inprocess")
+    llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_threads=threads, executor="inprocess", predictor=predictor)
     try:
         ex = llm.engine.executor
         if not isinstance(ex, NativeExecutor):

@@ -71,13 +71,13 @@ class NativePoolExecutor:
                  step_channel: str = "shm", predictor: str = "") -> None:
         """step_channel "shm": steps through the segment's doorbell (the default); "zmq": a STEP
         message per pass (the protocol's portable form; measured slower, see docs/protocol.md).
-        predictor: a .predictor file; each rank then computes its neurons' FFN sparsely and the
-        ranks sum their partial outputs (kernels/decoder.c, sparse_ffn)."""
+        predictor: a .predictor file; each rank then computes its neurons' gate and up rows
+        sparsely (kernels/sparse_rows.h); the merge is the dense one."""
         if max_tokens < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
         self.plan: ShardPlan = plan_shards(cfg, n_workers)
-        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers, bool(predictor))
+        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers)
         self.head = weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight")  # file rows, for refinement
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
         self._cand = np.empty(self.head.rows, dtype=np.int32)
@@ -93,7 +93,7 @@ class NativePoolExecutor:
 
     def _start(self) -> None:
         c = self._config
-        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t, bool(c.predictor))
+        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t)
         try:
             self.pool = WorkerPool(replace(c, shm=self.seg.path))
         except BaseException:

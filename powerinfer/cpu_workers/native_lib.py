@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
 HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h", "comm.h",
-                                      "sparse_ffn.c", "pi_rows.h"))
+                                      "sparse_rows.h"))
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
@@ -54,7 +54,13 @@ class PiLayer(ctypes.Structure):
     _fields_ = [(n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
         (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
                                        "k_cache", "v_cache", "rope_cos", "rope_sin")
-    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32), ("ffn", ctypes.c_void_p), ("pred", ctypes.c_void_p)]
+    ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32), ("sp", ctypes.c_void_p), ("pred", ctypes.c_void_p)]
+
+
+class PiSparse(ctypes.Structure):
+    """model.h's pi_sparse: a layer's sparse rule (sparse_rows.h's PI_SP_* mode, threshold)."""
+
+    _fields_ = [("mode", ctypes.c_int32), ("thr", ctypes.c_float)]
 
 
 class PiPred(ctypes.Structure):

@@ -112,7 +112,10 @@ class NativeDecoder:
             for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
                                 ("wu", "ffn_up"), ("wd", "ffn_down")):
                 w = weight(f, layer_tensor(i, part), *_slices(field, sh, D, Dv))
-                packed = None if sparse is not None and field in ("wg", "wu", "wd") else repack_x8(lib, w)  # sparse: never read
+                # sparse: the chosen up rows (and gate rows, when a predictor chooses) are read in
+                # the file's layout, so those matrices stay as they are (one copy resident)
+                keep_rows = sparse is not None and (field == "wu" or (field == "wg" and not sparse.gate_dense))
+                packed = None if keep_rows else repack_x8(lib, w)
                 if packed is not None:
                     self._keep.append(packed)
                 setattr(L, field, w)
@@ -161,7 +164,7 @@ class NativeDecoder:
                              self._vec(f, "output_norm.weight", d), self.head, layers, None, sh.q0, sh.kv0, cfg.gqa_group, cfg.n_heads,
                              cfg.n_ff, sh.n0, sh.d0)
         if sparse is not None:
-            self.model.sparse = sparse.ranks
+            self.model.sparse = 1
             sparse.attach(layers)
             self.model.ffn_active = sparse.active.ctypes.data
         self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
@@ -176,8 +179,7 @@ class NativeDecoder:
 
     @property
     def weight_bytes(self) -> int:
-        ffn = () if self.sparse is not None else ("wg", "wu", "wd")  # sparse: the FFNs' own layout instead
-        mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", *ffn)] + [self.head]
+        mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [self.head]
         return sum(m.rows * m.row_bytes for m in mats) + (self.sparse.nbytes if self.sparse is not None else 0)
 
     def profile(self, on: bool = True) -> np.ndarray:

@@ -1,81 +1,38 @@
-"""Sparse FFNs inside the native decoder: each layer's sparse_ffn.c call and its 8-bit predictor.
+"""Sparse FFNs inside the native decoder: each layer's rule and its 8-bit neuron predictor.
 
-Runs in: the process of the in-process executor (the coordinator), next to
-:class:`powerinfer.cpu_workers.native_model.NativeDecoder`, which points each layer's ``ffn`` and
-``pred`` at what this builds. The weights are packed once by :func:`native.pack_layer` (gate, up
-and down neuron-major in the file's own codes; a few seconds for a 1.1B model), and the layer's
-wg/wu/wd file rows are then not read at all.
+Runs in: the process of the in-process executor (the coordinator) and each rank of the native
+pool, next to :class:`powerinfer.cpu_workers.native_model.NativeDecoder`, which points each
+layer's ``sp`` and ``pred`` at what this builds. numpy and ctypes only (ranks import no torch).
 
-Modes (``PiCall.mode``):
-  * ``gate``: act(gate) of every neuron, up and down rows only where |act(gate)| > the layer's
-    threshold (the file's ``gate`` mode);
-  * ``mask``: the predictor runs first, in 8 bits (fc1 and fc2 quantized to Q8_0 blocks,
-    through the decoder's own dot products), and only the neurons whose logit is positive have
-    their gate, up and down rows read (the file's ``predictor`` mode, PowerInfer's design);
-  * ``all`` (``--no-sparse``-like, every neuron through the sparse layout) and ``oracle`` (the
-    true active set: |act(gate) * up| > threshold), for tests and measurements.
+The weights are the file's own (kernels/sparse_rows.h reads the chosen gate and up rows in place
+and runs the dense down projection on the mostly-zero hidden state); what this adds per layer is
+the rule (mode and threshold, from the predictor file) and, in predictor mode, the predictor's
+fc1 [r, d] and fc2 [n, r] quantized to Q8_0 blocks so that the decoder's own dot products run it
+(r padded to a multiple of 32). Modes (``set_mode``): ``file`` (the predictor file's rule: gate
+threshold, or the predictor), ``all`` (every neuron through the sparse path) and ``oracle``
+(the true active set, |act(gate) * up| > threshold), the last two for tests and measurements.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native_lib import PiPred, PiWt
-from powerinfer.cpu_workers.neuron_major import (
-    ACTIVATIONS,
-    MODES,
-    NeuronMajor,
-    PiCall,
-    pack_layer,
-    supported,
-)
+from powerinfer.cpu_workers.native_lib import PiPred, PiSparse, PiWt
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_tensor
-from powerinfer.quants.formats import decode
-from powerinfer.quants.grouped import Grouped
+from powerinfer.gguf_file import GGUFFile
 from powerinfer.sparsity.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 
-KERNEL_MODES = ("file", "all", "oracle")  # the file's mode, every neuron, the true active set
-
-
-@dataclass(frozen=True)
-class LayerFFN:
-    """One layer's packed weights, its call and (predictor mode) its 8-bit predictor."""
-
-    weights: NeuronMajor
-    call: PiCall
-    pred: PiPred | None
-    keep: tuple[np.ndarray, ...]  # the predictor's arrays pred points into
-
-
-def _decoded(f: GGUFFile, layer: int, kind: str, rows: tuple[int, int] | None = None) -> Grouped | np.ndarray:
-    name = layer_tensor(layer, kind)
-    info = f.tensor(name)
-    raw = f.raw(name)
-    return decode(info.qtype, raw if rows is None else raw[rows[0] : rows[1]], info.n_cols)
-
-
-def sparse_blocker(f: GGUFFile, cfg: ModelConfig) -> str | None:
-    """None when the native decoder can run this model's FFNs sparsely, else why not."""
-    if cfg.d_model % 32 or cfg.d_model > 8192:
-        return f"model width {cfg.d_model} (the sparse kernel takes multiples of 32 up to 8192)"
-    if cfg.activation not in ACTIVATIONS:
-        return f"activation {cfg.activation}"
-    for kind in ("ffn_gate", "ffn_up", "ffn_down"):
-        info = f.tensor(layer_tensor(0, kind))
-        if info.qtype not in (QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q5_1):
-            return f"{kind} is {info.qtype.name} (the sparse kernel reads 4-bit and 8-bit blocks of 32)"
-    return None
+MODES = {"all": 0, "gate": 1, "mask": 2, "oracle": 3}  # sparse_rows.h's PI_SP_*
+KERNEL_MODES = ("file", "all", "oracle")
 
 
 def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
@@ -84,23 +41,22 @@ def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
     return codes, PiWt(codes.ctypes.data, None, codes.shape[1], int(QT.Q8_0), w.shape[0], w.shape[1])
 
 
-def _predictor(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]) -> tuple[PiPred, tuple[np.ndarray, ...]]:
-    """fc1 [r, d], fc2 [n, r] (the rows of neurons [n0, n1)) in Q8_0 with r padded to a multiple of
-    32 (zero rows and columns: relu(0 + 0) = 0 adds nothing), float biases."""
+def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]) -> tuple[PiPred, tuple[np.ndarray, ...]]:
+    """fc1 [r, d] and fc2's rows of neurons [n0, n1) in Q8_0, r padded to a multiple of 32 (zero
+    rows and columns: relu(0 + 0) = 0 adds nothing), float biases; and the arrays to keep."""
     lp = pf.layers[layer]
     n0, n1 = neurons
     r = lp.rank
     if r == 0:
         raise InvalidArgumentError(f"layer {layer} of the predictor has no predictor (rank 0) but the file's mode is 'predictor'")
     rp = -(-r // 32) * 32
-    n = n1 - n0
-    if rp > n:  # the decoder holds the predictor's hidden [T, r] in its [T, n_ff] buffer
-        raise InvalidArgumentError(f"layer {layer}'s predictor rank {r} exceeds the layer's {n} neurons")
+    if rp > n1 - n0:  # the decoder holds the predictor's hidden [T, r] in its [T, n_ff] buffer
+        raise InvalidArgumentError(f"layer {layer}'s predictor rank {r} exceeds the {n1 - n0} neurons it chooses among")
     fc1 = np.zeros((rp, d), dtype=np.float32)
     fc1[:r] = lp.fc1_w
     b1 = np.zeros(rp, dtype=np.float32)
     b1[:r] = lp.fc1_b
-    fc2 = np.zeros((n, rp), dtype=np.float32)
+    fc2 = np.zeros((n1 - n0, rp), dtype=np.float32)
     fc2[:, :r] = lp.fc2_w[n0:n1]
     b2 = np.ascontiguousarray(lp.fc2_b[n0:n1], dtype=np.float32)
     c1, w1 = _q8(fc1)
@@ -109,82 +65,84 @@ def _predictor(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]) 
 
 
 class NativeSparseFFNs:
-    """Every layer's sparse FFN for the native decoder (in process, one rank)."""
+    """Every layer's sparse rule (and predictor) for one NativeDecoder (in process, or one rank)."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None, ranks: int = 1) -> None:
-        """neurons [n0, n1): a rank's range (whole groups of 32) of every layer; ranks: how many
-        share the FFNs (their partial outputs are summed in the decoder)."""
-        why = sparse_blocker(f, cfg)
-        if why is not None:
-            raise InvalidArgumentError(f"the native decoder cannot run this model's FFNs sparsely: {why}")
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None) -> None:
+        """neurons [n0, n1): a rank's range of every layer (the predictor's fc2 rows it needs)."""
         if pf.d_model != cfg.d_model or pf.n_ff != cfg.n_ff or pf.n_layers != cfg.n_layers:
             raise InvalidArgumentError("the predictor was made for another model shape")
-        self.cfg, self.file_mode, self.ranks = cfg, pf.mode, ranks
+        self.cfg, self.file_mode = cfg, pf.mode
         n0, n1 = neurons or (0, cfg.n_ff)
         self.n = n1 - n0
-        self._attached: ctypes.Array | None = None  # type: ignore[type-arg]  # the decoder's PiLayer array
-        self.layers: list[LayerFFN] = []
+        self.rules = (PiSparse * cfg.n_layers)()
+        self.preds: list[PiPred | None] = []
+        self._keep: list[np.ndarray] = []
         for i in range(cfg.n_layers):
-            gate, up = (_decoded(f, i, k, (n0, n1)) for k in ("ffn_gate", "ffn_up"))
-            down = _decoded(f, i, "ffn_down")
-            if not all(isinstance(m, Grouped) and supported(m) for m in (gate, up, down)):
-                raise InvalidArgumentError(f"layer {i}'s FFN has no layout the sparse kernel takes")
-            assert isinstance(gate, Grouped) and isinstance(up, Grouped) and isinstance(down, Grouped)
-            if n0 % down.group or self.n % down.group or down.group > 64:
-                raise InvalidArgumentError(f"layer {i}: neurons [{n0}, {n1}) are not whole groups of {down.group}")
-            weights = pack_layer(gate, up, down.cols(n0, n1) if (n0, n1) != (0, cfg.n_ff) else down)
-            g, u, dn = weights.mats
-            call = PiCall(gate=g, up=u, down=dn, d=cfg.d_model, n=self.n, act=ACTIVATIONS[cfg.activation],
-                          thr=float(pf.layers[i].threshold))
-            pred, keep = _predictor(pf, i, cfg.d_model, (n0, n1)) if pf.mode == "predictor" else (None, ())
-            self.layers.append(LayerFFN(weights, call, pred, keep))
-        self.set_mode("file")
+            self.rules[i].thr = float(pf.layers[i].threshold)
+            if pf.mode == "predictor":
+                pred, keep = predictor_q8(pf, i, cfg.d_model, (n0, n1))
+                self.preds.append(pred)
+                self._keep.extend(keep)
+            else:
+                self.preds.append(None)
+        # bytes a neuron's gate and up rows take in the file (the per-token figures below)
+        self.row_bytes = [(f.tensor(layer_tensor(i, "ffn_gate")).row_bytes, f.tensor(layer_tensor(i, "ffn_up")).row_bytes,
+                           f.tensor(layer_tensor(i, "ffn_down")).row_bytes) for i in range(cfg.n_layers)]
         self.active = np.zeros(cfg.n_layers, dtype=np.int64)  # neurons computed per layer (the decoder adds to it)
+        self._attached: ctypes.Array | None = None  # type: ignore[type-arg]  # the decoder's PiLayer array
+        self.mode = "file"
+        self.set_mode("file")
 
-    def set_mode(self, mode: str) -> None:
-        """``file`` (the predictor file's mode), ``all`` or ``oracle`` (see the module docstring)."""
-        if mode not in KERNEL_MODES:
-            raise InvalidArgumentError(f"sparse mode must be one of {KERNEL_MODES}, got {mode!r}")
-        kmode = {"gate": "gate", "predictor": "mask"}[self.file_mode] if mode == "file" else mode
-        for L in self.layers:
-            L.call.mode = MODES[kmode]
-        self.mode = mode
-        if self._attached is not None:
-            self._point()
+    @property
+    def gate_dense(self) -> bool:
+        """Whether the rule computes every neuron's gate (all but the predictor's)."""
+        return not self.uses_predictor
 
     @property
     def uses_predictor(self) -> bool:
         return self.mode == "file" and self.file_mode == "predictor"
 
+    def set_mode(self, mode: str) -> None:
+        """``file`` (the predictor file's rule), ``all`` or ``oracle`` (see the module docstring)."""
+        if mode not in KERNEL_MODES:
+            raise InvalidArgumentError(f"sparse mode must be one of {KERNEL_MODES}, got {mode!r}")
+        kmode = {"gate": "gate", "predictor": "mask"}[self.file_mode] if mode == "file" else mode
+        for rule in self.rules:
+            rule.mode = MODES[kmode]
+        self.mode = mode
+        if self._attached is not None:
+            self._point()
+
     def attach(self, layers: ctypes.Array) -> None:  # type: ignore[type-arg]
-        """Point each PiLayer's ffn and pred at this object's structures (they must outlive the decoder's use)."""
+        """Point each PiLayer's sp and pred at this object's structures (they must outlive the decoder's use)."""
         self._attached = layers
         self._point()
 
     def _point(self) -> None:
-        for L, ffn in zip(self._attached, self.layers):
-            L.ffn = ctypes.addressof(ffn.call)
-            L.pred = ctypes.addressof(ffn.pred) if ffn.pred is not None and self.uses_predictor else None
+        assert self._attached is not None
+        for i, L in enumerate(self._attached):
+            L.sp = ctypes.addressof(self.rules[i])
+            pred = self.preds[i]
+            L.pred = ctypes.addressof(pred) if pred is not None and self.uses_predictor else None
 
     @property
     def nbytes(self) -> int:
-        return sum(L.weights.nbytes + sum(a.nbytes for a in L.keep) for L in self.layers)
+        """Bytes the predictors take (the FFN weights are the file's)."""
+        return sum(a.nbytes for a in self._keep)
 
     def bytes_per_token(self, tokens: int) -> tuple[float, float]:
-        """(FFN weight bytes read per token, of the dense FFN's) from the active counts since the
-        last reset: a computed neuron reads its gate (unless gate mode reads every gate row), up
-        and down rows; the predictor's bytes are added in predictor mode."""
+        """(FFN weight bytes read per token, the dense FFNs' bytes) from the active counts since the
+        last reset: gate rows (all of them unless the predictor chooses), the chosen up rows, the
+        whole down matrix (the dense kernel streams it), and the predictor's Q8_0 bytes."""
         if tokens <= 0:
             raise InvalidArgumentError("bytes per token need at least one token")
-        n = self.n
-        total = 0.0
-        dense = 0.0
-        for L, act in zip(self.layers, self.active):
-            g, u, dn = (sum(t.nbytes for t in part) for part in (L.weights.gate, L.weights.up, L.weights.down))
-            share = act / (tokens * n)
-            gate_share = 1.0 if L.call.mode == MODES["gate"] or L.call.mode == MODES["all"] or L.call.mode == MODES["oracle"] else share
-            total += g * gate_share + (u + dn) * share
-            if L.pred is not None and self.uses_predictor:
-                total += sum(a.nbytes for a in L.keep)
-            dense += g + u + dn
+        d = self.cfg.d_model
+        pred_bytes = [sum(a.nbytes for a in self._keep[4 * i : 4 * i + 2]) for i in range(len(self.preds))] if self.uses_predictor else []
+        total = dense = 0.0
+        for i, (act, (g, u, dn)) in enumerate(zip(self.active, self.row_bytes)):
+            share = act / (tokens * self.n)
+            total += self.n * (g * (share if self.uses_predictor else 1.0) + u * share) + d * dn
+            if pred_bytes:
+                total += pred_bytes[i]
+            dense += self.n * (g + u) + d * dn
         return total, dense

@@ -73,14 +73,13 @@ class NativeRank:
         why = supports(f, cfg)
         if why is not None:
             raise UnsupportedModelError(f"the native decoder cannot run this model: {why}")
-        sparse_on = bool(load.predictor)
-        self.shard = plan_ranks(cfg, load.n_workers, sparse_on)[rank]
+        self.shard = plan_ranks(cfg, load.n_workers)[rank]
         sparse = None
-        if sparse_on:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
-            sparse = NativeSparseFFNs(f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1), load.n_workers)
+        if load.predictor:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
+            sparse = NativeSparseFFNs(f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1))
         self.sparse = sparse
         self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse)
-        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), sparse_on)
+        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()))
         self.seg = Segment(load.shm, layout, create=False)
         oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) > n_cpus
         if oversubscribed:

@@ -6,7 +6,6 @@ synthetic float one; each test well under a few seconds.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,7 +89,9 @@ def test_every_neuron_and_the_oracle_equal_dense(relu: Path, tmp_path: Path) -> 
 
 
 def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> None:
-    """Each token's sparse FFN is computed the same way whatever else is in the call: bit for bit."""
+    """Each token's sparse FFN follows the same rule whatever else is in the call: decode reads the
+    chosen rows one by one, a prompt goes through the tiled dense kernels (rounding aside, the same
+    numbers)."""
     path, _ = _predictor(relu, tmp_path, "predictor")
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
     full = llm.engine.eval(IDS, all_logits=True)
@@ -98,7 +99,7 @@ def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> Non
     llm.engine.eval(IDS[:3])
     steps = np.concatenate([llm.engine.eval([t]) for t in IDS[3:]])
     assert (steps.argmax(1) == full[3:].argmax(1)).all()
-    np.testing.assert_array_equal(steps.max(1), full[3:].max(1))
+    np.testing.assert_allclose(steps.max(1), full[3:].max(1), rtol=1e-6, atol=0)
 
 
 def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) -> None:
@@ -116,10 +117,14 @@ def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) 
     assert abs(ours - theirs) < 0.02, (ours, theirs)
 
 
-def test_float_models_keep_the_torch_path(make_model: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    model = make_model(arch="llama", n_layers=2)  # F32 weights: no sparse layout for them
+def test_every_type_the_decoder_reads(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    """The sparse rule reads the file's rows through the decoder's own dot products: a float model
+    runs sparsely in the native decoder too, and agrees with the torch path's sparse FFN."""
+    model = make_model(arch="llama", n_layers=2)  # F32 weights
     path, _ = _predictor(model, tmp_path, "gate", sparsity=0.5)
-    with caplog.at_level(logging.WARNING):
-        llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path)
-    assert isinstance(llm.engine.executor, InProcessExecutor)
-    assert "torch path" in caplog.text and "F32" in caplog.text
+    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path)
+    assert isinstance(llm.engine.executor, NativeExecutor)
+    torch_llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path, native=False)
+    assert isinstance(torch_llm.engine.executor, InProcessExecutor)
+    ours, theirs = llm.logits(IDS), torch_llm.logits(IDS)
+    assert _rel(ours, theirs) < 0.05  # 8-bit activations here, bf16 there; a few neurons near the threshold differ

@@ -25,7 +25,6 @@
 #include "qx8.h"
 #include "dequant.h"
 #include "comm.h"
-#include "sparse_ffn.c" /* one translation unit: the sparse FFN runs inside the decoder's parallel region */
 
 /* Rows [ra, rb) from the file's layout: groups of eight, then four tokens through the type's
  * several-token kernels (qtile.h), so the rows stay in L1 while the groups pass; then one token
@@ -153,64 +152,7 @@ static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
     pi_allgather((pi_comm *)m->comm, x, T, ld, c0, c1);
 }
 
-/* The FFN of a sparse layer, from xn [T, d] (normed and quantized) into x: the predictor's mask
- * when the layer has one (8-bit dot products: fc1, relu, fc2, logit > 0), then sparse_ffn.c's
- * kernel over this rank's active neurons, run by this region's threads. Ranks (m->sparse > 1)
- * each hold a range of neurons (gate/up rows, down columns, predictor fc2 rows) and produce a
- * partial output [T, d]; the partials are gathered side by side and every rank sums them in rank
- * order, so the replicas of the residual stream stay identical. */
-static void sparse_ffn(const pi_model *m, const pi_layer *L, float *x, int T, const pi_scratch *s, double *last) {
-    const int d = m->d, n = m->n_ff;
-    const pi_pred *P = L->pred;
-    if (P) {
-        const int r = P->fc1.rows;
-        matmul(&P->fc1, s, s->xn, T, s->u, r);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int t = 0; t < T; t++)
-            for (int i = 0; i < r; i++) {
-                const float v = s->u[(size_t)t * r + i] + P->b1[i];
-                s->u[(size_t)t * r + i] = v > 0.0f ? v : 0.0f;
-            }
-        quantize_rows(s, s->u, T, r);
-        matmul(&P->fc2, s, s->u, T, s->g, n);
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int i = 0; i < T * n; i++) s->mask[i] = s->g[i] + P->b2[i % n] > 0.0f;
-    }
-    mark(m, PH_GATE_UP, last);
-    pi_call c = *(const pi_call *)L->ffn; /* each thread's copy, with this call's buffers */
-    c.x = s->xn;
-    c.y = s->tmp;
-    c.active = s->active;
-    c.mask = s->mask;
-    c.scratch = s->ffs;
-    c.T = T;
-    c.parts = omp_get_num_threads();
-    pi_ffn_team(&c);
-    const int R = m->sparse;
-    if (R > 1 && m->comm) {
-        const int r = ((const pi_comm *)m->comm)->rank;
-#pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) memcpy(s->red + ((size_t)t * R + r) * d, s->tmp + (size_t)t * d, sizeof(float) * d);
-        gather(m, s->red, T, R * d, r * d, (r + 1) * d);
-#pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            float *y = s->tmp + (size_t)t * d;
-            const float *p = s->red + (size_t)t * R * d;
-            memcpy(y, p, sizeof(float) * d);
-            for (int q = 1; q < R; q++)
-                for (int i = 0; i < d; i++) y[i] += p[(size_t)q * d + i];
-        }
-    }
-#pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
-    if (m->ffn_active) {
-#pragma omp single
-        for (int t = 0; t < T; t++) m->ffn_active[L - m->layers] += s->active[t];
-    }
-    mark(m, PH_DOWN, last);
-}
+#include "sparse_rows.h"
 
 static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const int64_t *pos, const int64_t *slot, int T, const pi_scratch *s,
                           double *last) {
@@ -290,20 +232,20 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
     }
     quantize_rows(s, s->xn, T, d);
     mark(m, PH_FFN_NORM, last);
-    if (L->ffn) {
-        sparse_ffn(m, L, x, T, s, last);
-        return;
-    }
     /* gate into g [T, nffA] at this rank's neurons [n0, n0 + nff); up into u [T, nff] */
     const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
-    matmul(&L->wg, s, s->xn, T, s->g + n0, nffA);
-    matmul(&L->wu, s, s->xn, T, s->u, nff);
+    if (L->sp) {
+        sparse_hidden(m, L, T, s, last); /* g [T, nffA] at [n0, n0 + nff): zero but for the computed neurons */
+    } else {
+        matmul(&L->wg, s, s->xn, T, s->g + n0, nffA);
+        matmul(&L->wu, s, s->xn, T, s->u, nff);
 #pragma omp barrier
-    mark(m, PH_GATE_UP, last);
+        mark(m, PH_GATE_UP, last);
 #pragma omp for schedule(static)
-    for (int i = 0; i < T * nchunk; i++) { /* chunks of 256 within a row: the same lanes whatever the split */
-        const int t = i / nchunk, c = (i % nchunk) * 256;
-        act_mul(s->g + (size_t)t * nffA + n0 + c, s->u + (size_t)t * nff + c, c + 256 < nff ? 256 : nff - c, m->act);
+        for (int i = 0; i < T * nchunk; i++) { /* chunks of 256 within a row: the same lanes whatever the split */
+            const int t = i / nchunk, c = (i % nchunk) * 256;
+            act_mul(s->g + (size_t)t * nffA + n0 + c, s->u + (size_t)t * nff + c, c + 256 < nff ? 256 : nff - c, m->act);
+        }
     }
     gather(m, s->g, T, nffA, n0, n0 + nff);
     quantize_rows(s, s->g, T, nffA);

@@ -28,10 +28,10 @@ typedef struct {
     const float *rope_cos, *rope_sin;                                    /* [n_ctx, rope_dim / 2] */
     int32_t window;                                                      /* 0: full attention */
     int32_t pad;
-    /* A sparse FFN (in process only): ffn points at the layer's pi_call (sparse_ffn.c: gate, up
-     * and down neuron-major, the mode and threshold), and replaces wg/wu/wd; pred, when set, is
-     * the neuron predictor whose positive logits are the call's mask (PI_MASK). NULL: dense. */
-    const void *ffn;
+    /* A sparse FFN: sp gives the rule (sparse_rows.h) by which only some neurons' gate and up rows
+     * are computed, the others' hidden values being zero; pred, when set, is the neuron
+     * predictor whose positive logits pick them (PI_SP_MASK). NULL: dense. */
+    const struct pi_sparse *sp;
     const struct pi_pred *pred;
 } pi_layer;
 
@@ -41,6 +41,13 @@ typedef struct pi_pred {
     pi_wt fc1, fc2;
     const float *b1, *b2;
 } pi_pred;
+
+/* A layer's sparse rule: which neurons a token computes (PI_SP_*, sparse_rows.h), and the
+ * threshold on |act(gate)| (gate mode) or |act(gate) * up| (the oracle). */
+typedef struct pi_sparse {
+    int32_t mode;
+    float thr;
+} pi_sparse;
 
 typedef struct {
     int32_t n_layers, d, n_ff, n_head, n_kv, D, Dv, rope_dim, neox, act, n_ctx, n_slots, n_threads, max_t;
@@ -57,9 +64,7 @@ typedef struct {
      * its projection, the FFN's hidden, its projection), so each output row is one rank's whole
      * dot product and the numbers equal the unsplit model's bit for bit. In process: comm NULL,
      * the *_all counts 0 (= the local ones), offsets 0. */
-    /* sparse: 0 when every FFN is dense, else the ranks that share each sparse FFN (1 in process):
-     * the scratch then holds its buffers, and a rank's partial outputs are summed across ranks */
-    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, sparse;
+    int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, sparse; /* sparse: some layer has a rule (the scratch holds its lists) */
     void *comm;
     int64_t *ffn_active; /* NULL, or [n_layers] neurons computed by each sparse FFN, summed over tokens and calls */
 } pi_model;
@@ -93,10 +98,10 @@ typedef struct {
     int8_t *aq;
     float *ad;
     float *as;
-    float *ffs;      /* sparse FFN: pi_ffn_scratch(T, d, n_threads) floats */
-    uint8_t *mask;   /* [T, n_ff]: the predictor's active neurons */
-    int32_t *active; /* [T]: neurons the sparse FFN computed per token */
-    float *red;      /* [T, ranks * d]: each rank's partial FFN output (ranks > 1) */
+    uint8_t *mask;   /* sparse FFN, [T, n_ff]: the predictor's chosen neurons */
+    int32_t *idx;    /* [T, n_ff]: each token's chosen neurons */
+    float *ha, *hu;  /* [T, n_ff]: their act(gate) and up values, packed token after token */
+    int32_t *cnt;    /* [3T + 2]: the tokens' offsets into ha/hu, their quads' offsets, how many each kept */
 } pi_scratch;
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -123,11 +128,11 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
     TAKE(ad, float, (size_t)T * kmax / 32 + 1);
     TAKE(as, float, (size_t)T * kmax / 32 + 1);
     if (m->sparse) {
-        const int parts = m->n_threads > 0 ? m->n_threads : 1;
-        TAKE(ffs, float, (size_t)(parts + 1) * T * m->d + (size_t)parts * T);  /* = pi_ffn_scratch(T, d, parts) */
         TAKE(mask, uint8_t, (size_t)T * m->n_ff);
-        TAKE(active, int32_t, (size_t)T);
-        if (m->sparse > 1) TAKE(red, float, (size_t)T * m->sparse * m->d);
+        TAKE(idx, int32_t, (size_t)T * m->n_ff);
+        TAKE(ha, float, (size_t)T * m->n_ff + 8);
+        TAKE(hu, float, (size_t)T * m->n_ff + 8);
+        TAKE(cnt, int32_t, 3 * (size_t)T + 2);
     }
 #undef TAKE
     return off;

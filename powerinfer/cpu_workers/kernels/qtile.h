@@ -115,12 +115,40 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
         for (int t = 0; t < N; t++) out[t] = hsum8(acc[t]) + corr[t];                                     \
     }
 
+/* out[r] = rows[r] . x for r < N: one token against N rows (the sparse FFN's chosen rows). The
+ * rows' accumulators are independent chains, so a row costs a quarter of the one-row kernel's
+ * multiply-add latency; each row's arithmetic is dot1v's (the same value to the bit). */
+#define PI_DOTR(NAME, N, UNPACK, SIGNED, SUBSCALES)                                                        \
+    static void NAME(const uint8_t *const *rows, const pi_act *x, int K, float *out) {                     \
+        __m256 acc[N];                                                                                    \
+        float corr[N];                                                                                    \
+        for (int r = 0; r < N; r++) {                                                                     \
+            acc[r] = _mm256_setzero_ps();                                                                 \
+            corr[r] = 0.0f;                                                                               \
+        }                                                                                                 \
+        for (int b = 0; b < K / 32; b++) {                                                                \
+            const __m256i xq0 = _mm256_loadu_si256((const __m256i *)(x->q + 32 * b));                     \
+            const float dx = x->d[b], sx = x->s[b];                                                       \
+            for (int r = 0; r < N; r++) {                                                                 \
+                pi_blk w;                                                                                 \
+                UNPACK(rows[r], b, &w);                                                                   \
+                const __m256i u = SIGNED ? _mm256_sign_epi8(w.v, w.v) : w.v;                              \
+                const __m256i xq = SIGNED ? _mm256_sign_epi8(xq0, w.v) : xq0;                             \
+                __m256i p = SUBSCALES ? _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), w.scv) : dot_us(u, xq); \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(w.scale * dx), acc[r]);    \
+                if (!SIGNED) corr[r] += w.offset * sx;                                                    \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int r = 0; r < N; r++) out[r] = hsum8(acc[r]) + corr[r];                                     \
+    }
+
 /* Four tokens fit AVX2's 16 vector registers; AVX-512 VL's 32 take eight (fewer unpacks per token).
  * One token: the decode path's dot_TYPE of qdot_k.h's registry, for rows that are not repacked. */
 #define PI_TILES(T, SIGNED, SUBSCALES)                                              \
     PI_DOTN(dot1v_##T, 1, un_##T, SIGNED, SUBSCALES)                                \
     PI_DOTN(dot4_##T, 4, un_##T, SIGNED, SUBSCALES)                                 \
     PI_DOTN(dot8_##T, 8, un_##T, SIGNED, SUBSCALES)                                 \
+    PI_DOTR(dotr4_##T, 4, un_##T, SIGNED, SUBSCALES)                                \
     static float dot_##T(const uint8_t *w, const pi_act *x, int K) {                \
         float o;                                                                    \
         dot1v_##T(w, x, K, &o);                                                     \
@@ -137,6 +165,29 @@ PI_TILES(q6_k, 1, 1)
 #endif
 
 typedef void (*dotn_fn)(const uint8_t *, const pi_act *, int, float *);
+typedef void (*dotr_fn)(const uint8_t *const *, const pi_act *, int, float *);
+
+/* The four-row kernel of a type (one token), or NULL (float types, portable build): one row at a time. */
+static dotr_fn dotr4_for(int type) {
+#ifdef PI_SIMD
+#define PI_CASE(ID, T) case ID: return dotr4_##T;
+    switch (type) {
+        PI_CASE(T_Q4_0, q4_0)
+        PI_CASE(T_Q4_1, q4_1)
+        PI_CASE(T_Q5_0, q5_0)
+        PI_CASE(T_Q5_1, q5_1)
+        PI_CASE(T_Q8_0, q8_0)
+        PI_CASE(T_Q4_K, q4_k)
+        PI_CASE(T_Q5_K, q5_k)
+        PI_CASE(T_Q6_K, q6_k)
+        default: return 0;
+    }
+#undef PI_CASE
+#else
+    (void)type;
+    return 0;
+#endif
+}
 
 /* The n-token kernel (n = 4 or 8) of a type, or NULL (float types, portable build, eight
  * tokens without AVX-512 VL's registers): then fewer tokens at a time. */
