@@ -43,6 +43,10 @@ def run_calibrate(argv: Sequence[str]) -> int:
                         "down skipped; needs --sparsity)")
     p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--recall", type=float, default=0.97, help="share of activation mass the predicted set keeps (default 0.97)")
+    p.add_argument("--rank", type=positive_int, default=None,
+                   help="predictor mode: the predictor's hidden width (default d_model / 4, at least 32); it is read every token, "
+                        "so a smaller one costs fewer bytes and may choose less well")
+    p.add_argument("--steps", type=positive_int, default=300, help="predictor mode: training steps per layer (default 300)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from powerinfer.fetch import resolve_model
@@ -52,7 +56,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
     if args.sparsity is None and args.mode == "predictor":
         raise CLIError("--mode predictor needs --sparsity (the quality-budget search chooses gate-mode levels)")
     settings = CalibrationSettings(mode=args.mode, sparsity=0.5 if args.sparsity is None else args.sparsity, tokens=args.tokens,
-                                   recall=args.recall, seed=args.seed)
+                                   recall=args.recall, seed=args.seed, rank=args.rank or 0, steps=args.steps)
     text = _read_text(args.text) if args.text else None
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     if args.sparsity is None:

@@ -32,7 +32,7 @@ class NativeExecutor:
                  max_tokens: int = 512, predictor: PredictorFile | None = None) -> None:
         self.plan: ShardPlan = plan_shards(cfg, 1)
         self.n_threads = n_threads
-        self.sparse = NativeSparseFFNs(f, cfg, predictor) if predictor is not None else None
+        self.sparse = NativeSparseFFNs(lib, f, cfg, predictor) if predictor is not None else None
         self.decoder = NativeDecoder(lib, f, cfg, n_ctx, n_slots, n_threads, max_tokens, sparse=self.sparse)
         self._tokens = 0  # tokens through the layers since the sparse counters were reset
 

@@ -58,9 +58,10 @@ class PiLayer(ctypes.Structure):
 
 
 class PiSparse(ctypes.Structure):
-    """model.h's pi_sparse: a layer's sparse rule (sparse_rows.h's PI_SP_* mode, threshold)."""
+    """model.h's pi_sparse: a layer's sparse rule (sparse_rows.h's PI_SP_* mode, threshold, neuron-major Q8_0 down)."""
 
-    _fields_ = [("mode", ctypes.c_int32), ("thr", ctypes.c_float)]
+    _fields_ = [("mode", ctypes.c_int32), ("thr", ctypes.c_float), ("down_t", PiWt), ("up_split", ctypes.c_void_p),
+                ("gate_split", ctypes.c_void_p)]
 
 
 class PiPred(ctypes.Structure):
@@ -166,6 +167,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_x8_supported.restype = ctypes.c_int
     lib.pi_x8_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
     lib.pi_x8_repack.restype = None
+    lib.pi_split_supported.argtypes = [ctypes.c_int]
+    lib.pi_split_supported.restype = ctypes.c_int
+    lib.pi_split_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]
+    lib.pi_split_repack.restype = ctypes.c_int
     lib.pi_read_sum.argtypes = [ptr, ctypes.c_int64, ctypes.c_int]
     lib.pi_read_sum.restype = ctypes.c_double
     i64, i32 = ctypes.c_int64, ctypes.c_int

@@ -26,6 +26,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.cpu_workers.native_lib import PiPred, PiSparse, PiWt
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
+from powerinfer.quants.formats import dequantize_rows
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.sparsity.predictor_file import PredictorFile
 
@@ -64,11 +65,40 @@ def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]
     return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data), (c1, c2, b1, b2)
 
 
+def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np.ndarray | None:
+    """Rows [r0, r1) of a matrix in qsplit.h's layout (the file's bytes moved: scales first), or
+    None where this build or type has no such kernel."""
+    info = f.tensor(name)
+    if not lib.pi_split_supported(int(info.qtype)):
+        return None
+    raw = np.ascontiguousarray(f.raw(name)[r0:r1])
+    out = np.empty_like(raw)
+    if lib.pi_split_repack(raw.ctypes.data, raw.shape[1], int(info.qtype), info.n_cols, raw.shape[0], out.ctypes.data):
+        return None
+    return out
+
+
+def down_t_q8(f: GGUFFile, layer: int, d0: int, d1: int) -> tuple[np.ndarray, PiWt]:
+    """Rows [d0, d1) of the layer's down projection [d, n_ff], neuron-major: Q8_0 [n_ff, d1 - d0
+    padded to 32] (row j = neuron j's output direction). Requantized from the file's values: each
+    32 outputs of a neuron get their own scale (within 1/254 of the block's largest value), so a
+    neuron's row is one contiguous read and the sparse sum skips whole rows."""
+    name = layer_tensor(layer, "ffn_down")
+    info = f.tensor(name)
+    w = dequantize_rows(info.qtype, f.raw(name)[d0:d1], info.n_cols)  # [d1 - d0, n_ff]
+    cols = -(-(d1 - d0) // 32) * 32
+    wt = np.zeros((w.shape[1], cols), dtype=np.float32)
+    wt[:, : d1 - d0] = w.T
+    return _q8(wt)
+
+
 class NativeSparseFFNs:
     """Every layer's sparse rule (and predictor) for one NativeDecoder (in process, or one rank)."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None) -> None:
-        """neurons [n0, n1): a rank's range of every layer (the predictor's fc2 rows it needs)."""
+    def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None,
+                 rows: tuple[int, int] | None = None) -> None:
+        """neurons [n0, n1): a rank's range of every layer (the predictor's fc2 rows it needs);
+        rows [d0, d1): the rank's output rows of the down projection (its down_t columns)."""
         if pf.d_model != cfg.d_model or pf.n_ff != cfg.n_ff or pf.n_layers != cfg.n_layers:
             raise InvalidArgumentError("the predictor was made for another model shape")
         self.cfg, self.file_mode = cfg, pf.mode
@@ -77,8 +107,21 @@ class NativeSparseFFNs:
         self.rules = (PiSparse * cfg.n_layers)()
         self.preds: list[PiPred | None] = []
         self._keep: list[np.ndarray] = []
+        self._down_t: list[np.ndarray] = []  # each layer's neuron-major Q8_0 down (decode's sparse down projection)
+        self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h)
+        d0, d1 = rows or (0, cfg.d_model)
         for i in range(cfg.n_layers):
             self.rules[i].thr = float(pf.layers[i].threshold)
+            codes, self.rules[i].down_t = down_t_q8(f, i, d0, d1)
+            self._down_t.append(codes)
+            # decode dots the chosen up (and, with a predictor, gate) rows one by one: split layout where the build has it
+            for kind, field in (("ffn_up", "up_split"), ("ffn_gate", "gate_split")):
+                if kind == "ffn_gate" and pf.mode != "predictor":
+                    continue
+                split = split_rows(lib, f, layer_tensor(i, kind), n0, n1)
+                if split is not None:
+                    self._split.append(split)
+                    setattr(self.rules[i], field, split.ctypes.data)
             if pf.mode == "predictor":
                 pred, keep = predictor_q8(pf, i, cfg.d_model, (n0, n1))
                 self.preds.append(pred)
@@ -127,13 +170,13 @@ class NativeSparseFFNs:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the predictors take (the FFN weights are the file's)."""
-        return sum(a.nbytes for a in self._keep)
+        """Bytes the predictors, the neuron-major down projections and the split rows take (the rest is the file's)."""
+        return sum(a.nbytes for a in (*self._keep, *self._down_t, *self._split))
 
     def bytes_per_token(self, tokens: int) -> tuple[float, float]:
-        """(FFN weight bytes read per token, the dense FFNs' bytes) from the active counts since the
-        last reset: gate rows (all of them unless the predictor chooses), the chosen up rows, the
-        whole down matrix (the dense kernel streams it), and the predictor's Q8_0 bytes."""
+        """(FFN weight bytes a decode step reads, the dense FFNs' bytes) from the active counts since
+        the last reset: gate rows (all of them unless the predictor chooses), the chosen up rows,
+        the chosen neurons' rows of the Q8_0 down_t, and the predictor's Q8_0 bytes."""
         if tokens <= 0:
             raise InvalidArgumentError("bytes per token need at least one token")
         d = self.cfg.d_model
@@ -141,7 +184,7 @@ class NativeSparseFFNs:
         total = dense = 0.0
         for i, (act, (g, u, dn)) in enumerate(zip(self.active, self.row_bytes)):
             share = act / (tokens * self.n)
-            total += self.n * (g * (share if self.uses_predictor else 1.0) + u * share) + d * dn
+            total += self.n * (g * (share if self.uses_predictor else 1.0) + u * share + self._down_t[i].shape[1] * share)
             if pred_bytes:
                 total += pred_bytes[i]
             dense += self.n * (g + u) + d * dn

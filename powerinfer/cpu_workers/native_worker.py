@@ -76,7 +76,8 @@ class NativeRank:
         self.shard = plan_ranks(cfg, load.n_workers)[rank]
         sparse = None
         if load.predictor:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
-            sparse = NativeSparseFFNs(f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1))
+            sparse = NativeSparseFFNs(lib, f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1),
+                                      (self.shard.d0, self.shard.d1))
         self.sparse = sparse
         self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse)
         layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()))

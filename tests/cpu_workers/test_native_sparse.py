@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
-from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.sparsity.predictor_file import PredictorFile, write_predictor
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
@@ -90,8 +90,9 @@ def test_every_neuron_and_the_oracle_equal_dense(relu: Path, tmp_path: Path) -> 
 
 def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> None:
     """Each token's sparse FFN follows the same rule whatever else is in the call: decode reads the
-    chosen rows one by one, a prompt goes through the tiled dense kernels (rounding aside, the same
-    numbers)."""
+    chosen rows four at a time and sums the chosen neurons' rows of the Q8_0 neuron-major down
+    projection, a prompt goes through the tiled dense kernels and the file's down matrix (the
+    requantized down is within 1/254 of each block's largest value: logits within ~1e-3)."""
     path, _ = _predictor(relu, tmp_path, "predictor")
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
     full = llm.engine.eval(IDS, all_logits=True)
@@ -99,7 +100,7 @@ def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> Non
     llm.engine.eval(IDS[:3])
     steps = np.concatenate([llm.engine.eval([t]) for t in IDS[3:]])
     assert (steps.argmax(1) == full[3:].argmax(1)).all()
-    np.testing.assert_allclose(steps.max(1), full[3:].max(1), rtol=1e-6, atol=0)
+    np.testing.assert_allclose(steps.max(1), full[3:].max(1), rtol=2e-3, atol=0)
 
 
 def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) -> None:
@@ -128,3 +129,27 @@ def test_every_type_the_decoder_reads(make_model: Callable[..., Path], tmp_path:
     assert isinstance(torch_llm.engine.executor, InProcessExecutor)
     ours, theirs = llm.logits(IDS), torch_llm.logits(IDS)
     assert _rel(ours, theirs) < 0.05  # 8-bit activations here, bf16 there; a few neurons near the threshold differ
+
+
+ISAS = [isa for isa in ("scalar", "avx2", "vnni") if ISA_CPU_FLAGS[isa] <= cpu_flags()]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_paths_on_every_isa(relu: Path, tmp_path: Path, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode's sparse paths on each instruction set this CPU runs: chosen rows (split layout on
+    AVX-512, four-row kernel on AVX2, one row at a time portable) and, with few neurons active, the
+    neuron-major Q8_0 down projection. Every ISA agrees with the dense decoder on the same rule."""
+    monkeypatch.setenv("POWERINFER_ISA", isa)
+    path, _ = _predictor(relu, tmp_path, "gate", sparsity=0.95)  # ~5% active: under the sparse down's 10%
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path, n_threads=2)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativeExecutor) and ex.decoder.lib is decoder_lib(isa)
+    dense = LLM(relu, n_ctx=128, executor="inprocess", n_threads=2)
+    llm.engine.eval(IDS[:4])
+    dense.engine.eval(IDS[:4])
+    for t in IDS[4:12]:  # decode steps: one token each
+        a, b = llm.engine.eval([t]), dense.engine.eval([t])
+        assert _rel(a, b) < 0.05 and a.argmax() == b.argmax()
+    assert ex.decode_share() < 0.1
+    read, full = ex.sparse_bytes()
+    assert read < 0.5 * full

@@ -23,6 +23,7 @@
 #include "vecmath.h"
 #include "qtile.h"
 #include "qx8.h"
+#include "qsplit.h"
 #include "dequant.h"
 #include "comm.h"
 
@@ -248,9 +249,12 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
         }
     }
     gather(m, s->g, T, nffA, n0, n0 + nff);
-    quantize_rows(s, s->g, T, nffA);
-    mark(m, PH_ACT, last);
-    matmul(&L->wd, s, s->g, T, s->tmp + d0, d);
+    /* decode with few active neurons: only their rows of down_t; else the dense down on g */
+    if (!(L->sp && L->sp->down_t.data && T <= PI_SPARSE_T && down_sparse(m, L->sp, T, s, s->tmp + d0, d1 - d0))) {
+        quantize_rows(s, s->g, T, nffA);
+        mark(m, PH_ACT, last);
+        matmul(&L->wd, s, s->g, T, s->tmp + d0, d);
+    }
 #pragma omp barrier
     gather(m, s->tmp, T, d, d0, d1);
 #pragma omp for schedule(static)

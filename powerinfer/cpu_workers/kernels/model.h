@@ -42,11 +42,16 @@ typedef struct pi_pred {
     const float *b1, *b2;
 } pi_pred;
 
-/* A layer's sparse rule: which neurons a token computes (PI_SP_*, sparse_rows.h), and the
- * threshold on |act(gate)| (gate mode) or |act(gate) * up| (the oracle). */
+/* A layer's sparse rule: which neurons a token computes (PI_SP_*, sparse_rows.h), the threshold
+ * on |act(gate)| (gate mode) or |act(gate) * up| (the oracle), down_t: the down projection
+ * neuron-major, Q8_0 [n_ff (all), this rank's output rows padded to 32], for decode's sparse sum
+ * (data NULL: the dense down always), and copies of the up (gate) rows that decode dots one by
+ * one in the split layout where this build has it. */
 typedef struct pi_sparse {
     int32_t mode;
     float thr;
+    pi_wt down_t;
+    const uint8_t *up_split, *gate_split; /* NULL, or wu / wg rows in qsplit.h's layout (row_bytes apart) */
 } pi_sparse;
 
 typedef struct {
@@ -101,7 +106,8 @@ typedef struct {
     uint8_t *mask;   /* sparse FFN, [T, n_ff]: the predictor's chosen neurons */
     int32_t *idx;    /* [T, n_ff]: each token's chosen neurons */
     float *ha, *hu;  /* [T, n_ff]: their act(gate) and up values, packed token after token */
-    int32_t *cnt;    /* [3T + 2]: the tokens' offsets into ha/hu, their quads' offsets, how many each kept */
+    int32_t *cnt;    /* [3T + 2]: the tokens' offsets into ha/hu, their quads' offsets, how many each kept;
+                      * then (down) each 512-neuron chunk's count of nonzero hidden values */
 } pi_scratch;
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -129,10 +135,10 @@ static size_t carve(const pi_model *m, int T, uint8_t *base, pi_scratch *s) {
     TAKE(as, float, (size_t)T * kmax / 32 + 1);
     if (m->sparse) {
         TAKE(mask, uint8_t, (size_t)T * m->n_ff);
-        TAKE(idx, int32_t, (size_t)T * m->n_ff);
-        TAKE(ha, float, (size_t)T * m->n_ff + 8);
-        TAKE(hu, float, (size_t)T * m->n_ff + 8);
-        TAKE(cnt, int32_t, 3 * (size_t)T + 2);
+        TAKE(idx, int32_t, (size_t)T * pi_ff_all(m));
+        TAKE(ha, float, (size_t)T * pi_ff_all(m) + 8);
+        TAKE(hu, float, (size_t)T * pi_ff_all(m) + 8);
+        TAKE(cnt, int32_t, 3 * (size_t)T + 2 + (size_t)T * (pi_ff_all(m) / 512 + 2));
     }
 #undef TAKE
     return off;

@@ -1,4 +1,5 @@
-/* The sparse FFN of the native decoder: per token, only the chosen neurons' gate and up rows.
+/* The sparse FFN of the native decoder: per token, only the chosen neurons' gate and up rows, and
+ * in decode with few neurons active only their rows of a neuron-major down projection.
  *
  * Runs in: the process that loads decoder.c (included by it, after matmul and gather; one
  * translation unit): the in-process executor's coordinator and each rank of the native pool.
@@ -10,22 +11,23 @@
  *                 products as the weights): gate and up only for the chosen ones;
  *   PI_SP_ORACLE  |act(gate) * up| > thr: the true active set (every row computed; tests, quality);
  *   PI_SP_ALL     every neuron (the rule's arithmetic without skipping anything).
- * A chosen neuron's act(gate) * up is the dense decoder's value (the same row dot on the same 8-bit
- * activations, up to the order of float additions in the tiled kernels); the others' are zero.
- * The down projection is then the dense one over that hidden state [T, n_ff].
+ * A chosen neuron's act(gate) * up is the dense decoder's value up to float rounding (the same
+ * codes on the same 8-bit activations); the others' are zero.
  *
- * What was measured on this CPU (AVX-512 VNNI, 2 cores, the 1.1B-shaped file, docs/sparsity.md):
- * the dense eight-row kernel streams a matrix at ~79 GB/s, a row dotted on its own at ~20-30 GB/s
- * (instruction-bound: one row's block is ~13 instructions, eight rows' ~3 each), so the chosen
- * rows pay off only well below a third of a matrix. Groups of eight rows in hot-first order were
- * tried and dropped: skipping every other 9 KiB group cost as much as reading them all (the
- * hardware prefetchers fetch across such gaps). A neuron-major sparse down projection loses to
- * the dense one at ~15% active (the file's per-32-neuron scales must all be applied).
+ * Decode (up to PI_SPARSE_T tokens a call) reads only the chosen rows: in qsplit.h's layout on
+ * AVX-512 (the row's scales first, two blocks per instruction), else four rows at a time from the
+ * file's rows (dotr4), asking for rows two quads ahead. Its down projection sums the active
+ * neurons' rows of down_t (Q8_0, neuron-major) when at most PI_DT_MAX of them are active, else
+ * runs the dense kernel on the mostly-zero hidden state. Prefill computes gate and up densely
+ * through the tiled kernels, applies the same rule and runs the dense down projection.
  *
- * Up to PI_SPARSE_T tokens a call (decode, batched decode) reads only the chosen rows, four at a
- * time (dotr4: one token against four rows, independent accumulators), straight from the file's
- * rows, asking for the rows two quads ahead; longer calls (prefill) compute gate and up densely
- * through the tiled kernels and apply the same rule.
+ * What decided this, measured on this CPU (AVX-512 VNNI, 2 cores, the 1.1B-shaped file;
+ * docs/sparsity.md): the dense eight-row kernel streams a matrix at ~79 GB/s, while scattered
+ * rows of 1-2 KiB arrive at ~16-20 GB/s whatever the kernel (more prefetch distance, huge pages,
+ * four-row kernels all left it there), so a chosen row costs about four streamed ones: skipping
+ * pays in proportion to what is left out only below ~25% active, and the sparse down below ~12%.
+ * Groups of eight rows in hot-first order were tried and dropped: skipping every other 9 KiB
+ * group cost as much as reading them all (the hardware prefetchers fetch across such gaps).
  */
 #ifndef PI_SPARSE_ROWS_H
 #define PI_SPARSE_ROWS_H
@@ -76,7 +78,8 @@ static void dot_quad(const pi_wt *w, dotr_fn quad, dot_fn one, const int32_t *j,
 /* The sparse FFN hidden state into g [T, nffA] at this rank's neurons [n0, n0 + n_ff): zero but
  * for the chosen neurons. xn [T, d] is normed and quantized; the caller gathers g afterwards. */
 static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_scratch *s, double *last) {
-    const int n = m->n_ff, nffA = pi_ff_all(m), n0 = m->n0, d = m->d, mode = L->sp->mode, nchunk = (n + 255) / 256;
+    const pi_sparse *S = L->sp;
+    const int n = m->n_ff, nffA = pi_ff_all(m), n0 = m->n0, d = m->d, mode = S->mode, nchunk = (n + 255) / 256;
     const float thr = L->sp->thr;
     const int rows_only = T <= PI_SPARSE_T, dense_gate = !rows_only || mode != PI_SP_MASK;
     int32_t *off = s->cnt, *qo = s->cnt + T + 1, *kept = s->cnt + 2 * T + 2;
@@ -132,14 +135,27 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
                 const int k2 = 4 * (q2 - qo[t2]), left = off[t2 + 1] - off[t2] - k2;
                 for (int r = 0; r < (left < 4 ? left : 4); r++) {
                     const int j2 = s->idx[(size_t)t2 * n + k2 + r];
-                    prefetch_row_bytes(L->wu.data + (size_t)j2 * L->wu.row_bytes, L->wu.row_bytes);
-                    if (!dense_gate) prefetch_row_bytes(L->wg.data + (size_t)j2 * L->wg.row_bytes, L->wg.row_bytes);
+                    prefetch_row_bytes((S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * L->wu.row_bytes, L->wu.row_bytes);
+                    if (!dense_gate)
+                        prefetch_row_bytes((S->gate_split ? S->gate_split : L->wg.data) + (size_t)j2 * L->wg.row_bytes, L->wg.row_bytes);
                 }
             }
             const pi_act a = act_row(s, s->xn, t, d);
             float uo[4], go[4];
-            dot_quad(&L->wu, ur, udot, it, nr, &a, d, uo);
-            if (!dense_gate) dot_quad(&L->wg, gr, gdot, it, nr, &a, d, go);
+#ifdef PI_VNNI
+            if (S->up_split)
+                for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * L->wu.row_bytes, L->wu.type, &a, d);
+            else
+#endif
+                dot_quad(&L->wu, ur, udot, it, nr, &a, d, uo);
+            if (!dense_gate) {
+#ifdef PI_VNNI
+                if (S->gate_split)
+                    for (int r = 0; r < nr; r++) go[r] = split_dot(S->gate_split + (size_t)it[r] * L->wg.row_bytes, L->wg.type, &a, d);
+                else
+#endif
+                    dot_quad(&L->wg, gr, gdot, it, nr, &a, d, go);
+            }
             float *hu = s->hu + off[t] + k0, *ha = s->ha + off[t] + k0;
             for (int r = 0; r < nr; r++) {
                 hu[r] = uo[r];
@@ -185,6 +201,94 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         for (int t = 0; t < T; t++) m->ffn_active[L - m->layers] += kept[t];
     }
     mark(m, PH_ACT, last);
+}
+
+/* Decode's down projection over the active neurons: y [T, D] (row stride d; this rank's output
+ * rows) = sum over token t's neurons j with h_j != 0, ascending, of h_j * down_t[j][0..D), from the
+ * gathered hidden state g [T, nffA]. down_t is Q8_0: the file's down values requantized per
+ * neuron and 32 outputs (within 1/254 of each block's largest value). An output's sum runs over
+ * the neurons in order whatever the split, so ranks and threads give the same numbers. */
+#define PI_DT_AHEAD 4 /* neurons asked for ahead in the sparse down projection */
+#ifndef PI_DT_MAX
+#define PI_DT_MAX 0.10f /* the largest share of neurons the sparse down projection takes (measured crossover ~12%) */
+#endif
+static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_scratch *s, float *y, int D) {
+    const int nA = pi_ff_all(m), nb = S->down_t.cols / 32, nchunk = (nA + 511) / 512;
+    const int64_t rb = S->down_t.row_bytes;
+    int32_t *cc = s->cnt + 3 * T + 2; /* [T, nchunk + 1]: chunk counts, then offsets */
+    /* the active lists in two passes (count, then write) so that every thread shares the work */
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * nchunk; i++) {
+        const int t = i / nchunk, c0 = (i % nchunk) * 512, c1 = c0 + 512 < nA ? c0 + 512 : nA;
+        const float *h = s->g + (size_t)t * nA;
+        int k = 0;
+        for (int j = c0; j < c1; j++) k += h[j] != 0.0f;
+        cc[(size_t)t * (nchunk + 1) + i % nchunk + 1] = k;
+    }
+#pragma omp single
+    for (int t = 0; t < T; t++) {
+        int32_t *ct = cc + (size_t)t * (nchunk + 1);
+        ct[0] = 0;
+        for (int c = 0; c < nchunk; c++) ct[c + 1] += ct[c];
+    }
+    /* scattered rows read at a fraction of a stream's bandwidth: past PI_DT_MAX of the neurons the
+     * dense kernel is faster (the same decision on every rank: they hold the same hidden state) */
+    for (int t = 0; t < T; t++)
+        if (cc[(size_t)t * (nchunk + 1) + nchunk] > (int)(PI_DT_MAX * nA)) return 0;
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * nchunk; i++) {
+        const int t = i / nchunk, c0 = (i % nchunk) * 512, c1 = c0 + 512 < nA ? c0 + 512 : nA;
+        const float *h = s->g + (size_t)t * nA;
+        int k = cc[(size_t)t * (nchunk + 1) + i % nchunk];
+        int32_t *it = s->idx + (size_t)t * nA;
+        float *hv = s->ha + (size_t)t * nA;
+        for (int j = c0; j < c1; j++)
+            if (h[j] != 0.0f) {
+                it[k] = j;
+                hv[k++] = h[j];
+            }
+    }
+    /* work items: (token, slice of output blocks), one slice per thread; within a slice the
+     * neurons pass in order, each neuron's piece of the slice one contiguous read (asked for
+     * PI_DT_AHEAD neurons ahead), the sums kept in y (in L1: a slice of 2048 outputs is 8 KiB) */
+    const int nth = omp_get_num_threads(), slices = nth < nb ? nth : nb;
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * slices; i++) {
+        const int t = i / slices, b0 = (int)((int64_t)nb * (i % slices) / slices), b1 = (int)((int64_t)nb * (i % slices + 1) / slices);
+        const int k = cc[(size_t)t * (nchunk + 1) + nchunk];
+        const int32_t *it = s->idx + (size_t)t * nA;
+        const float *hv = s->ha + (size_t)t * nA;
+        float *acc = s->hu + (size_t)t * nA + 32 * b0; /* hu is free now: [T, nffA] >= [T, D padded] */
+        memset(acc, 0, sizeof(float) * 32 * (size_t)(b1 - b0));
+        for (int q = 0; q < k; q++) {
+            const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * 34;
+            if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * 34, 34 * (b1 - b0));
+            const float hq = hv[q];
+            for (int b = 0; b < b1 - b0; b++) {
+                const int8_t *qb = (const int8_t *)(row + 34 * b + 2);
+                float *ab = acc + 32 * b;
+#if defined(PI_VNNI)
+                const __m512 sc = _mm512_set1_ps(hq * ld_h(row + 34 * b));
+                _mm512_storeu_ps(ab, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb))), sc,
+                                                     _mm512_loadu_ps(ab)));
+                _mm512_storeu_ps(ab + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)))),
+                                                          sc, _mm512_loadu_ps(ab + 16)));
+#elif defined(PI_SIMD)
+                const __m256 sc = _mm256_set1_ps(hq * ld_h(row + 34 * b));
+                for (int e = 0; e < 4; e++)
+                    _mm256_storeu_ps(ab + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)))),
+                                                                 sc, _mm256_loadu_ps(ab + 8 * e)));
+#else
+                const float sc = hq * ld_h(row + 34 * b);
+                for (int e = 0; e < 32; e++) ab[e] += sc * (float)qb[e];
+#endif
+            }
+        }
+        const int o1 = 32 * b1 < D ? 32 * b1 : D; /* the last block's padding is not an output */
+        float *yt = y + (size_t)t * m->d;
+        for (int o = 32 * b0; o < o1; o++) yt[o] = acc[o - 32 * b0];
+    }
+    return 1;
 }
 
 #endif
