@@ -52,7 +52,7 @@ class NativeExecutor:
         alike); 1.0 when dense."""
         if self.sparse is None or not self._tokens:
             return 1.0
-        return float(self.sparse.active.sum()) / (self._tokens * self.sparse.n * self.sparse.cfg.n_layers)
+        return self.sparse.share(self._tokens)
 
     def sparse_bytes(self) -> tuple[float, float]:
         """(FFN weight bytes read per token so far, the dense FFNs' bytes): see NativeSparseFFNs."""

@@ -114,7 +114,7 @@ class NativeDecoder:
                 w = weight(f, layer_tensor(i, part), *_slices(field, sh, D, Dv))
                 # sparse: the chosen up rows (and gate rows, when a predictor chooses) are read in
                 # the file's layout, so those matrices stay as they are (one copy resident)
-                keep_rows = sparse is not None and (field == "wu" or (field == "wg" and not sparse.gate_dense))
+                keep_rows = sparse is not None and sparse.sparse_layers[i] and (field == "wu" or (field == "wg" and not sparse.gate_dense))
                 packed = None if keep_rows else repack_x8(lib, w)
                 if packed is not None:
                     self._keep.append(packed)

@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 
 MODES = {"all": 0, "gate": 1, "mask": 2, "oracle": 3}  # sparse_rows.h's PI_SP_*
 KERNEL_MODES = ("file", "all", "oracle")
+# A layer whose calibrated share of active neurons exceeds this runs dense: a chosen row is read
+# at about a quarter of a streamed row's speed on this CPU (kernels/sparse_rows.h), so skipping
+# pays only well below ~25% active, and above it the dense layer is as fast and exact.
+MAX_SPARSE_SHARE = 0.25
+DOWN_MAX_SHARE = 0.10  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
 
 
 def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
@@ -96,7 +101,7 @@ class NativeSparseFFNs:
     """Every layer's sparse rule (and predictor) for one NativeDecoder (in process, or one rank)."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None,
-                 rows: tuple[int, int] | None = None) -> None:
+                 rows: tuple[int, int] | None = None, max_share: float = MAX_SPARSE_SHARE) -> None:
         """neurons [n0, n1): a rank's range of every layer (the predictor's fc2 rows it needs);
         rows [d0, d1): the rank's output rows of the down projection (its down_t columns)."""
         if pf.d_model != cfg.d_model or pf.n_ff != cfg.n_ff or pf.n_layers != cfg.n_layers:
@@ -106,12 +111,19 @@ class NativeSparseFFNs:
         self.n = n1 - n0
         self.rules = (PiSparse * cfg.n_layers)()
         self.preds: list[PiPred | None] = []
-        self._keep: list[np.ndarray] = []
+        self._pred_keep: list[tuple[np.ndarray, ...]] = []  # per layer: the predictor's Q8_0 fc1, fc2 and biases
         self._down_t: list[np.ndarray] = []  # each layer's neuron-major Q8_0 down (decode's sparse down projection)
         self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h)
         d0, d1 = rows or (0, cfg.d_model)
+        # decided on the whole layer's statistics, so that every rank of a pool decides alike
+        self.sparse_layers = tuple(float(np.mean(pf.layers[i].act_freq)) <= max_share for i in range(cfg.n_layers))
         for i in range(cfg.n_layers):
             self.rules[i].thr = float(pf.layers[i].threshold)
+            if not self.sparse_layers[i]:
+                self.preds.append(None)
+                self._pred_keep.append(())
+                self._down_t.append(np.zeros((0, 0), dtype=np.uint8))
+                continue
             codes, self.rules[i].down_t = down_t_q8(f, i, d0, d1)
             self._down_t.append(codes)
             # decode dots the chosen up (and, with a predictor, gate) rows one by one: split layout where the build has it
@@ -122,12 +134,13 @@ class NativeSparseFFNs:
                 if split is not None:
                     self._split.append(split)
                     setattr(self.rules[i], field, split.ctypes.data)
-            if pf.mode == "predictor":
-                pred, keep = predictor_q8(pf, i, cfg.d_model, (n0, n1))
-                self.preds.append(pred)
-                self._keep.extend(keep)
-            else:
-                self.preds.append(None)
+            pred, keep = predictor_q8(pf, i, cfg.d_model, (n0, n1)) if pf.mode == "predictor" else (None, ())
+            self.preds.append(pred)
+            self._pred_keep.append(keep)
+        if not all(self.sparse_layers):
+            dense = [i for i, sp in enumerate(self.sparse_layers) if not sp]
+            log.info("%d of %d layers run dense: their calibrated share of active neurons exceeds %.0f%%, where skipping "
+                     "stops paying on this CPU (layers %s)", len(dense), cfg.n_layers, 100 * max_share, dense)
         # bytes a neuron's gate and up rows take in the file (the per-token figures below)
         self.row_bytes = [(f.tensor(layer_tensor(i, "ffn_gate")).row_bytes, f.tensor(layer_tensor(i, "ffn_up")).row_bytes,
                            f.tensor(layer_tensor(i, "ffn_down")).row_bytes) for i in range(cfg.n_layers)]
@@ -164,28 +177,40 @@ class NativeSparseFFNs:
     def _point(self) -> None:
         assert self._attached is not None
         for i, L in enumerate(self._attached):
-            L.sp = ctypes.addressof(self.rules[i])
+            L.sp = ctypes.addressof(self.rules[i]) if self.sparse_layers[i] else None
             pred = self.preds[i]
             L.pred = ctypes.addressof(pred) if pred is not None and self.uses_predictor else None
 
     @property
     def nbytes(self) -> int:
         """Bytes the predictors, the neuron-major down projections and the split rows take (the rest is the file's)."""
-        return sum(a.nbytes for a in (*self._keep, *self._down_t, *self._split))
+        return sum(a.nbytes for a in (*(a for k in self._pred_keep for a in k), *self._down_t, *self._split))
 
     def bytes_per_token(self, tokens: int) -> tuple[float, float]:
-        """(FFN weight bytes a decode step reads, the dense FFNs' bytes) from the active counts since
-        the last reset: gate rows (all of them unless the predictor chooses), the chosen up rows,
-        the chosen neurons' rows of the Q8_0 down_t, and the predictor's Q8_0 bytes."""
+        """(FFN weight bytes a decode step reads, the dense FFNs' bytes), estimated from the active
+        counts since the last reset: gate rows (all of them unless the predictor chooses), the
+        chosen up rows, the down projection (the chosen neurons' Q8_0 rows at most DOWN_MAX_SHARE
+        active, else the whole file matrix), the predictor's Q8_0 bytes; dense layers in full."""
         if tokens <= 0:
             raise InvalidArgumentError("bytes per token need at least one token")
         d = self.cfg.d_model
-        pred_bytes = [sum(a.nbytes for a in self._keep[4 * i : 4 * i + 2]) for i in range(len(self.preds))] if self.uses_predictor else []
         total = dense = 0.0
         for i, (act, (g, u, dn)) in enumerate(zip(self.active, self.row_bytes)):
+            full = self.n * (g + u) + d * dn
+            dense += full
+            if not self.sparse_layers[i]:
+                total += full
+                continue
             share = act / (tokens * self.n)
-            total += self.n * (g * (share if self.uses_predictor else 1.0) + u * share + self._down_t[i].shape[1] * share)
-            if pred_bytes:
-                total += pred_bytes[i]
-            dense += self.n * (g + u) + d * dn
+            down = self.n * self._down_t[i].shape[1] * share if share <= DOWN_MAX_SHARE else d * dn
+            total += self.n * (g * (share if self.uses_predictor else 1.0) + u * share) + down
+            if self.uses_predictor:
+                total += sum(a.nbytes for a in self._pred_keep[i][:2])
         return total, dense
+
+    def share(self, tokens: int) -> float:
+        """Share of FFN neurons computed per token since the last reset (dense layers: all)."""
+        if tokens <= 0:
+            return 1.0
+        per_layer = [act / (tokens * self.n) if sp else 1.0 for act, sp in zip(self.active, self.sparse_layers)]
+        return float(np.mean(per_layer))

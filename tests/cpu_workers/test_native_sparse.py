@@ -122,13 +122,25 @@ def test_every_type_the_decoder_reads(make_model: Callable[..., Path], tmp_path:
     """The sparse rule reads the file's rows through the decoder's own dot products: a float model
     runs sparsely in the native decoder too, and agrees with the torch path's sparse FFN."""
     model = make_model(arch="llama", n_layers=2)  # F32 weights
-    path, _ = _predictor(model, tmp_path, "gate", sparsity=0.5)
+    path, _ = _predictor(model, tmp_path, "gate", sparsity=0.8)  # 20% active: under MAX_SPARSE_SHARE, the layers run sparse
     llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path)
     assert isinstance(llm.engine.executor, NativeExecutor)
+    assert llm.engine.executor.sparse is not None and all(llm.engine.executor.sparse.sparse_layers)
     torch_llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path, native=False)
     assert isinstance(torch_llm.engine.executor, InProcessExecutor)
     ours, theirs = llm.logits(IDS), torch_llm.logits(IDS)
     assert _rel(ours, theirs) < 0.05  # 8-bit activations here, bf16 there; a few neurons near the threshold differ
+
+
+def test_layers_too_dense_to_pay_run_dense(relu: Path, tmp_path: Path) -> None:
+    """A predictor that leaves most neurons active (here 50%) would make decode slower than dense on
+    this CPU: such layers run dense, exactly the dense decoder."""
+    path, _ = _predictor(relu, tmp_path, "gate", sparsity=0.5)
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativeExecutor) and ex.sparse is not None and not any(ex.sparse.sparse_layers)
+    np.testing.assert_array_equal(llm.logits(IDS), LLM(relu, n_ctx=128, executor="inprocess").logits(IDS))
+    assert ex.decode_share() == 1.0
 
 
 ISAS = [isa for isa in ("scalar", "avx2", "vnni") if ISA_CPU_FLAGS[isa] <= cpu_flags()]
