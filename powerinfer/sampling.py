@@ -3,7 +3,8 @@
 Runs in: the coordinator process.
 
 The chain follows llama.cpp's default sampler: repetition/frequency/presence penalties over the
-last ``repeat_last_n`` tokens, then top-k, top-p, min-p, temperature and a seeded draw.
+last ``repeat_last_n`` tokens, the request's logit biases, then top-k, top-p, min-p, temperature
+and a seeded draw.
 ``temperature <= 0`` is greedy (argmax after penalties), which is what the reference fixtures use.
 """
 
@@ -31,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     seed: int = -1  # -1: random
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans the token
 
     def __post_init__(self) -> None:
         checks = [
@@ -42,6 +44,8 @@ class SamplingParams:
             (math.isfinite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (math.isfinite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (self.seed >= -1, f"seed must be >= -1, got {self.seed}"),
+            (all(t >= 0 and not math.isnan(b) and b != math.inf for t, b in self.logit_bias),
+             "logit_bias takes token ids >= 0 and finite biases (or -inf to ban)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -81,6 +85,11 @@ class Sampler:
         """logits float32 [vocab] -> chosen token id."""
         p = self.params
         logits = self.apply_penalties(np.asarray(logits, dtype=np.float32), history)
+        if p.logit_bias:
+            logits = logits.copy()  # never the caller's array
+            for t, b in p.logit_bias:
+                if t < logits.size:
+                    logits[t] += np.float32(b)
         if p.greedy:
             return int(np.argmax(logits))
         # Candidate set sorted by logit, descending. top-k first keeps the sort small.

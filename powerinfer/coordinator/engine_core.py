@@ -43,6 +43,7 @@ class Seq:
     tag: object = None  # the caller's own handle (the scheduler's job)
     slot: int = -1
     prefilled: int = 0
+    cached: int = 0  # prompt tokens found in the slot's cache at admission (not computed again)
 
     @property
     def in_prefill(self) -> bool:
@@ -88,7 +89,7 @@ class EngineCore:
         seq.slot = max(free, key=lambda s: (self.engine.common_prefix(seq.prompt, s), -self.slot_used[s]))
         keep = self.engine.reusable_prefix(seq.prompt, seq.slot)
         self.engine.rewind(keep, seq.slot)
-        seq.prefilled = keep
+        seq.prefilled = seq.cached = keep
         self.active.append(seq)
 
     def remove(self, seq: Seq) -> None:

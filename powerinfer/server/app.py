@@ -27,8 +27,19 @@ from powerinfer.errors import PowerInferError
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.sampling import SamplingParams
+from powerinfer.server.compat import add_cors, add_routes, cached_tokens, job_timings
 from powerinfer.server.metrics import ServerMetrics
-from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, GenerationRequest, bad, parse_chat, parse_completion, parse_json
+from powerinfer.server.requests import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    bad,
+    check_logit_bias,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
 from powerinfer.server.responses import ChoiceResult, Shapes, sse
 from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
 
@@ -43,6 +54,7 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     n_predict: int = -1  # max_tokens of requests that set none (-1: until end of text or the context is full)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (empty: this machine's pages; "*": all)
 
 
 class ServerState:
@@ -133,7 +145,8 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         await run_in_threadpool(state.close)
 
     app = FastAPI(title="powerinfer-server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(StatusCounter, state=state)
+    add_cors(app, config.cors_origins)
+    app.add_middleware(StatusCounter, state=state)  # outermost: counts the preflight answers too
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -222,35 +235,42 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion)
 
+    add_routes(app, state, config, check_key, read_body)
     for path, fn in (("/chat/completions", chat), ("/completions", completions)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
     return app
 
 
-def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[int]:
-    """Tokenize the request's prompt (in a worker thread: a long prompt takes a moment)."""
-    try:
-        if isinstance(req, ChatRequest):
-            ids, param = llm.chat_ids(list(req.messages)), "messages"
-        elif isinstance(req.prompt, str):
-            ids, param = llm.tokenize(req.prompt, add_bos=True), "prompt"
-        else:
-            ids, param = list(req.prompt), "prompt"
-            vocab = llm.config.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise bad(f"token ids must be in [0, {vocab})", "prompt")
-    except PowerInferError as e:
-        raise bad(str(e), "messages" if isinstance(req, ChatRequest) else "prompt") from None
-    if not ids:
-        raise bad("the prompt is empty", param)
-    if len(ids) >= llm.n_ctx:
-        raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply)",
-                       param=param, code="context_length_exceeded")
-    return ids
+def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]]:
+    """Tokenize the request's prompts (one for chat; in a worker thread: a long prompt takes a moment)."""
+    check_logit_bias(req.common.sampling, llm.config.vocab_size)
+    param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    out = []
+    for i, prompt in enumerate([None] if isinstance(req, ChatRequest) else req.prompts):
+        where = param if isinstance(req, ChatRequest) or len(req.prompts) == 1 else f"prompt[{i}]"
+        try:
+            if isinstance(req, ChatRequest):
+                ids = llm.chat_ids(list(req.messages))
+            elif isinstance(prompt, str):
+                ids = llm.tokenize(prompt, add_bos=True)
+            else:
+                ids = list(prompt or ())
+                vocab = llm.config.vocab_size
+                if any(not 0 <= t < vocab for t in ids):
+                    raise bad(f"token ids must be in [0, {vocab})", where)
+        except PowerInferError as e:
+            raise bad(str(e), where) from None
+        if not ids:
+            raise bad("the prompt is empty", where)
+        if len(ids) >= llm.n_ctx:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply)",
+                           param=where, code="context_length_exceeded")
+        out.append(ids)
+    return out
 
 
-async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, ids: list[int],
+async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, prompts: list[list[int]],
                    config: ServerConfig) -> Response:
     common: GenerationRequest = req.common
     max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
@@ -261,9 +281,10 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
 
-    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, i), common.stop,
-                                         common.logprobs), sink, index=i)
-            for i in range(common.n)]
+    # choice i answers prompt i // n (OpenAI's order for several prompts), sampled as choice i % n
+    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
+                                         common.logprobs), sink, index=p * common.n + j)
+            for p, ids in enumerate(prompts) for j in range(common.n)]
     try:
         sched.submit(jobs)
     except QueueFullError as e:
@@ -271,20 +292,23 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     except ShuttingDownError as e:
         raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
     shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
-    echo = llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else ""
+    echo = [llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else "" for ids in prompts for _ in range(common.n)]
+    n_prompt = sum(len(ids) for ids in prompts)
     if common.stream:
-        return StreamingResponse(stream(shapes, sched, jobs, queue, common, len(ids), echo), media_type="text/event-stream",
+        return StreamingResponse(stream(shapes, sched, jobs, queue, common, n_prompt, echo), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # The client may hang up while tokens are flowing: a watcher waits for uvicorn's disconnect
     # message (the body is read, so receive() returns nothing else) and cancels the jobs at once,
     # so the slot is free within one decode step and the job counts as cancelled, not ok.
     watcher = asyncio.ensure_future(watch_disconnect(request, sched, jobs, queue))
     try:
-        results = await collect(queue, common.n)
+        results = await collect(queue, len(jobs))
     finally:
         watcher.cancel()
         sched.cancel([j for j in jobs if not j.finished])
-    return JSONResponse(shapes.final(results, len(ids), common.logprobs is not None, echo))
+    body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs))
+    body["timings"] = job_timings(jobs, sum(r.tokens for r in results))
+    return JSONResponse(body)
 
 
 def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:
@@ -334,11 +358,11 @@ async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[Cho
 
 
 async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
-                 common: GenerationRequest, prompt_tokens: int, echo: str) -> AsyncIterator[bytes]:
+                 common: GenerationRequest, prompt_tokens: int, echo: list[str]) -> AsyncIterator[bytes]:
     """SSE events until every choice finished; leaving early (client gone) cancels the jobs."""
     try:
         for j in jobs:
-            yield sse(shapes.chunk(j.index, "" if shapes.chat else echo, role=True))
+            yield sse(shapes.chunk(j.index, "" if shapes.chat else echo[j.index], role=True))
         open_, tokens = len(jobs), 0
         while open_:
             idx, ev = await queue.get()
@@ -354,7 +378,9 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
                 yield sse(shapes.chunk(idx, None if shapes.chat else "", finish_reason=chunk.finish_reason))
                 open_ -= 1
         if common.include_usage:
-            yield sse(shapes.usage_chunk(prompt_tokens, tokens))
+            last = shapes.usage_chunk(prompt_tokens, tokens, cached=cached_tokens(jobs))
+            last["timings"] = job_timings(jobs, tokens)
+            yield sse(last)
         yield sse("[DONE]")
     finally:
         sched.cancel([j for j in jobs if not j.finished])

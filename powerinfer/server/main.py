@@ -44,6 +44,9 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("-np", "--parallel", type=positive_int, default=4, help="sequences decoded together, each with its own KV cache (default 4)")
     p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429 (default 64)")
     p.add_argument("--alias", default=None, help="model name in /v1/models and requests (default: the model file's name)")
+    p.add_argument("--cors-origins", default="",
+                   help="browser origins allowed to call the API, comma-separated ('*': any); default: pages on this machine only "
+                        "(localhost, 127.0.0.1, [::1], any port), so that other websites cannot drive the model through a browser")
     p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
     p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
                    help=f"tokens a request may generate when it sets no max_tokens; -1 = until end of text or context "
@@ -104,7 +107,7 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     sock = bind(args.host, args.port)
     cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
-                       n_predict=args.n_predict)
+                       n_predict=args.n_predict, cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
     args.n_slots = args.parallel
     app = create_app(cfg, lambda: load_llm(args, progress=False))
     host, port = sock.getsockname()[:2]

@@ -157,8 +157,49 @@ class ChatRequest:
 @dataclass(frozen=True)
 class CompletionRequest:
     common: GenerationRequest
-    prompt: str | tuple[int, ...]
+    prompts: tuple[str | tuple[int, ...], ...]  # one or more; choice i answers prompt i // n
     echo: bool
+
+
+MAX_LOGIT_BIAS = 1024  # entries
+
+
+def _logit_bias(v: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (bias in [-100, 100]) or llama.cpp's [[id, bias or false], ...]
+    (false bans the token) -> sorted (id, bias) pairs; a ban is -inf. Ids are checked against the
+    vocabulary by the server (:func:`check_logit_bias`)."""
+    if v is None:
+        return ()
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+        items = [(p[0], p[1]) for p in v]
+    else:
+        raise bad("'logit_bias' must be an object of token id -> bias, or a list of [token id, bias] pairs", "logit_bias", "invalid_type")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' has {len(items)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, b in items:
+        try:
+            tok = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+        except ValueError:
+            tok = k
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise bad(f"'logit_bias' keys must be token ids (non-negative integers), got {k!r}", "logit_bias")
+        if b is False:
+            out[tok] = -math.inf
+            continue
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+            raise bad(f"'logit_bias' values must be numbers in [-100, 100] (or false to ban), got {b!r} for token {tok}", "logit_bias")
+        out[tok] = float(b)
+    return tuple(sorted(out.items()))
+
+
+def check_logit_bias(params: SamplingParams, vocab: int) -> None:
+    """400 when a biased token id is outside the model's vocabulary."""
+    for tok, _ in params.logit_bias:
+        if tok >= vocab:
+            raise bad(f"'logit_bias' names token {tok}; the vocabulary has {vocab} tokens", "logit_bias")
 
 
 def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | None) -> GenerationRequest:
@@ -177,6 +218,7 @@ def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | No
     include_usage = _bool(opts or {}, "include_usage", False)
     if opts is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    bias = _logit_bias(body.get("logit_bias"))
     try:
         sampling = SamplingParams(
             temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
@@ -188,6 +230,7 @@ def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | No
             frequency_penalty=_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
             presence_penalty=_num(body, "presence_penalty", 0.0, -2.0, 2.0),
             seed=int(seed or 0) % (2**32) if seed is not None and seed >= 0 else -1,
+            logit_bias=bias,
         )
     except InvalidArgumentError as e:
         raise bad(str(e)) from None
@@ -235,16 +278,25 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     p = body.get("prompt")
-    prompt: str | tuple[int, ...]
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # a batch of one prompt
-    if isinstance(p, str):
-        prompt = p
-    elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        prompt = tuple(p)
-    elif p is None:
+    if p is None:
         raise bad("'prompt' is required", "prompt", "missing_required_parameter")
+
+    def one(v: Any) -> str | tuple[int, ...] | None:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return tuple(v)
+        return None
+
+    single = one(p)
+    if single is not None:
+        prompts: tuple[str | tuple[int, ...], ...] = (single,)
+    elif isinstance(p, list) and p and all(one(v) is not None for v in p):
+        prompts = tuple(one(v) for v in p)  # type: ignore[misc]
     else:
-        raise bad("'prompt' must be a string, a list of token ids, or a list of one of those", "prompt", "invalid_type")
+        raise bad("'prompt' must be a string, a list of token ids, or a list of those", "prompt", "invalid_type")
     lp = _int(body, "logprobs", None, 0, 5)
-    return CompletionRequest(_common(body, 16, lp), prompt, _bool(body, "echo", False))
+    common = _common(body, 16, lp)
+    if len(prompts) * common.n > MAX_N:
+        raise bad(f"{len(prompts)} prompts x n={common.n} choices exceed {MAX_N} per request", "prompt")
+    return CompletionRequest(common, prompts, _bool(body, "echo", False))

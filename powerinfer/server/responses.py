@@ -26,8 +26,10 @@ class ChoiceResult:
     tokens: int = 0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens found in the KV cache (reused, not computed again)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:
@@ -78,7 +80,9 @@ class Shapes:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": "powerinfer"}
 
-    def final(self, choices: list[ChoiceResult], prompt_tokens: int, want_logprobs: bool, echo: str = "") -> dict[str, Any]:
+    def final(self, choices: list[ChoiceResult], prompt_tokens: int, want_logprobs: bool, echo: list[str] | None = None,
+              cached: int = 0) -> dict[str, Any]:
+        """echo: each choice's echoed prompt (completions with echo), by choice index."""
         body = self._head("chat.completion" if self.chat else "text_completion")
         out = []
         for c in choices:
@@ -88,10 +92,11 @@ class Shapes:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text, "refusal": None},
                             "logprobs": lp, "finish_reason": c.finish_reason})
             else:
-                lp = completion_logprobs(c.logprobs, len(echo)) if want_logprobs else None
-                out.append({"index": c.index, "text": echo + text, "logprobs": lp, "finish_reason": c.finish_reason})
+                e = echo[c.index] if echo else ""
+                lp = completion_logprobs(c.logprobs, len(e)) if want_logprobs else None
+                out.append({"index": c.index, "text": e + text, "logprobs": lp, "finish_reason": c.finish_reason})
         body["choices"] = out
-        body["usage"] = usage(prompt_tokens, sum(c.tokens for c in choices))
+        body["usage"] = usage(prompt_tokens, sum(c.tokens for c in choices), cached)
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
@@ -110,10 +115,10 @@ class Shapes:
             body["choices"] = [{"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}]
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached: int = 0) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached)
         return body
 
 

@@ -65,6 +65,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.monotonic)
     t_first: float = 0.0  # first token emitted (monotonic), 0 before
+    t_end: float = 0.0  # the last token emitted (monotonic), set before its chunks reach the sink
     finished: bool = False
     seq: Seq | None = None  # the engine core's view (slot, prompt tokens cached), made at admission
 
@@ -199,6 +200,8 @@ class Scheduler:
             job.t_first = now
             self.metrics.ttft.observe(now - job.t_submit)
         self.metrics.generation_tokens.inc()
+        if job.state.done:
+            job.t_end = now
         for c in chunks:
             job.sink(job, c)
         if job.state.done:

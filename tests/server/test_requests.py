@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
@@ -78,15 +79,28 @@ def test_bad_chat_bodies_are_400_naming_the_parameter(name: str) -> None:
     json.dumps(e.value.body())
 
 
+def test_logit_bias() -> None:
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 2.5, "3": -100}}).common.sampling.logit_bias == (
+        (3, -100.0), (5, 2.5))
+    ban = parse_completion({"prompt": "x", "logit_bias": [[7, False], [9, 1]]}).common.sampling.logit_bias
+    assert ban == ((7, -math.inf), (9, 1.0))
+    for bias in ({"a": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"5": True}, [[1]], 3, {str(i): 0 for i in range(1025)}):
+        with pytest.raises(APIError) as e:
+            parse_completion({"prompt": "x", "logit_bias": bias})
+        assert e.value.status == 400 and e.value.param == "logit_bias"
+
+
 def test_completion_prompts() -> None:
-    assert parse_completion({"prompt": "hi"}).prompt == "hi"
-    assert parse_completion({"prompt": ["hi"]}).prompt == "hi"
-    assert parse_completion({"prompt": [1, 2, 3]}).prompt == (1, 2, 3)
-    assert parse_completion({"prompt": [[1, 2]]}).prompt == (1, 2)
+    assert parse_completion({"prompt": "hi"}).prompts == ("hi",)
+    assert parse_completion({"prompt": ["hi"]}).prompts == ("hi",)
+    assert parse_completion({"prompt": [1, 2, 3]}).prompts == ((1, 2, 3),)
+    assert parse_completion({"prompt": [[1, 2]]}).prompts == ((1, 2),)
+    assert parse_completion({"prompt": ["a", "b"]}).prompts == ("a", "b")  # several prompts: one choice (per n) each
+    assert parse_completion({"prompt": ["a", [7, 8]], "n": 2}).prompts == ("a", (7, 8))
     assert parse_completion({"prompt": "x"}).common.max_tokens == 16  # OpenAI's default for completions
     assert parse_completion({"prompt": "x", "logprobs": 3}).common.logprobs == 3
-    for body in ({}, {"prompt": 5}, {"prompt": [True]}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": "x", "logprobs": 6},
-                 {"prompt": "x", "echo": 1}):
+    for body in ({}, {"prompt": 5}, {"prompt": [True]}, {"prompt": []}, {"prompt": ["a", 5]}, {"prompt": [[]]},
+                 {"prompt": ["a"] * 9, "n": 2}, {"prompt": "x", "logprobs": 6}, {"prompt": "x", "echo": 1}):
         with pytest.raises(APIError) as e:
             parse_completion(body)
         assert e.value.status == 400
