@@ -10,12 +10,15 @@ one batched decode step while each keeps exactly the behaviour of a lone ``LLM.g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
+
+if TYPE_CHECKING:
+    from powerinfer.constrained import TokenConstraint
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -44,7 +47,9 @@ class SequenceState:
     """Generation of one sequence after its prompt: feed each logits row to ``step``."""
 
     def __init__(self, tokenizer: GGUFTokenizer, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
-                 stop: tuple[str, ...] = (), logprobs: int | None = None) -> None:
+                 stop: tuple[str, ...] = (), logprobs: int | None = None, constraint: "TokenConstraint | None" = None) -> None:
+        """constraint: a grammar the output must follow (powerinfer.constrained); the sequence ends
+        when the grammar is complete."""
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens  # -1: until end-of-generation or the context is full
         self.sampler = Sampler(params)
@@ -57,6 +62,7 @@ class SequenceState:
         self.generated = 0  # tokens sampled, the end-of-generation token included
         self.finish_reason: str | None = None
         self.next_token: int | None = None  # to evaluate before the next step; None once finished
+        self.constraint = constraint
 
     @property
     def done(self) -> bool:
@@ -69,12 +75,16 @@ class SequenceState:
         """
         if self.done:
             raise RuntimeError("step() after the sequence finished")
+        if self.constraint is not None:
+            logits = self.constraint.masked(logits)  # the tokens the grammar forbids at -inf
         token = self.sampler(logits, self.history)
         self.generated += 1
         self.next_token = None
         if token in self.tokenizer.eog_ids:
             return [self._finish("stop")]
         lp = self._logprob(logits, token) if self.logprobs is not None else None
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.history.append(token)
         self.pending += self.decoder.push(token)
         cut = _find_stop(self.pending, self.stop)
@@ -86,6 +96,8 @@ class SequenceState:
         self.pending = self.pending[safe:]
         if self.generated >= self.max_tokens > 0 or context_full:
             return [chunk, self._finish("length")]
+        if self.constraint is not None and self.constraint.stopped:  # the grammar is complete: nothing may follow
+            return [chunk, self._finish("stop")]
         self.next_token = token
         return [chunk]
 

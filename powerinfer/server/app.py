@@ -23,6 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from powerinfer.api import LLM
+from powerinfer import constrained
+from powerinfer.constrained import TokenConstraint
 from powerinfer.errors import PowerInferError
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.protocol import WorkerDiedError, WorkerError
@@ -86,6 +88,8 @@ class ServerState:
             llm.engine.rewind(0, slot=0)
         except PowerInferError as e:
             log.warning("warm-up pass failed: %s", e)
+        if constrained.available():  # built once here, not on the event loop at the first structured request
+            constrained.grammar_tokenizer(llm.tokenizer, llm.config.vocab_size)
         sched = Scheduler(llm, self.metrics, self.config.queue)
         self.llm, self.scheduler = llm, sched
         self.metrics.healthy.set(1)
@@ -282,8 +286,13 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
             loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
 
     # choice i answers prompt i // n (OpenAI's order for several prompts), sampled as choice i % n
+    vocab = llm.config.vocab_size
+
+    def constraint() -> TokenConstraint | None:
+        return TokenConstraint(llm.tokenizer, vocab, common.grammar) if common.grammar is not None else None
+
     jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
-                                         common.logprobs), sink, index=p * common.n + j)
+                                         common.logprobs, constraint()), sink, index=p * common.n + j)
             for p, ids in enumerate(prompts) for j in range(common.n)]
     try:
         sched.submit(jobs)

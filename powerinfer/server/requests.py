@@ -146,6 +146,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None: off; k: the token's logprob and k alternatives
+    grammar: str | None = None  # a compiled llguidance grammar the output must follow (server/structured.py)
 
 
 @dataclass(frozen=True)
@@ -234,8 +235,10 @@ def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | No
         )
     except InvalidArgumentError as e:
         raise bad(str(e)) from None
+    from powerinfer.server.structured import parse_grammar  # it imports bad() from here
+
     return GenerationRequest(model, int(max_tokens or -1), sampling, _stop(body), int(_int(body, "n", 1, 1, MAX_N) or 1),
-                             stream, include_usage, logprobs)
+                             stream, include_usage, logprobs, parse_grammar(body))
 
 
 def _content(v: Any, i: int) -> str:

@@ -33,7 +33,9 @@ def test_calibrate_writes_a_loadable_predictor(model: Path, tmp_path: Path, mode
         assert abs(float(lp.act_mass.sum()) - 1.0) < 1e-4
     path = tmp_path / f"m.{mode}.predictor"
     write_predictor(path, pf)
-    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path)
+    # the torch sparse shards (the native decoder runs layers this dense, 50% active, densely:
+    # tests/cpu_workers/test_native_sparse.py)
+    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path, native=False)
     logits = llm.logits(IDS)
     assert np.isfinite(logits).all()
     llm.complete(IDS, max_tokens=6, temperature=0)  # decode path: gathered rows only
@@ -46,7 +48,7 @@ def test_calibrate_writes_a_loadable_predictor(model: Path, tmp_path: Path, mode
 def test_sparse_matches_dense_when_nothing_is_skipped(model: Path, tmp_path: Path) -> None:
     pf = calibrate(model, CalibrationSettings(mode="gate", sparsity=0.5, tokens=32, window=32, steps=1))
     dense = LLM(model, n_ctx=64, executor="inprocess").logits(IDS)
-    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=_save(pf, tmp_path))
+    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=_save(pf, tmp_path), native=False)  # the torch sparse shards
     llm.engine.executor.set_sparse(dense=True)  # type: ignore[attr-defined]
     forced = llm.logits(IDS)
     # same packed gate/up as the dense path; only the float16 down rows (vs its packed down) differ
@@ -62,7 +64,7 @@ def test_sparse_matches_dense_when_nothing_is_skipped(model: Path, tmp_path: Pat
 def test_sparse_prefill_equals_decode_token_by_token(model: Path, tmp_path: Path) -> None:
     """Prefill and decode sum each token's active down rows the same way: the logits agree to the bit."""
     pf = calibrate(model, CalibrationSettings(mode="gate", sparsity=0.5, tokens=32, window=32, steps=1))
-    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=_save(pf, tmp_path))
+    llm = LLM(model, n_ctx=64, executor="inprocess", predictor=_save(pf, tmp_path), native=False)  # the torch sparse shards
     full = llm.logits(IDS)
     llm.engine.rewind(0)
     llm.engine.eval(IDS[:2])
