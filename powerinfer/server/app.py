@@ -22,13 +22,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from powerinfer.api import LLM
 from powerinfer import constrained
+from powerinfer.api import LLM
 from powerinfer.constrained import TokenConstraint
 from powerinfer.errors import PowerInferError
-from powerinfer.generation import GenerationChunk, SequenceState
-from powerinfer.protocol import WorkerDiedError, WorkerError
+from powerinfer.generation import SequenceState
 from powerinfer.sampling import SamplingParams
+from powerinfer.server import tools
 from powerinfer.server.compat import add_cors, add_routes, cached_tokens, job_timings
 from powerinfer.server.metrics import ServerMetrics
 from powerinfer.server.requests import (
@@ -42,8 +42,15 @@ from powerinfer.server.requests import (
     parse_completion,
     parse_json,
 )
-from powerinfer.server.responses import ChoiceResult, Shapes, sse
-from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+from powerinfer.server.responses import Shapes
+from powerinfer.server.scheduler import (
+    Event,
+    Job,
+    QueueFullError,
+    Scheduler,
+    ShuttingDownError,
+)
+from powerinfer.server.streaming import collect, stream, watch_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +311,8 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     echo = [llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else "" for ids in prompts for _ in range(common.n)]
     n_prompt = sum(len(ids) for ids in prompts)
     if common.stream:
-        return StreamingResponse(stream(shapes, sched, jobs, queue, common, n_prompt, echo), media_type="text/event-stream",
+        spec = req.tools if isinstance(req, ChatRequest) else None
+        return StreamingResponse(stream(shapes, sched, jobs, queue, common, n_prompt, echo, spec), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # The client may hang up while tokens are flowing: a watcher waits for uvicorn's disconnect
     # message (the body is read, so receive() returns nothing else) and cancels the jobs at once,
@@ -316,6 +324,8 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         watcher.cancel()
         sched.cancel([j for j in jobs if not j.finished])
     body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs))
+    if isinstance(req, ChatRequest) and req.tools is not None:
+        tools.apply_to_final(body, req.tools)
     body["timings"] = job_timings(jobs, sum(r.tokens for r in results))
     return JSONResponse(body)
 
@@ -323,74 +333,3 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
 def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:
     """Choice i of a seeded request samples with seed + i: reproducible, yet the n choices differ."""
     return params if params.seed < 0 or index == 0 else replace(params, seed=(params.seed + index) % 2**32)
-
-
-def failure(e: BaseException) -> APIError:
-    if isinstance(e, (WorkerDiedError, WorkerError)):
-        return APIError(503, f"the runtime failed while serving this request: {e}", type="server_error", code="worker_failed",
-                        headers={"Retry-After": "2"})
-    if isinstance(e, ShuttingDownError):
-        return APIError(503, str(e), type="server_error", code="shutting_down")
-    return APIError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
-
-
-class ClientGone(Exception):
-    """Queued by the disconnect watcher: the client of a non-streaming request hung up."""
-
-
-async def watch_disconnect(request: Request, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]") -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    sched.cancel([j for j in jobs if not j.finished])
-    queue.put_nowait((-1, ClientGone()))
-
-
-async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[ChoiceResult]:
-    results = [ChoiceResult(i) for i in range(n)]
-    open_ = n
-    while open_:
-        idx, ev = await queue.get()
-        if isinstance(ev, ClientGone):
-            raise APIError(499, "client disconnected")
-        if isinstance(ev, BaseException):
-            raise failure(ev)
-        r = results[idx]
-        r.text.append(ev.text)
-        if ev.token >= 0:
-            r.tokens += 1
-        if ev.logprob is not None:
-            r.logprobs.append(ev.logprob)
-        if ev.finish_reason is not None:
-            r.finish_reason = ev.finish_reason
-            open_ -= 1
-    return results
-
-
-async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
-                 common: GenerationRequest, prompt_tokens: int, echo: list[str]) -> AsyncIterator[bytes]:
-    """SSE events until every choice finished; leaving early (client gone) cancels the jobs."""
-    try:
-        for j in jobs:
-            yield sse(shapes.chunk(j.index, "" if shapes.chat else echo[j.index], role=True))
-        open_, tokens = len(jobs), 0
-        while open_:
-            idx, ev = await queue.get()
-            if isinstance(ev, BaseException):
-                yield sse(failure(ev).body())
-                return
-            chunk: GenerationChunk = ev
-            tokens += chunk.token >= 0
-            lps = [chunk.logprob] if chunk.logprob is not None else None
-            if chunk.text or lps:
-                yield sse(shapes.chunk(idx, chunk.text, logprobs=lps))
-            if chunk.finish_reason is not None:
-                yield sse(shapes.chunk(idx, None if shapes.chat else "", finish_reason=chunk.finish_reason))
-                open_ -= 1
-        if common.include_usage:
-            last = shapes.usage_chunk(prompt_tokens, tokens, cached=cached_tokens(jobs))
-            last["timings"] = job_timings(jobs, tokens)
-            yield sse(last)
-        yield sse("[DONE]")
-    finally:
-        sched.cancel([j for j in jobs if not j.finished])
-

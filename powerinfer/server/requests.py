@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from powerinfer.errors import InvalidArgumentError
@@ -152,7 +152,8 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     common: GenerationRequest
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, str], ...]  # plain turns for the chat template (tool calls and results rendered: server/tools.py)
+    tools: Any = None  # server.tools.ToolSpec, or None: the reply is text
 
 
 @dataclass(frozen=True)
@@ -270,13 +271,50 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad(f"messages[{i}].role must be system, developer, user, assistant or tool", f"messages[{i}].role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": _content(m.get("content"), i)}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None and not isinstance(m[key], str):
+                    raise bad(f"messages[{i}].{key} must be a string", f"messages[{i}].{key}", "invalid_type")
+                msg[key] = m.get(key)
+        out.append(msg)
     logprobs = None
     if _bool(body, "logprobs", False):
         logprobs = int(_int(body, "top_logprobs", 0, 0, 20) or 0)
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return ChatRequest(_common(body, -1, logprobs), tuple(out))
+    from powerinfer.server import tools  # it imports bad() from here
+
+    spec = tools.parse_tools(body)
+    common = _common(body, -1, logprobs)
+    call_grammar = tools.grammar(spec) if spec is not None else None
+    if call_grammar is not None:
+        if common.grammar is not None:
+            raise bad("a required tool call and a response format cannot both constrain the reply", "tool_choice")
+        from powerinfer.server.structured import compile_grammar
+
+        common = replace(common, grammar=compile_grammar("lark", call_grammar, "tools"))
+    return ChatRequest(common, tuple(tools.render(out, spec)), spec)
+
+
+def _tool_calls(v: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls -> [{"name", "arguments" (parsed JSON, or the text)}]."""
+    if not isinstance(v, list):
+        raise bad(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls", "invalid_type")
+    calls = []
+    for k, c in enumerate(v):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
+            raise bad(f"messages[{i}].tool_calls[{k}] must be {{'function': {{'name': str, 'arguments': str}}}}",
+                      f"messages[{i}].tool_calls[{k}]")
+        try:
+            args: Any = json.loads(fn.get("arguments") or "{}")
+        except json.JSONDecodeError:
+            args = fn.get("arguments")
+        calls.append({"name": fn["name"], "arguments": args})
+    return calls
 
 
 def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:

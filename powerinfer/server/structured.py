@@ -14,6 +14,11 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.server.requests import bad
 
 
+def compile_grammar(kind: str, spec: Any, param: str) -> str:
+    """grammar_for(kind, spec), a 400 naming param when it is not valid."""
+    return _compile(kind, spec, param)
+
+
 def _compile(kind: str, spec: Any, param: str) -> str:
     try:
         return grammar_for(kind, spec)

@@ -1,0 +1,102 @@
+"""Answers on their way out: collecting a request's choices, streaming them as server-sent events
+(tool calls held back and sent whole), a client that hangs up, and runtime failures as API errors.
+
+Runs in: the server process (HTTP side, on the event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from starlette.requests import Request
+
+from powerinfer.generation import GenerationChunk
+from powerinfer.protocol import WorkerDiedError, WorkerError
+from powerinfer.server import tools
+from powerinfer.server.compat import cached_tokens, job_timings
+from powerinfer.server.requests import APIError, GenerationRequest
+from powerinfer.server.responses import ChoiceResult, Shapes, sse
+from powerinfer.server.scheduler import Event, Job, Scheduler, ShuttingDownError
+
+
+def failure(e: BaseException) -> APIError:
+    if isinstance(e, (WorkerDiedError, WorkerError)):
+        return APIError(503, f"the runtime failed while serving this request: {e}", type="server_error", code="worker_failed",
+                        headers={"Retry-After": "2"})
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, str(e), type="server_error", code="shutting_down")
+    return APIError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
+
+
+class ClientGone(Exception):
+    """Queued by the disconnect watcher: the client of a non-streaming request hung up."""
+
+
+async def watch_disconnect(request: Request, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]") -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    sched.cancel([j for j in jobs if not j.finished])
+    queue.put_nowait((-1, ClientGone()))
+
+
+async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[ChoiceResult]:
+    results = [ChoiceResult(i) for i in range(n)]
+    open_ = n
+    while open_:
+        idx, ev = await queue.get()
+        if isinstance(ev, ClientGone):
+            raise APIError(499, "client disconnected")
+        if isinstance(ev, BaseException):
+            raise failure(ev)
+        r = results[idx]
+        r.text.append(ev.text)
+        if ev.token >= 0:
+            r.tokens += 1
+        if ev.logprob is not None:
+            r.logprobs.append(ev.logprob)
+        if ev.finish_reason is not None:
+            r.finish_reason = ev.finish_reason
+            open_ -= 1
+    return results
+
+
+async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
+                 common: GenerationRequest, prompt_tokens: int, echo: list[str], spec: tools.ToolSpec | None = None) -> AsyncIterator[bytes]:
+    """SSE events until every choice finished; leaving early (client gone) cancels the jobs. With
+    tools, text that may be a tool call is held back and the calls go out whole at the end."""
+    held = {j.index: tools.ToolStream(spec) for j in jobs} if spec is not None else {}
+    try:
+        for j in jobs:
+            yield sse(shapes.chunk(j.index, "" if shapes.chat else echo[j.index], role=True))
+        open_, tokens = len(jobs), 0
+        while open_:
+            idx, ev = await queue.get()
+            if isinstance(ev, BaseException):
+                yield sse(failure(ev).body())
+                return
+            chunk: GenerationChunk = ev
+            tokens += chunk.token >= 0
+            lps = [chunk.logprob] if chunk.logprob is not None else None
+            text = held[idx].push(chunk.text) if held and chunk.text else chunk.text
+            if text or lps:
+                yield sse(shapes.chunk(idx, text, logprobs=lps))
+            if chunk.finish_reason is not None:
+                reason = chunk.finish_reason
+                if held:
+                    rest, calls = held[idx].finish()
+                    if rest:
+                        yield sse(shapes.chunk(idx, rest))
+                    if calls:
+                        yield sse(tools.calls_delta(shapes.chunk(idx, None), calls))
+                        reason = "tool_calls"
+                yield sse(shapes.chunk(idx, None if shapes.chat else "", finish_reason=reason))
+                open_ -= 1
+        if common.include_usage:
+            last = shapes.usage_chunk(prompt_tokens, tokens, cached=cached_tokens(jobs))
+            last["timings"] = job_timings(jobs, tokens)
+            yield sse(last)
+        yield sse("[DONE]")
+    finally:
+        sched.cancel([j for j in jobs if not j.finished])
+
