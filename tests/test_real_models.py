@@ -127,13 +127,15 @@ def smollm2_gate_predictor(smollm2_path: Path, tmp_path_factory: pytest.TempPath
 @pytest.mark.parametrize("n_workers", [1, 2, 3])
 def test_worker_processes_with_a_predictor_equal_inprocess(n_workers: int, smollm2_path: Path, smollm2_gate_predictor: Path,
                                                           reference: dict[str, Any]) -> None:
-    """With a predictor the pool takes transport zmq (sparse torch shards); it equals the sharded in-process oracle.
+    """With transport zmq (sparse torch shards) the pool equals the sharded in-process torch oracle
+    (the native ranks' sparse path: tests/coordinator/test_native_pool.py).
 
     Each worker runs one torch thread, and torch's packed kernels round differently with more
     (measured: head logits one bf16 step apart with 2), so the oracle runs one thread too."""
     ids = reference["smollm2"]["greedy"][0]["prompt_tokens"]
-    oracle = LLM(smollm2_path, n_ctx=128, executor="inprocess", n_shards=n_workers, predictor=smollm2_gate_predictor, n_threads=1)
-    llm = LLM(smollm2_path, n_ctx=128, n_threads=n_workers, predictor=smollm2_gate_predictor)
+    oracle = LLM(smollm2_path, n_ctx=128, executor="inprocess", n_shards=n_workers, predictor=smollm2_gate_predictor, n_threads=1,
+                 native=False)
+    llm = LLM(smollm2_path, n_ctx=128, n_threads=n_workers, predictor=smollm2_gate_predictor, transport="zmq")
     try:
         assert llm.sparse and type(llm.engine.executor).__name__ == "ProcessExecutor"
         np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3, rtol=0)
