@@ -14,9 +14,11 @@ by the middleware before authentication, as browsers send them without credentia
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
@@ -79,7 +81,14 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
 
 def add_routes(app: FastAPI, state: "ServerState", config: "ServerConfig", check_key: Callable[[Request], None],
                read_body: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
-    """/tokenize, /detokenize and /props (llama.cpp's shapes)."""
+    """/tokenize, /detokenize and /props (llama.cpp's shapes), and the chat page at /."""
+
+    page = (Path(__file__).with_name("static") / "chat.html").read_bytes()
+
+    @app.get("/")
+    async def chat_page() -> HTMLResponse:
+        # the page itself is public (like llama-server's); the API calls it makes carry the key
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache", "Content-Security-Policy": "default-src 'self' 'unsafe-inline'"})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
