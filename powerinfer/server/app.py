@@ -28,7 +28,7 @@ from powerinfer.constrained import TokenConstraint
 from powerinfer.errors import PowerInferError
 from powerinfer.generation import SequenceState
 from powerinfer.sampling import SamplingParams
-from powerinfer.server import tools
+from powerinfer.server import responses_api, tools
 from powerinfer.server.compat import add_cors, add_routes, cached_tokens, job_timings
 from powerinfer.server.metrics import ServerMetrics
 from powerinfer.server.requests import (
@@ -246,8 +246,19 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await generate(request, parse_completion)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        check_key(request)
+        body = await read_body(request)
+        _, req = responses_api.parse(body)
+        check_model(req.common.model)
+        llm, sched = state.ready()
+        prompts = await run_in_threadpool(prompt_ids, llm, req)
+        return await responses_api.respond(request, body, req, prompts[0], sched, config.model_id,
+                                           lambda common, ps: submit_jobs(llm, sched, common, ps, config))
+
     add_routes(app, state, config, check_key, read_body)
-    for path, fn in (("/chat/completions", chat), ("/completions", completions)):
+    for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
     return app
@@ -281,9 +292,10 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
     return out
 
 
-async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, prompts: list[list[int]],
-                   config: ServerConfig) -> Response:
-    common: GenerationRequest = req.common
+def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: list[list[int]],
+                config: ServerConfig) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
+    """Queue a request's sequences (choice i answers prompt i // n, sampled as choice i % n); their
+    events arrive on the returned queue (on this event loop) as (choice index, chunk or error)."""
     max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -292,7 +304,6 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
 
-    # choice i answers prompt i // n (OpenAI's order for several prompts), sampled as choice i % n
     vocab = llm.config.vocab_size
 
     def constraint() -> TokenConstraint | None:
@@ -307,6 +318,13 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except ShuttingDownError as e:
         raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+    return jobs, queue
+
+
+async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, prompts: list[list[int]],
+                   config: ServerConfig) -> Response:
+    common: GenerationRequest = req.common
+    jobs, queue = submit_jobs(llm, sched, common, prompts, config)
     shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
     echo = [llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else "" for ids in prompts for _ in range(common.n)]
     n_prompt = sum(len(ids) for ids in prompts)

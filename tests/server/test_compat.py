@@ -138,3 +138,27 @@ def test_cached_tokens_and_timings(server: RunningServer) -> None:
     last = json.loads(lines[-1][6:])
     assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == cached, last
     assert last["timings"]["predicted_n"] == last["usage"]["completion_tokens"] > 0, last
+
+
+def test_responses_api(server: RunningServer) -> None:
+    """A basic /v1/responses with the official client, strict: text in, text out, streamed events."""
+    c = client(server)
+    r = c.responses.create(model=MODEL, input="What is the capital of France? Answer in one word.", temperature=0, max_output_tokens=16)
+    assert r.status == "completed" and "Paris" in r.output_text
+    assert r.usage is not None and r.usage.output_tokens > 0 and r.usage.input_tokens > 10
+    msgs = c.responses.create(model=MODEL, instructions="Answer in one word.", max_output_tokens=16, temperature=0,
+                              input=[{"role": "user", "content": [{"type": "input_text", "text": "Capital of France?"}]}])
+    assert msgs.output_text.strip()
+    cut = c.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=4, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details is not None and cut.incomplete_details.reason == "max_output_tokens"
+    events = list(c.responses.create(model=MODEL, input="What is the capital of France? Answer in one word.", temperature=0,
+                                     max_output_tokens=16, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == "response.completed" and "response.output_text.done" in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert deltas == r.output_text and [e.sequence_number for e in events] == list(range(len(events)))
+    for body, param in (({"input": 5}, "input"), ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools")):
+        resp = httpx.post(server.base_url + "/responses", json={"model": MODEL, **body}, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
