@@ -37,6 +37,7 @@ from powerinfer.sparsity.predictor_file import read_predictor
 from powerinfer.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
+    from powerinfer.constrained import TokenConstraint
     from powerinfer.coordinator.hybrid_executor import GpuOptions
 
 log = logging.getLogger(__name__)
@@ -289,11 +290,13 @@ class LLM:
         stop: Sequence[str] = (),
         special: bool = False,
         logprobs: int | None = None,
+        grammar: str | None = None,
         **overrides: Any,
     ) -> Iterator[GenerationChunk]:
         """Stream the continuation of prompt (text, or token ids used as they are).
 
         max_tokens = -1 generates until an end-of-generation token or the context is full.
+        ``grammar``: a compiled grammar (powerinfer.constrained.grammar_for) the output follows.
         ``overrides`` are SamplingParams fields (temperature=0, top_k=..., seed=...).
         """
         params = replace(sampling or SamplingParams(), **overrides)
@@ -302,17 +305,22 @@ class LLM:
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgumentError("stop sequences must be non-empty strings")
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=True, special=special)
-        return self._generate(ids, max_tokens, params, tuple(stop), logprobs)
+        constraint = None
+        if grammar is not None:
+            from powerinfer.constrained import TokenConstraint
+
+            constraint = TokenConstraint(self.tokenizer, self.config.vocab_size, grammar)
+        return self._generate(ids, max_tokens, params, tuple(stop), logprobs, constraint)
 
     def _generate(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: tuple[str, ...],
-                  logprobs: int | None = None) -> Iterator[GenerationChunk]:
+                  logprobs: int | None = None, constraint: "TokenConstraint | None" = None) -> Iterator[GenerationChunk]:
         """One sequence through the engine core (the server's scheduler runs many the same way).
         A new generate abandons a sequence still unfinished from an earlier one."""
         if not ids:
             raise InvalidArgumentError("the prompt is empty")
         for old in list(self.core.active):
             self.core.remove(old)
-        seq = Seq(ids, SequenceState(self.tokenizer, ids, max_tokens, params, stop, logprobs))
+        seq = Seq(ids, SequenceState(self.tokenizer, ids, max_tokens, params, stop, logprobs, constraint))
         with self.core.guard():
             self.core.add(seq)
         t = self.timings
