@@ -167,19 +167,16 @@ PI_TILES(q6_k, 1, 1)
 typedef void (*dotn_fn)(const uint8_t *, const pi_act *, int, float *);
 typedef void (*dotr_fn)(const uint8_t *const *, const pi_act *, int, float *);
 
+/* The block types with several-token and four-row kernels, as X(type id, suffix). */
+#define PI_TILED_TYPES(X) X(T_Q4_0, q4_0) X(T_Q4_1, q4_1) X(T_Q5_0, q5_0) X(T_Q5_1, q5_1) X(T_Q8_0, q8_0) \
+    X(T_Q4_K, q4_k) X(T_Q5_K, q5_k) X(T_Q6_K, q6_k)
+
 /* The four-row kernel of a type (one token), or NULL (float types, portable build): one row at a time. */
 static dotr_fn dotr4_for(int type) {
 #ifdef PI_SIMD
 #define PI_CASE(ID, T) case ID: return dotr4_##T;
     switch (type) {
-        PI_CASE(T_Q4_0, q4_0)
-        PI_CASE(T_Q4_1, q4_1)
-        PI_CASE(T_Q5_0, q5_0)
-        PI_CASE(T_Q5_1, q5_1)
-        PI_CASE(T_Q8_0, q8_0)
-        PI_CASE(T_Q4_K, q4_k)
-        PI_CASE(T_Q5_K, q5_k)
-        PI_CASE(T_Q6_K, q6_k)
+        PI_TILED_TYPES(PI_CASE)
         default: return 0;
     }
 #undef PI_CASE
@@ -198,14 +195,7 @@ static dotn_fn dotn_for(int type, int n) {
 #endif
 #define PI_CASE(ID, T) case ID: return n == 4 ? dot4_##T : dot8_##T;
     switch (type) {
-        PI_CASE(T_Q4_0, q4_0)
-        PI_CASE(T_Q4_1, q4_1)
-        PI_CASE(T_Q5_0, q5_0)
-        PI_CASE(T_Q5_1, q5_1)
-        PI_CASE(T_Q8_0, q8_0)
-        PI_CASE(T_Q4_K, q4_k)
-        PI_CASE(T_Q5_K, q5_k)
-        PI_CASE(T_Q6_K, q6_k)
+        PI_TILED_TYPES(PI_CASE)
         default: return 0;
     }
 #undef PI_CASE
