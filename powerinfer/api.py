@@ -188,7 +188,7 @@ class LLM:
         n_workers = n_threads or default_workers()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         if transport != "zmq":
-            why = self._shm_blocker(n_workers)
+            why = self._shm_blocker(n_workers, sparse)
             if why is None:
                 from powerinfer.coordinator.native_pool import NativePoolExecutor
                 from powerinfer.cpu_workers.native_lib import decoder_lib
@@ -206,7 +206,7 @@ class LLM:
         return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
 
-    def _shm_blocker(self, n_workers: int) -> str | None:
+    def _shm_blocker(self, n_workers: int, sparse: bool = False) -> str | None:
         """None when native ranks can run this model (dense or sparse) on n_workers, else why not."""
         from powerinfer.cpu_workers.native_lib import decoder_lib
         from powerinfer.cpu_workers.native_model import supports
@@ -218,7 +218,7 @@ class LLM:
         if why is not None:
             return f"the native decoder cannot run this model ({why})"
         try:
-            plan_ranks(self.config, n_workers)
+            plan_ranks(self.config, n_workers, sparse=sparse)
         except InvalidArgumentError as e:
             return str(e)
         return None

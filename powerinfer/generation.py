@@ -77,6 +77,9 @@ class SequenceState:
             raise RuntimeError("step() after the sequence finished")
         if self.constraint is not None:
             logits = self.constraint.masked(logits)  # the tokens the grammar forbids at -inf
+            if not self.sampler.allows_any(logits):  # the grammar and the request's bans leave nothing
+                self.generated += 1
+                return [self._finish("stop")]
         token = self.sampler(logits, self.history)
         self.generated += 1
         self.next_token = None

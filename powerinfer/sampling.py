@@ -81,6 +81,15 @@ class Sampler:
         out[ids] = sel - n * p.frequency_penalty - p.presence_penalty
         return out
 
+    def allows_any(self, logits: np.ndarray) -> bool:
+        """Whether some token keeps a finite logit once the request's bans apply (a grammar's mask
+        and a logit_bias ban together can leave none)."""
+        ok = np.isfinite(logits)
+        for t, b in self.params.logit_bias:
+            if b == -math.inf and t < ok.size:
+                ok[t] = False
+        return bool(ok.any())
+
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits float32 [vocab] -> chosen token id."""
         p = self.params

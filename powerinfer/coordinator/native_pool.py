@@ -77,7 +77,7 @@ class NativePoolExecutor:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
         self.plan: ShardPlan = plan_shards(cfg, n_workers)
-        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers)
+        self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers, sparse=bool(predictor))
         self.head = weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight")  # file rows, for refinement
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
         self._cand = np.empty(self.head.rows, dtype=np.int32)

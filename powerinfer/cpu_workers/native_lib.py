@@ -137,9 +137,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     except OSError as e:
         log.warning("native decoder unavailable (%s): the in-process executor uses its torch path", e)
         return None
-    lib.pi_model_size.restype = ctypes.c_int
-    lib.pi_layer_size.restype = ctypes.c_int
-    if lib.pi_model_size() != ctypes.sizeof(PiModel) or lib.pi_layer_size() != ctypes.sizeof(PiLayer):
+    for fn in (lib.pi_model_size, lib.pi_layer_size, lib.pi_sparse_size, lib.pi_pred_size):
+        fn.restype = ctypes.c_int
+    if (lib.pi_model_size(), lib.pi_layer_size(), lib.pi_sparse_size(), lib.pi_pred_size()) != (
+            ctypes.sizeof(PiModel), ctypes.sizeof(PiLayer), ctypes.sizeof(PiSparse), ctypes.sizeof(PiPred)):
         log.warning("native decoder struct layout differs from native_lib.py: not used")
         return None
     ptr = ctypes.c_void_p

@@ -74,7 +74,7 @@ def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np
     """Rows [r0, r1) of a matrix in qsplit.h's layout (the file's bytes moved: scales first), or
     None where this build or type has no such kernel."""
     info = f.tensor(name)
-    if not lib.pi_split_supported(int(info.qtype)):
+    if not lib.pi_split_supported(int(info.qtype)) or info.n_cols > 8192:  # qsplit.h's PI_SPLIT_MAX_COLS
         return None
     raw = np.ascontiguousarray(f.raw(name)[r0:r1])
     out = np.empty_like(raw)

@@ -73,7 +73,7 @@ class NativeRank:
         why = supports(f, cfg)
         if why is not None:
             raise UnsupportedModelError(f"the native decoder cannot run this model: {why}")
-        self.shard = plan_ranks(cfg, load.n_workers)[rank]
+        self.shard = plan_ranks(cfg, load.n_workers, sparse=bool(load.predictor))[rank]
         sparse = None
         if load.predictor:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
             sparse = NativeSparseFFNs(lib, f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1),

@@ -51,13 +51,12 @@ class SegmentLayout:
     max_t: int
     d: int
     vocab: int
-    width: int  # floats of the widest gathered row: max(d, n_ff, n_heads * v_head_dim[, n_ranks * d])
+    width: int  # floats of the widest gathered row: max(d, n_ff, n_heads * v_head_dim)
     hdr_bytes: int
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, n_ranks: int, max_t: int, hdr_bytes: int, sparse: bool = False) -> SegmentLayout:
-        """sparse: the ranks also gather their partial FFN outputs side by side (n_ranks * d)."""
-        width = max(cfg.d_model, cfg.n_ff, cfg.n_heads * cfg.v_head_dim, n_ranks * cfg.d_model if sparse else 0)
+    def for_model(cls, cfg: ModelConfig, n_ranks: int, max_t: int, hdr_bytes: int) -> SegmentLayout:
+        width = max(cfg.d_model, cfg.n_ff, cfg.n_heads * cfg.v_head_dim)
         return cls(n_ranks, max_t, cfg.d_model, cfg.vocab_size, width, hdr_bytes)
 
     @property
@@ -131,9 +130,9 @@ class Segment:
             pass
 
 
-def create_segment(lib: ctypes.CDLL, cfg: ModelConfig, n_ranks: int, max_t: int, sparse: bool = False) -> Segment:
+def create_segment(lib: ctypes.CDLL, cfg: ModelConfig, n_ranks: int, max_t: int) -> Segment:
     """A fresh, formatted segment for n_ranks ranks of this model, max_t tokens per step."""
-    return create_segment_with(lib, SegmentLayout.for_model(cfg, n_ranks, max_t, int(lib.pi_comm_hdr_bytes()), sparse))
+    return create_segment_with(lib, SegmentLayout.for_model(cfg, n_ranks, max_t, int(lib.pi_comm_hdr_bytes())))
 
 
 def create_segment_with(lib: ctypes.CDLL, layout: SegmentLayout) -> Segment:

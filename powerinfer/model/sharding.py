@@ -105,20 +105,21 @@ def plan_ranks(cfg: ModelConfig, n_ranks: int, sparse: bool = False) -> tuple[Ra
     """Split every layer over n_ranks native ranks evenly: query heads one by one (attention's cost
     follows them, so a kv head is rather computed twice than a group kept whole), neurons and
     model-dimension rows in multiples of 8 (the repacked eight-row layout), head rows likewise.
-    sparse: neurons in multiples of 32 instead (whole quantization groups of the down projection,
-    which the sparse FFN's layout keeps per 32 neurons)."""
+    sparse: model-dimension rows in multiples of 32 instead, so that a rank's columns of the sparse
+    FFN's neuron-major Q8_0 down projection (blocks of 32 outputs) are the unsplit matrix's blocks
+    and the pool stays bit-identical to the in-process decoder."""
     if n_ranks < 1:
         raise InvalidArgumentError(f"need at least one rank, got {n_ranks}")
     if n_ranks > cfg.n_heads:
         raise InvalidArgumentError(f"{n_ranks} ranks cannot each get a query head: the model has {cfg.n_heads}")
     grp = cfg.gqa_group
     heads = _split(cfg.n_heads, n_ranks)
-    neurons = _split(cfg.n_ff, n_ranks, 32 if sparse else 8)
-    dims = _split(cfg.d_model, n_ranks, 8)
+    neurons = _split(cfg.n_ff, n_ranks, 8)
+    dims = _split(cfg.d_model, n_ranks, 32 if sparse else 8)
     vocab = _split(cfg.vocab_size, n_ranks, 8)
     for what, parts in (("FFN neurons", neurons), ("model dimensions", dims)):
         if any(b <= a for a, b in parts):
-            raise InvalidArgumentError(f"{n_ranks} ranks cannot each get {what} in groups of {32 if sparse and what == 'FFN neurons' else 8}")
+            raise InvalidArgumentError(f"{n_ranks} ranks cannot each get {what} in groups of {32 if sparse and what == 'model dimensions' else 8}")
     return tuple(RankShard(q0, q1, q0 // grp, (q1 - 1) // grp + 1, n0, n1, d0, d1, v0, v1)
                  for (q0, q1), (n0, n1), (d0, d1), (v0, v1) in zip(heads, neurons, dims, vocab))
 

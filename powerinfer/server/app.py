@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from powerinfer import constrained
 from powerinfer.api import LLM
 from powerinfer.constrained import TokenConstraint
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import InvalidArgumentError, PowerInferError
 from powerinfer.generation import SequenceState
 from powerinfer.sampling import SamplingParams
 from powerinfer.server import responses_api, tools
@@ -232,7 +232,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
 
     async def generate(request: Request, parse: Callable[[dict[str, Any]], ChatRequest | CompletionRequest]) -> Response:
         check_key(request)
-        req = parse(await read_body(request))
+        req = await run_in_threadpool(parse, await read_body(request))  # compiles grammars: off the event loop
         check_model(req.common.model)
         llm, sched = state.ready()
         ids = await run_in_threadpool(prompt_ids, llm, req)
@@ -307,7 +307,12 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
     vocab = llm.config.vocab_size
 
     def constraint() -> TokenConstraint | None:
-        return TokenConstraint(llm.tokenizer, vocab, common.grammar) if common.grammar is not None else None
+        if common.grammar is None:
+            return None
+        try:
+            return TokenConstraint(llm.tokenizer, vocab, common.grammar)
+        except InvalidArgumentError as e:  # e.g. it names tokens this vocabulary lacks
+            raise bad(str(e), "grammar") from None
 
     jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
                                          common.logprobs, constraint()), sink, index=p * common.n + j)
@@ -341,7 +346,7 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     finally:
         watcher.cancel()
         sched.cancel([j for j in jobs if not j.finished])
-    body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs))
+    body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs, common.n))
     if isinstance(req, ChatRequest) and req.tools is not None:
         tools.apply_to_final(body, req.tools)
     body["timings"] = job_timings(jobs, sum(r.tokens for r in results))

@@ -7,18 +7,21 @@ CORS. A browser page may read this server's answers only if the server says its 
 default only pages served from this machine (``http(s)://localhost``, ``127.0.0.1``, ``[::1]``,
 any port), because a server on a workstation should not let any website a user visits drive the
 model (spend its compute, read its answers) through the user's browser. ``--cors-origins`` names
-others (comma-separated), ``*`` allows every origin. Preflight ``OPTIONS`` requests are answered
-by the middleware before authentication, as browsers send them without credentials.
+the allowed origins instead (comma-separated; list the local ones too to keep them), ``*`` allows
+every origin. Preflight ``OPTIONS`` requests are answered by the middleware before
+authentication, as browsers send them without credentials; any other request whose ``Origin`` is
+not allowed gets a 403 before it reaches the model (a "simple" cross-site POST needs no preflight).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
@@ -32,12 +35,29 @@ LOCAL_ORIGINS = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
 MAX_TOKENIZE_CHARS = 1 << 22
 
 
+def origin_allowed(origin: str, origins: tuple[str, ...]) -> bool:
+    """Whether a browser page from origin may call the API under this policy."""
+    if "*" in origins:
+        return True
+    return origin in origins if origins else re.match(LOCAL_ORIGINS, origin) is not None
+
+
 def add_cors(app: FastAPI, origins: tuple[str, ...]) -> None:
-    """CORS with preflight: local pages by default, the given origins, or every one with "*"."""
+    """CORS with preflight: local pages by default, the given origins, or every one with "*"; other
+    origins' requests refused with a 403 (see the module docstring)."""
     every = "*" in origins
     app.add_middleware(CORSMiddleware, allow_origins=["*"] if every else list(origins),
                        allow_origin_regex=None if every or origins else LOCAL_ORIGINS, allow_methods=["GET", "POST", "OPTIONS"],
                        allow_headers=["*"], max_age=600)
+
+    @app.middleware("http")
+    async def refuse_foreign_origins(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        origin = request.headers.get("origin")
+        if origin is not None and request.method != "OPTIONS" and not origin_allowed(origin, origins):
+            body = {"error": {"message": f"requests from pages at {origin} are not allowed (--cors-origins)",
+                              "type": "invalid_request_error", "param": None, "code": "origin_not_allowed"}}
+            return JSONResponse(body, status_code=403)
+        return await call_next(request)
 
 
 def timings(prompt_n: int, t_submit: float, t_first: float, predicted_n: int, t_end: float) -> dict[str, float]:
@@ -57,9 +77,10 @@ def timings(prompt_n: int, t_submit: float, t_first: float, predicted_n: int, t_
     }
 
 
-def cached_tokens(jobs: list[Job]) -> int:
-    """Prompt tokens the jobs found in their slots' caches (``usage.prompt_tokens_details``)."""
-    return sum(j.seq.cached for j in jobs if j.seq is not None)
+def cached_tokens(jobs: list[Job], n: int = 1) -> int:
+    """Prompt tokens found in the slots' caches (``usage.prompt_tokens_details``), counted once per
+    prompt as ``prompt_tokens`` is: by the first of its n choices."""
+    return sum(j.seq.cached for j in jobs if j.seq is not None and j.index % n == 0)
 
 
 def job_timings(jobs: list[Job], predicted_n: int) -> dict[str, float]:

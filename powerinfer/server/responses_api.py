@@ -34,6 +34,7 @@ REFUSED = ("previous_response_id", "tools", "conversation", "background", "promp
 
 def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """A Responses request as the chat endpoint's body (validated there)."""
+    body = {k: v for k, v in body.items() if not (k == "tools" and v == [])}  # no tools: nothing to refuse
     for key in REFUSED:
         if body.get(key) not in (None, [], False):
             raise bad(f"'{key}' is not supported by this server's /v1/responses (stateless, no tools; "

@@ -93,7 +93,7 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
                 yield sse(shapes.chunk(idx, None if shapes.chat else "", finish_reason=reason))
                 open_ -= 1
         if common.include_usage:
-            last = shapes.usage_chunk(prompt_tokens, tokens, cached=cached_tokens(jobs))
+            last = shapes.usage_chunk(prompt_tokens, tokens, cached=cached_tokens(jobs, common.n))
             last["timings"] = job_timings(jobs, tokens)
             yield sse(last)
         yield sse("[DONE]")

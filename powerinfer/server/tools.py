@@ -85,7 +85,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSpec | None:
         kind = choice or "auto"
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         kind, name = "function", choice["function"].get("name")
-        if name not in {f["name"] for f in fns}:
+        if not isinstance(name, str) or name not in {f["name"] for f in fns}:
             raise bad(f"'tool_choice' names {name!r}, which is not among the tools", "tool_choice")
     else:
         raise bad("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}", "tool_choice")
@@ -144,20 +144,28 @@ def grammar(spec: ToolSpec) -> str | None:
 def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
     """(content without the calls, OpenAI tool_calls) of a reply."""
     calls: list[dict[str, Any]] = []
+    spans: list[tuple[int, int]] = []  # the returned calls' blocks (others stay in the content)
     for m in _CALL.finditer(text):
         try:
             obj = json.loads(m.group(1))
         except json.JSONDecodeError:
             continue
-        if not isinstance(obj, dict) or obj.get("name") not in spec.names:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in spec.names:
             continue
         args = obj.get("arguments", {})
         calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                       "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        spans.append(m.span())
         if not spec.parallel:
             break
-    content = _CALL.sub("", text).strip() if calls else text
-    return content, calls
+    if not calls:
+        return text, calls
+    content, pos = [], 0
+    for a, b in spans:
+        content.append(text[pos:a])
+        pos = b
+    content.append(text[pos:])
+    return "".join(content).strip(), calls
 
 
 class ToolStream:

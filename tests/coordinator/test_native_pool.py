@@ -259,7 +259,8 @@ def test_sparse_ranks_equal_the_sparse_decoder_in_process(tmp_path: Path, mode: 
 
     model = write_relu_sparse_gguf(tmp_path / "tiny.gguf", ReluSparseSpec.shape("tiny"))
     path = tmp_path / f"tiny.{mode}.predictor"
-    write_predictor(path, calibrate(model, CalibrationSettings(mode=mode, sparsity=0.8, tokens=128, window=64, steps=60)))
+    # 95%: decode's neuron-major down projection runs too (at most 10% active)
+    write_predictor(path, calibrate(model, CalibrationSettings(mode=mode, sparsity=0.95, tokens=128, window=64, steps=60)))
     ids = [256, *range(40, 60)]
     ref = LLM(model, n_ctx=64, executor="inprocess", predictor=path, n_threads=2)
     want = ref.logits(ids)

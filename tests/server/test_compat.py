@@ -48,9 +48,13 @@ def test_cors_preflight_local_origins_only_by_default(server: RunningServer) -> 
         assert _preflight(c, "http://127.0.0.1:8081").status_code == 200
         evil = _preflight(c, "https://evil.example")
         assert evil.status_code == 400 and "access-control-allow-origin" not in evil.headers
-        # a simple request from a foreign page is answered, but the browser may not read it
-        r = c.get("/v1/models", headers={"Origin": "https://evil.example"})
-        assert "access-control-allow-origin" not in r.headers
+        # a foreign page's request is refused before it reaches the model: a "simple" text/plain
+        # POST needs no preflight, and the browser would only hide the answer
+        r = c.post("/v1/completions", headers={"Origin": "https://evil.example", "Content-Type": "text/plain"},
+                   content=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        assert c.get("/v1/models", headers={"Origin": "https://evil.example"}).status_code == 403
+        assert c.get("/v1/models").status_code == 200  # no Origin (curl, SDKs): not a browser page
         assert c.get("/v1/models", headers={"Origin": "http://[::1]:5173"}).headers["access-control-allow-origin"] == "http://[::1]:5173"
 
 

@@ -67,6 +67,16 @@ def test_json_object_and_llama_cpp_fields(server: RunningServer) -> None:
     assert 0 <= int(out["choices"][0]["text"]) <= 99  # type: ignore[call-overload]
 
 
+def test_grammar_and_bans_that_leave_nothing_end_the_reply(server: RunningServer) -> None:
+    """A grammar whose only token the request bans: that reply ends at once, the server keeps serving."""
+    x = httpx.post(server.url + "/tokenize", json={"content": "x"}).json()["tokens"][0]
+    body = {"model": MODEL, "prompt": "Say x:", "max_tokens": 4, "temperature": 0, "grammar": 'root ::= "x"', "logit_bias": [[x, False]]}
+    out = httpx.post(server.base_url + "/completions", json=body, timeout=60).json()
+    assert out["choices"][0]["text"] == "" and out["choices"][0]["finish_reason"] == "stop"
+    ok = httpx.post(server.base_url + "/completions", json={**body, "logit_bias": None}, timeout=60).json()
+    assert ok["choices"][0]["text"] == "x"
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": "json"}, "response_format"),

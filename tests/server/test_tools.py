@@ -120,6 +120,7 @@ def test_auto_and_none_answer_in_text_or_calls(server: tuple[RunningServer, str]
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}}, "tool_choice"),
 ])
 def test_invalid_tool_requests(server: tuple[RunningServer, str], extra: dict[str, Any], param: str) -> None:
     srv, model = server

@@ -96,6 +96,8 @@ static inline void mark(const pi_model *m, int phase, double *last) {
 int pi_model_size(void) { return (int)sizeof(pi_model); }
 int pi_phases(void) { return PI_PHASES; }
 int pi_layer_size(void) { return (int)sizeof(pi_layer); }
+int pi_sparse_size(void) { return (int)sizeof(pi_sparse); }
+int pi_pred_size(void) { return (int)sizeof(pi_pred); }
 
 /* Scratch layout (bytes), for up to max_t tokens: see carve(). */
 typedef struct {

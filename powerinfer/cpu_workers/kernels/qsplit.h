@@ -13,6 +13,8 @@
 #ifndef PI_QSPLIT_H
 #define PI_QSPLIT_H
 
+#define PI_SPLIT_MAX_COLS 8192 /* split_dot keeps a row's scales (one per 32 values) on the stack */
+
 int pi_split_supported(int type) {
 #ifdef PI_VNNI
     return type == T_Q4_0 || type == T_Q4_1;
@@ -24,7 +26,7 @@ int pi_split_supported(int type) {
 
 /* rows [0, rows) of src (the file's layout, row_bytes apart) into dst in the split layout. */
 int pi_split_repack(const uint8_t *src, int64_t row_bytes, int type, int cols, int rows, uint8_t *dst) {
-    if (!(type == T_Q4_0 || type == T_Q4_1) || cols % 32) return 1;
+    if (!(type == T_Q4_0 || type == T_Q4_1) || cols % 32 || cols > PI_SPLIT_MAX_COLS) return 1; /* split_dot's scales live on its stack */
     const int nb = cols / 32, bb = type == T_Q4_1 ? 20 : 18, hdr = bb - 16;
     for (int r = 0; r < rows; r++) {
         const uint8_t *s = src + (size_t)r * row_bytes;
@@ -44,7 +46,7 @@ static float split_dot(const uint8_t *row, int type, const pi_act *x, int K) {
     const int nb = K / 32, q41 = type == T_Q4_1;
     const uint16_t *sc = (const uint16_t *)row;
     const uint8_t *codes = row + (size_t)(q41 ? 4 : 2) * nb;
-    float fs[256] __attribute__((aligned(64))); /* scale_b * dx_b; nb <= 256 (K <= 8192) */
+    float fs[PI_SPLIT_MAX_COLS / 32] __attribute__((aligned(64))); /* scale_b * dx_b (pi_split_repack refuses wider rows) */
     __m512 corr = _mm512_setzero_ps();
     int b = 0;
     for (; b + 16 <= nb; b += 16) {

@@ -214,6 +214,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
 #endif
 static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_scratch *s, float *y, int D) {
     const int nA = pi_ff_all(m), nb = S->down_t.cols / 32, nchunk = (nA + 511) / 512;
+    if (32 * nb > nA) return 0; /* the sums live in hu [T, nA]: a model wider than its FFN runs the dense down */
     const int64_t rb = S->down_t.row_bytes;
     int32_t *cc = s->cnt + 3 * T + 2; /* [T, nchunk + 1]: chunk counts, then offsets */
     /* the active lists in two passes (count, then write) so that every thread shares the work */
