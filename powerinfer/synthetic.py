@@ -30,7 +30,7 @@ class SyntheticSpec:
     seed: int = 0
 
 
-def _byte_vocab() -> tuple[list[str], list[int]]:
+def byte_vocab() -> tuple[list[str], list[int]]:
     """GPT-2 byte-level vocabulary: 256 byte tokens + <s>, </s> (control)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -52,7 +52,7 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()
         raise InvalidArgumentError(f"unknown synthetic architecture {spec.arch!r}")
     rng = np.random.default_rng(spec.seed)
     path = Path(path)
-    tokens, types = _byte_vocab()
+    tokens, types = byte_vocab()
     vocab = len(tokens)
     a = spec.arch
     w = GGUFWriter(str(path), a)

@@ -38,9 +38,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from powerinfer.cli.main import _Parser, positive_int
+    from powerinfer.cli.common import Parser, positive_int
 
-    p = _Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per worker count.")
+    p = Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per worker count.")
     p.add_argument("-m", "--model", default=None, help="GGUF file or known model name (not needed for --merge)")
     p.add_argument("--workers", "-t", "--threads", dest="workers", type=_int_list, default=[1, 2],
                    help="comma-separated CPU worker (or, with --executor inprocess, thread) counts (default 1,2)")

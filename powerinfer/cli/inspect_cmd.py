@@ -15,7 +15,7 @@ from powerinfer.gguf_file import GGUFFile
 _LONG = 8  # array values longer than this are summarised
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     if isinstance(value, (list, np.ndarray)):
         n = len(value)
         head = ", ".join(repr(v.item() if isinstance(v, np.generic) else v) for v in list(value[:_LONG]))
@@ -25,7 +25,7 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _name(text: str, limit: int = 120) -> str:
+def shown_name(text: str, limit: int = 120) -> str:
     """A key or tensor name as printed: as is when plain text, else escaped (the name comes from the
     file: control characters would reach the terminal, invalid UTF-8 would make print() fail)."""
     shown = text if text.isprintable() else repr(text)
@@ -37,7 +37,7 @@ def inspect_text(path: str, tensors: bool) -> str:
 
     f = GGUFFile(path)
     lines = [f"file: {f.path} ({f.size / 2**20:.1f} MiB), {len(f.metadata)} metadata keys, {len(f.tensors)} tensors", "", "metadata:"]
-    lines += [f"  {_name(k)} = {_show(v)}" for k, v in f.metadata.items()]
+    lines += [f"  {shown_name(k)} = {show_value(v)}" for k, v in f.metadata.items()]
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     for t in f:
         row = by_type[t.qtype.name]
@@ -49,16 +49,16 @@ def inspect_text(path: str, tensors: bool) -> str:
         lines.append(f"  {name:<6} {n:>8} {params:>14,} {nbytes / 2**20:>10.1f} {8 * nbytes / params:>12.2f}")
     if tensors:
         lines += ["", "tensors:"]
-        lines += [f"  {_name(t.name):<32} {t.qtype.name:<6} {str(list(t.shape)):<16} {t.nbytes / 2**10:>10.1f} KiB" for t in f]
+        lines += [f"  {shown_name(t.name):<32} {t.qtype.name:<6} {str(list(t.shape)):<16} {t.nbytes / 2**10:>10.1f} KiB" for t in f]
     cfg = config_from_gguf(f)
     lines += ["", f"architecture: {cfg.arch} (supported); config: {cfg}"]
     return "\n".join(lines)
 
 
 def run_inspect(argv: Sequence[str]) -> int:
-    from powerinfer.cli.main import _Parser
+    from powerinfer.cli.common import Parser
 
-    p = _Parser(prog="powerinfer inspect", description="Print a GGUF model's metadata, tensor types and sizes.")
+    p = Parser(prog="powerinfer inspect", description="Print a GGUF model's metadata, tensor types and sizes.")
     p.add_argument("model", help="GGUF file or known model name")
     p.add_argument("--tensors", action="store_true", help="also list every tensor")
     args = p.parse_args(argv)

@@ -19,11 +19,14 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from powerinfer.cli.common import Parser, positive_int
 from powerinfer.errors import PowerInferError
 
 if TYPE_CHECKING:
     from powerinfer.api import LLM
-    from powerinfer.coordinator.hybrid_executor import GpuOptions  # imported lazily at run time: `fetch` and `--help` stay light
+    from powerinfer.coordinator.hybrid_executor import (
+        GpuOptions,  # imported lazily at run time: `fetch` and `--help` stay light
+    )
 
 log = logging.getLogger("powerinfer")
 
@@ -32,22 +35,6 @@ SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "sparsity
 
 class CLIError(PowerInferError):
     """A bad command-line argument."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        # argparse prints usage and exits 2; keep that, but as one line like our other errors.
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +54,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="powerinfer",
         description="Generate text from a GGUF model. Subcommands: " + ", ".join(SUBCOMMANDS) + " (powerinfer SUB --help).",
     )
@@ -214,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] == "fetch":
             from powerinfer.fetch import add_fetch_subcommand, run_fetch
 
-            p = _Parser(prog="powerinfer")
+            p = Parser(prog="powerinfer")
             add_fetch_subcommand(p.add_subparsers(dest="command"))
             return run_fetch(p.parse_args(argv))
         if argv and argv[0] in ("calibrate", "perplexity"):

@@ -9,27 +9,16 @@ Runs in: the user's process.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Sequence
 
-from powerinfer.errors import PowerInferError
-
-
-def _read_text(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PowerInferError(f"cannot read text file {path}: {e}") from None
-
-
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from powerinfer.cli.common import progress, read_text
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    from powerinfer.cli.main import CLIError, _Parser, positive_int
+    from powerinfer.cli.common import Parser, positive_int
+    from powerinfer.cli.main import CLIError
 
-    p = _Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
+    p = Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
     p.add_argument("-o", "--output", required=True, help="predictor file to write (e.g. MODEL.predictor)")
     p.add_argument("--text", default=None, help="calibration text file (default: text the model generates itself)")
@@ -57,24 +46,24 @@ def run_calibrate(argv: Sequence[str]) -> int:
         raise CLIError("--mode predictor needs --sparsity (the quality-budget search chooses gate-mode levels)")
     settings = CalibrationSettings(mode=args.mode, sparsity=0.5 if args.sparsity is None else args.sparsity, tokens=args.tokens,
                                    recall=args.recall, seed=args.seed, rank=args.rank or 0, steps=args.steps)
-    text = _read_text(args.text) if args.text else None
+    text = read_text(args.text) if args.text else None
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     if args.sparsity is None:
         from powerinfer.sparsity.budget import calibrate_within_budget
 
-        pf, point = calibrate_within_budget(model, settings, args.max_ppl_increase, text, progress=_progress)
-        _progress(point.report())
+        pf, point = calibrate_within_budget(model, settings, args.max_ppl_increase, text, progress=progress)
+        progress(point.report())
     else:
-        pf = calibrate(model, settings, text, progress=_progress)
+        pf = calibrate(model, settings, text, progress=progress)
     write_predictor(args.output, pf)
     print(args.output)
     return 0
 
 
 def run_perplexity(argv: Sequence[str]) -> int:
-    from powerinfer.cli.main import _Parser, positive_int
+    from powerinfer.cli.common import Parser, positive_int
 
-    p = _Parser(prog="powerinfer perplexity", description="Dense vs sparse perplexity on a text, predictor recall/precision per layer.")
+    p = Parser(prog="powerinfer perplexity", description="Dense vs sparse perplexity on a text, predictor recall/precision per layer.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
     p.add_argument("--text", required=True, help="text file to score (use text not seen in calibration)")
     p.add_argument("--predictor", default=None, help="predictor file; without it only the dense perplexity is computed")
@@ -88,7 +77,7 @@ def run_perplexity(argv: Sequence[str]) -> int:
 
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     pf = read_predictor(args.predictor, model=GGUFFile(model)) if args.predictor else None
-    rep = perplexity(model, _read_text(args.text), pf, n_ctx=args.ctx_size, max_tokens=args.max_tokens, progress=_progress)
+    rep = perplexity(model, read_text(args.text), pf, n_ctx=args.ctx_size, max_tokens=args.max_tokens, progress=progress)
     print(f"tokens scored: {rep.tokens}")
     print(f"dense perplexity:  {rep.dense_ppl:.4f}")
     if rep.sparse_ppl is not None:

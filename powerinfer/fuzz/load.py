@@ -161,9 +161,9 @@ def _template(meta: Mapping[str, Any], tok: Any) -> str:
 
 
 def _metadata(f: Any) -> int:
-    from powerinfer.cli.inspect_cmd import _name, _show
+    from powerinfer.cli.inspect_cmd import shown_name, show_value
 
-    text = "\n".join(f"  {_name(k)} = {_show(v)}" for k, v in f.metadata.items())
+    text = "\n".join(f"  {shown_name(k)} = {show_value(v)}" for k, v in f.metadata.items())
     return len(text.encode("utf-8"))  # the CLI prints it to stdout, which is strict UTF-8
 
 

@@ -36,18 +36,18 @@ from powerinfer.protocol.messages import (
     ResultMsg,
     ShutdownMsg,
     StepMsg,
-    _I64_MAX,
+    I64_MAX,
 )
 
 
 # ----------------------------------------------------------------------------------------- specs
 # Field kinds: (lo, hi) = an int in that range (bool rejected), or one of the string kinds below.
-_U, _U1, _IDX = (0, _I64_MAX), (1, _I64_MAX), (-1, _I64_MAX)  # _IDX: -1 = "none" / "unknown"
+_U, _U1, _IDX = (0, I64_MAX), (1, I64_MAX), (-1, I64_MAX)  # _IDX: -1 = "none" / "unknown"
 _FLOAT, _STR, _BOOL, _ULIST = "float", "str", "bool", "list"
 Kind = Union[tuple[int, int], str]
 # Wire dtype code -> numpy dtype, explicitly little-endian so the views are right on any host.
 DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "i64": np.dtype("<i8"), "bf16": np.dtype("<u2"), "f16": np.dtype("<f2")}
-_CODE_OF: dict[Any, str] = {dt: code for code, dt in DTYPES.items()}
+CODE_OF: dict[Any, str] = {dt: code for code, dt in DTYPES.items()}
 _UNPACK_KW: dict[str, Any] = dict(
     raw=False, strict_map_key=True, use_list=False, max_str_len=MAX_BODY, max_bin_len=0,
     max_array_len=MAX_LIST, max_map_len=32, max_ext_len=0,
@@ -95,7 +95,7 @@ _SPECS = [
     _spec(ShutdownMsg, {}),
 ]
 _BY_BYTE: tuple[_Spec | None, ...] = tuple(next((s for s in _SPECS if s.type == b), None) for b in range(256))
-_BY_CLASS: dict[type, _Spec] = {s.cls: s for s in _SPECS}
+BY_CLASS: dict[type, _Spec] = {s.cls: s for s in _SPECS}
 
 
 def _short(v: object) -> str:
@@ -106,7 +106,7 @@ def _short(v: object) -> str:
 def _check_fields(spec: _Spec, values: tuple[Any, ...]) -> None:
     if spec.all_u:  # the hot path: a plain loop beats zip/all/min/max for 3-5 values
         for v in values:
-            if v.__class__ is not int or not 0 <= v <= _I64_MAX:
+            if v.__class__ is not int or not 0 <= v <= I64_MAX:
                 break
         else:
             return
@@ -114,7 +114,7 @@ def _check_fields(spec: _Spec, values: tuple[Any, ...]) -> None:
         if kind.__class__ is tuple:
             if v.__class__ is int and kind[0] <= v <= kind[1]:
                 continue
-            want = f"an int in [{kind[0]}, {'2**63-1' if kind[1] == _I64_MAX else kind[1]}]"
+            want = f"an int in [{kind[0]}, {'2**63-1' if kind[1] == I64_MAX else kind[1]}]"
         elif kind is _STR:
             if v.__class__ is str and len(v) <= MAX_STR:
                 continue
@@ -128,7 +128,7 @@ def _check_fields(spec: _Spec, values: tuple[Any, ...]) -> None:
                 continue
             want = "a bool"
         else:  # _ULIST
-            if v.__class__ in (list, tuple) and len(v) <= MAX_LIST and all(c.__class__ is int and 0 <= c <= _I64_MAX for c in v):
+            if v.__class__ in (list, tuple) and len(v) <= MAX_LIST and all(c.__class__ is int and 0 <= c <= I64_MAX for c in v):
                 continue
             want = f"a list of at most {MAX_LIST} ints in [0, 2**63-1]"
         raise ProtocolError(f"{spec.type.name}: field {name!r} must be {want}, got {_short(v)}")
@@ -168,7 +168,7 @@ def _to_array(t: Any) -> np.ndarray:
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Frames of ``msg``: [type byte + msgpack body, raw tensor bytes...]. Raises ProtocolError if
     ``msg`` breaks the spec, so that a peer never receives what it would reject."""
-    spec = _BY_CLASS.get(msg.__class__)
+    spec = BY_CLASS.get(msg.__class__)
     if spec is None:
         raise ProtocolError(f"cannot encode {type(msg).__name__}: not a protocol message")
     values = spec.get(msg)
@@ -183,11 +183,11 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         for i, (role, allowed, rank) in enumerate(spec.roles):
             t = tensors[i]
             arr = t if t.__class__ is np.ndarray and t.flags.c_contiguous else _to_array(t)
-            code = _CODE_OF.get(arr.dtype)
+            code = CODE_OF.get(arr.dtype)
             if code not in allowed:
                 if arr.dtype.byteorder == ">":  # big-endian input: convert, then look again
                     arr = _to_array(arr)
-                    code = _CODE_OF.get(arr.dtype)
+                    code = CODE_OF.get(arr.dtype)
                 if code not in allowed:
                     raise _role_error(spec, i, code or str(arr.dtype), allowed)
             if arr.ndim != rank:
@@ -272,7 +272,7 @@ def _decode_tensors(spec: _Spec, descs: Any, frames: Any) -> tuple[np.ndarray, .
             raise ProtocolError(f"{spec.type.name}: tensor {role!r} shape must be a list of {rank} ints, got {_short(shape)}")
         nbytes = dt.itemsize  # Python ints: no overflow, and nothing is allocated from it
         for d in shape:
-            if d.__class__ is not int or not 0 <= d <= _I64_MAX:
+            if d.__class__ is not int or not 0 <= d <= I64_MAX:
                 raise ProtocolError(f"{spec.type.name}: tensor {role!r} has an invalid dimension {_short(d)}")
             nbytes *= d
         buf = _buffer(frames[i + 1], i + 1)

@@ -46,7 +46,7 @@ DEFAULT_MAX_MSG = 256 * 1024 * 1024  # per-frame ZMQ_MAXMSGSIZE, see socket_limi
 ZERO_COPY_MIN = 1024 * 1024
 HEARTBEAT_INTERVAL_S = 0.2  # a worker beats this often, from a thread (also while busy)
 HEARTBEAT_TIMEOUT_S = 3.0  # silence longer than this marks a worker as dead (acceptance: detected within 5 s)
-_I64_MAX = 2**63 - 1
+I64_MAX = 2**63 - 1
 
 
 class MsgType(enum.IntEnum):
@@ -67,17 +67,17 @@ class MsgType(enum.IntEnum):
 
 
 def _describe(t: Any) -> str:
-    from powerinfer.protocol.codec import _CODE_OF  # codec imports this module: resolve at call time
+    from powerinfer.protocol.codec import CODE_OF  # codec imports this module: resolve at call time
 
     shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
-    return f"{_CODE_OF.get(dtype) or dtype}{list(shape)}" if shape is not None else type(t).__name__
+    return f"{CODE_OF.get(dtype) or dtype}{list(shape)}" if shape is not None else type(t).__name__
 
 
 def _tensor_repr(self: Any) -> str:
     """dtype and shape instead of the (possibly huge) tensor contents."""
-    from powerinfer.protocol.codec import _BY_CLASS
+    from powerinfer.protocol.codec import BY_CLASS
 
-    head = ", ".join(f"{n}={getattr(self, n)!r}" for n in _BY_CLASS[type(self)].names)
+    head = ", ".join(f"{n}={getattr(self, n)!r}" for n in BY_CLASS[type(self)].names)
     return f"{type(self).__name__}({head}, tensors=({', '.join(map(_describe, self.tensors))}))"
 
 

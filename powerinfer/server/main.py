@@ -23,7 +23,16 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from powerinfer.cli.main import CLIError, _Parser, add_gpu_args, add_model_args, check_gpu_flags, configure_logging, load_llm, positive_int
+from powerinfer.cli.main import (
+    CLIError,
+    Parser,
+    add_gpu_args,
+    add_model_args,
+    check_gpu_flags,
+    configure_logging,
+    load_llm,
+    positive_int,
+)
 from powerinfer.errors import PowerInferError
 
 log = logging.getLogger("powerinfer.server")
@@ -34,7 +43,7 @@ DEFAULT_N_PREDICT = 1024
 
 
 def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, "
+    p = Parser(prog=prog, description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, "
                                          "/health, /metrics.")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

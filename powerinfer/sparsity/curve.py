@@ -79,11 +79,11 @@ def plot(points: Sequence[CurvePoint], path: str, title: str) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    from powerinfer.cli.main import CLIError, _Parser, positive_int
-    from powerinfer.cli.sparsity_cmds import _progress, _read_text
+    from powerinfer.cli.common import Parser, positive_int, progress, read_text
+    from powerinfer.cli.main import CLIError
     from powerinfer.fetch import resolve_model
 
-    p = _Parser(prog="powerinfer sparsity-curve", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="powerinfer sparsity-curve", description=__doc__.split("\n\n")[0])
     p.add_argument("-m", "--model", required=True)
     p.add_argument("--calib", required=True, help="calibration text file")
     p.add_argument("--held-out", required=True, help="text to score, not seen in calibration")
@@ -105,7 +105,7 @@ def main(argv: Sequence[str]) -> int:
     if any(m not in ("gate", "predictor") for m in modes):
         raise CLIError("--modes: gate and/or predictor")
     model = resolve_model(args.model, progress=sys.stderr.isatty())
-    points = sweep(model, _read_text(args.calib), _read_text(args.held_out), targets, modes, args.tokens, args.max_tokens, _progress)
+    points = sweep(model, read_text(args.calib), read_text(args.held_out), targets, modes, args.tokens, args.max_tokens, progress)
     print(f"dense perplexity {points[0].dense_ppl:.3f} on {args.max_tokens} held-out tokens")
     print(f"{'mode':<10} {'target':>6} {'achieved':>9} {'perplexity':>11} {'change':>8} {'recall':>7}")
     for pt in points:

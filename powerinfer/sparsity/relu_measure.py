@@ -23,7 +23,7 @@ QT = GGMLQuantizationType
 ROPE_BASE, NORM_EPS = 10000.0, 1e-5
 
 
-def _rms_norm(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+def rms_norm(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
     y = x / np.sqrt((x * x).mean(-1, keepdims=True) + NORM_EPS)
     return y if w is None else y * w
 
@@ -39,7 +39,7 @@ def _rope(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _attention(h: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, n_heads: int, n_kv: int) -> np.ndarray:
+def attention(h: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, n_heads: int, n_kv: int) -> np.ndarray:
     """Causal GQA attention of normed h [B, T, d] -> per-head outputs concatenated [B, T, n_heads*hd]
     (before attn_output)."""
     B, T, _ = h.shape
@@ -55,11 +55,11 @@ def _attention(h: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, n_
     return (p @ v).transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)
 
 
-def _silu(g: np.ndarray) -> np.ndarray:
+def silu(g: np.ndarray) -> np.ndarray:
     return g / (1.0 + np.exp(-np.clip(g, -80.0, 80.0)))
 
 
-def _weight(f: GGUFFile, name: str) -> np.ndarray:
+def weight(f: GGUFFile, name: str) -> np.ndarray:
     info = f.tensor(name)
     raw = np.asarray(f.raw(name))
     if info.qtype in (QT.F32, QT.F16):
@@ -79,14 +79,14 @@ def run_layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, layers: int | Non
     """Run the file's first ``layers`` llama layers on token ids [B, T] (each row a sequence)."""
     if cfg.arch != "llama":
         raise InvalidArgumentError(f"{f.path}: expected a llama file, got {cfg.arch}")
-    x = _weight(f, "token_embd.weight")[ids]  # [B, T, d]
+    x = weight(f, "token_embd.weight")[ids]  # [B, T, d]
     for i in range(cfg.n_layers if layers is None else min(layers, cfg.n_layers)):
-        w = lambda part: _weight(f, f"blk.{i}.{part}.weight")  # noqa: E731
-        att = _attention(_rms_norm(x, w("attn_norm")), w("attn_q"), w("attn_k"), w("attn_v"), cfg.n_heads, cfg.n_kv_heads)
+        w = lambda part: weight(f, f"blk.{i}.{part}.weight")  # noqa: E731
+        att = attention(rms_norm(x, w("attn_norm")), w("attn_q"), w("attn_k"), w("attn_v"), cfg.n_heads, cfg.n_kv_heads)
         x = x + att @ w("attn_output").T
-        h = _rms_norm(x, w("ffn_norm")).reshape(-1, cfg.d_model)
+        h = rms_norm(x, w("ffn_norm")).reshape(-1, cfg.d_model)
         gate, up = h @ w("ffn_gate").T, h @ w("ffn_up").T
-        x = x + ((_silu(gate) * up) @ w("ffn_down").T).reshape(x.shape)
+        x = x + ((silu(gate) * up) @ w("ffn_down").T).reshape(x.shape)
         yield LayerActivations(i, gate, up, x)
 
 
@@ -137,7 +137,7 @@ class SparsityStats:
 
 def _layer_sparsity(a: LayerActivations, threshold_rel: float, hot_fraction: float,
                     abs_thresholds: Sequence[float]) -> LayerSparsity:
-    act = np.abs(_silu(a.gate) * a.up)  # [N, n_ff]
+    act = np.abs(silu(a.gate) * a.up)  # [N, n_ff]
     active = act >= threshold_rel * act.max(1, keepdims=True)
     per_token = 1.0 - active.mean(1)
     freq = active.mean(0)  # [n_ff] share of tokens for which each neuron is active

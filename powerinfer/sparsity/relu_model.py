@@ -49,12 +49,12 @@ from powerinfer.errors import InvalidArgumentError, PowerInferError
 from powerinfer.sparsity.relu_measure import (
     NORM_EPS,
     ROPE_BASE,
-    _attention,
-    _rms_norm,
-    _silu,
+    attention,
+    rms_norm,
+    silu,
     measure_sparsity,
 )
-from powerinfer.synthetic import _byte_vocab
+from powerinfer.synthetic import byte_vocab
 
 log = logging.getLogger(__name__)
 QT = GGMLQuantizationType
@@ -222,13 +222,13 @@ class _Planter:
         ones = np.ones(d, np.float32)
         wq, wk, wv = (rng.standard_normal((r, d), np.float32) / np.float32(math.sqrt(d))
                       for r in (d, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim))
-        att = _attention(_rms_norm(x), wq, wk, wv, s.n_heads, s.n_kv_heads)
+        att = attention(rms_norm(x), wq, wk, wv, s.n_heads, s.n_kv_heads)
         wo, att_out = self._branch(self._off_b(rng.standard_normal((d, d), np.float32)), att)
         yield from ((p + "attn_norm.weight", ones), (p + "attn_q.weight", wq), (p + "attn_k.weight", wk),
                     (p + "attn_v.weight", wv), (p + "attn_output.weight", wo), (p + "ffn_norm.weight", ones))
         del wq, wk, wv, wo
         x = x + att_out
-        h = _rms_norm(x).reshape(-1, d)  # [N, d]
+        h = rms_norm(x).reshape(-1, d)  # [N, d]
         c = h @ self.b  # [N] the shared bias component; positive by construction
         if c.min() <= 0:
             raise RuntimeError(f"layer {i}: the bias direction lost its sign; lower branch_scale")
@@ -249,7 +249,7 @@ class _Planter:
         yield p + "ffn_gate.weight", wg
         del wg
         wu = rng.standard_normal((f, d), np.float32) / np.float32(math.sqrt(d))
-        act = _silu(gate) * (h @ wu.T)
+        act = silu(gate) * (h @ wu.T)
         yield p + "ffn_up.weight", wu
         del wu
         wd, ffn_out = self._branch(self._off_b(rng.standard_normal((d, f), np.float32)), act)
@@ -267,7 +267,7 @@ def _vocab(n: int) -> tuple[list[str], list[int], list[str]]:
     """Byte-level gpt2 vocabulary (tokens, types, merges) of n >= 259 tokens. llama.cpp refuses a
     gpt2 tokenizer without a merges key and gguf cannot write an empty array, so one real merge
     (two spaces, "ĠĠ", id 258) is added; ids above it are unused control tokens."""
-    tokens, types = _byte_vocab()  # 256 bytes, <s> = 256, </s> = 257
+    tokens, types = byte_vocab()  # 256 bytes, <s> = 256, </s> = 257
     tokens, types = tokens + ["\u0120\u0120"], types + [1]
     return tokens + [f"<unused{i}>" for i in range(n - 259)], types + [3] * (n - 259), ["\u0120 \u0120"]
 

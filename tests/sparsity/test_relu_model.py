@@ -16,7 +16,7 @@ from powerinfer.api import LLM
 from powerinfer.config import config_from_gguf
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.sparsity.relu_measure import SparsityStats, _rms_norm, _weight, measure_sparsity, run_layers
+from powerinfer.sparsity.relu_measure import SparsityStats, rms_norm, weight, measure_sparsity, run_layers
 from powerinfer.sparsity.relu_model import ReluSparseSpec, firing_probabilities, main, write_relu_sparse_gguf
 from tests.reference_forward import reference_logits
 
@@ -67,7 +67,7 @@ def test_measurement_forward_matches_the_reference(tiny: Path) -> None:
     f = GGUFFile(tiny)
     cfg = config_from_gguf(f)
     *_, last = run_layers(f, cfg, np.array([IDS]))
-    ours = _rms_norm(last.residual[0], _weight(f, "output_norm.weight")) @ _weight(f, "token_embd.weight").T
+    ours = rms_norm(last.residual[0], weight(f, "output_norm.weight")) @ weight(f, "token_embd.weight").T
     ref = reference_logits(f, cfg, IDS)
     assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
 
