@@ -60,12 +60,13 @@ def add_cors(app: FastAPI, origins: tuple[str, ...]) -> None:
         return await call_next(request)
 
 
-def timings(prompt_n: int, t_submit: float, t_first: float, predicted_n: int, t_end: float) -> dict[str, float]:
-    """llama.cpp's ``timings``: prompt_n tokens evaluated (the cached ones are not) from submission
-    to the first token, predicted_n tokens from then to the end (monotonic seconds in)."""
+def timings(prompt_n: int, t_submit: float, t_first: float, predicted_n: int, t_end: float, cache_n: int = 0) -> dict[str, float]:
+    """llama.cpp's ``timings``: cache_n prompt tokens reused, prompt_n evaluated from submission to
+    the first token, predicted_n tokens from then to the end (monotonic seconds in)."""
     prompt_ms = max(0.0, (t_first - t_submit) * 1e3) if t_first else max(0.0, (t_end - t_submit) * 1e3)
     predicted_ms = max(0.0, (t_end - t_first) * 1e3) if t_first else 0.0
     return {
+        "cache_n": cache_n,
         "prompt_n": prompt_n,
         "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
@@ -90,7 +91,8 @@ def job_timings(jobs: list[Job], predicted_n: int) -> dict[str, float]:
     prompt_n = sum(len(j.prompt) - (j.seq.cached if j.seq is not None else 0) for j in jobs)
     firsts = [j.t_first for j in jobs if j.t_first]
     t_end = max([j.t_end for j in jobs if j.t_end] or [time.monotonic()])
-    return timings(prompt_n, min(j.t_submit for j in jobs), min(firsts) if firsts else 0.0, predicted_n, t_end)
+    cache_n = sum(j.seq.cached for j in jobs if j.seq is not None)
+    return timings(prompt_n, min(j.t_submit for j in jobs), min(firsts) if firsts else 0.0, predicted_n, t_end, cache_n)
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:

@@ -23,6 +23,7 @@ class ServerMetrics:
         self.healthy = Gauge("powerinfer_healthy", "1 when the model is loaded and every worker answers", registry=r)
         self.prompt_tokens = Counter("powerinfer_prompt_tokens", "Prompt tokens computed (cached prefixes not counted)", registry=r)
         self.generation_tokens = Counter("powerinfer_generation_tokens", "Tokens sampled", registry=r)
+        self.prompt_tokens_cache = Counter("powerinfer_prompt_tokens_cache", "Prompt tokens reused from a slot's KV cache", registry=r)
         self.requests = Counter("powerinfer_sequences", "Finished sequences by outcome", ["outcome"], registry=r)
         self.http = Counter("powerinfer_http_requests", "HTTP requests by status code", ["code"], registry=r)
         self.ttft = Histogram("powerinfer_time_to_first_token_seconds", "Queue + prefill time to the first token",

@@ -189,6 +189,8 @@ class Scheduler:
                 job = self.waiting.popleft()
                 job.seq = Seq(job.prompt, job.state, tag=job)
                 self.core.add(job.seq)
+                if job.seq.cached:
+                    self.metrics.prompt_tokens_cache.inc(job.seq.cached)
                 self.active.append(job)
             self.metrics.waiting.set(len(self.waiting))
             self.metrics.running.set(len(self.active))

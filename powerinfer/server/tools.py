@@ -31,6 +31,9 @@ from powerinfer.server.requests import bad
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
+# Calls one required reply may make: a small model, allowed "one or more", can repeat calls until
+# max_tokens cuts the last one off; the grammar ends the reply after this many.
+MAX_PARALLEL_CALLS = 8
 TOOLS_PROMPT = (
     "You can call the following functions. Their parameters are JSON schemas.\n<tools>\n{tools}\n</tools>\n"
     "To call a function, answer with one line per call, and nothing else on that line:\n"
@@ -133,12 +136,29 @@ def grammar(spec: ToolSpec) -> str | None:
     if spec.choice not in ("required", "function"):
         return None
     fns = [f for f in spec.functions if spec.choice != "function" or f["name"] == spec.name]
-    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+    schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _closed(f["parameters"])},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
-    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    repeat = ' ("\\n" call)*' if spec.parallel and spec.choice == "required" else ""
+    body: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # compact JSON: with free whitespace a small model that wants a character the schema forbids
+    # writes spaces instead, until max_tokens
+    body = {**body, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if spec.parallel and spec.choice == "required" else ""
     return (f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\n'
             f"obj: %json {json.dumps(body, ensure_ascii=False)}\n")
+
+
+def _closed(schema: Any) -> Any:
+    """An arguments schema whose objects take only their declared properties unless they say
+    otherwise: JSON Schema's default (any extra key) lets a small model ramble through a call
+    (a quote in its code string ends the string, the rest becomes new keys) until max_tokens."""
+    if isinstance(schema, dict):
+        out = {k: _closed(v) for k, v in schema.items()}
+        if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_closed(v) for v in schema]
+    return schema
 
 
 def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
@@ -164,7 +184,11 @@ def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
     for a, b in spans:
         content.append(text[pos:a])
         pos = b
-    content.append(text[pos:])
+    rest = text[pos:]
+    cut = rest.rfind(OPEN)
+    if cut >= 0 and CLOSE not in rest[cut:]:  # a last call cut off by max_tokens: not content
+        rest = rest[:cut]
+    content.append(rest)
     return "".join(content).strip(), calls
 
 
