@@ -1,16 +1,31 @@
-"""The package's shape: no source file over 400 lines, and no module importing another's private
-names (issue 19's rules that a test can hold today; the layer contract comes with import-linter).
+"""The package's shape: the import layers (.importlinter, checked by import-linter), no source
+file over 400 lines, and no module importing another's private names.
 
-Runs in: the pytest process (reads the source files as text and syntax trees; imports nothing).
+Runs in: the pytest process (reads the source files as text and syntax trees; lint-imports in a
+process of its own).
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "powerinfer"
 MAX_LINES = 400
+
+
+def test_import_layers() -> None:
+    """entry points -> tools -> api -> coordinator -> workers -> foundations, the two worker packages
+    independent: a cycle or an upward import fails here (the contract names what is not listed yet)."""
+    exe = shutil.which("lint-imports")
+    if exe is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[test]')")
+    r = subprocess.run([exe], cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
 def test_no_source_file_over_400_lines() -> None:

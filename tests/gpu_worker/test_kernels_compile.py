@@ -16,7 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from powerinfer.gpu_worker.check import random_weight_rows
+from powerinfer.tools.gpu_check import random_weight_rows
 from powerinfer.gpu_worker.cuda_backend import SIGNATURES
 from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, source_files
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from powerinfer.gpu_worker.backend import CpuBackend
-from powerinfer.gpu_worker.bench import Row, run_benchmark
-from powerinfer.gpu_worker.check import _print_table, _quant_cases, _small_cases
+from powerinfer.tools.gpu_bench import Row, run_benchmark
+from powerinfer.tools.gpu_check import _print_table, _quant_cases, _small_cases
 
 
 def test_every_kernel_case_runs_on_the_numpy_backend() -> None:

@@ -1,6 +1,6 @@
 """Neuron split vs layer split: decode speed of a ReLU-sparse model larger than the VRAM budget.
 
-Runs in: the GPU check process (``python -m powerinfer.gpu_worker.check``); the GPU side in a GPU
+Runs in: the GPU check process (``python -m powerinfer.tools.gpu_check``); the GPU side in a GPU
 worker process, the CPU side in this process with one torch thread per core.
 
 The model is a planted-sparsity llama file (:mod:`powerinfer.sparsity.relu_model`, cached in the

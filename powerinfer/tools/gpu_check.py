@@ -2,7 +2,7 @@
 reference, and a neuron-split vs layer-split decode benchmark on a ReLU-sparse model.
 
 Runs in: the process ``scripts/gpu_check.sh`` starts on a CUDA machine (the SmolLM2 and benchmark
-parts start a GPU worker process each). CLI output: ``python -m powerinfer.gpu_worker.check``.
+parts start a GPU worker process each). CLI output: ``python -m powerinfer.tools.gpu_check``.
 
 Each part adds rows (part, case, value, verdict) to one summary table printed at the end, so a
 failure in one part does not hide the others; the exit status is non-zero when any row failed.
@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.gpu_worker.backend import Backend, CpuBackend
-from powerinfer.gpu_worker.bench import Row, run_benchmark
+from powerinfer.tools.gpu_bench import Row, run_benchmark
 from powerinfer.gpu_worker.kernels import SUFFIX
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def _print_table(rows: Sequence[Row]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m powerinfer.gpu_worker.check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m powerinfer.tools.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="kernels,smollm2,bench", help="comma-separated: kernels, smollm2, bench")
     p.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf (the part is skipped without it)")
     p.add_argument("--fixture", type=Path, default=Path("../shared/fixtures/llamacpp_reference.json"))
