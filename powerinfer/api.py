@@ -33,7 +33,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.sampling import SamplingParams
-from powerinfer.sparsity.predictor_file import read_predictor
+from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:

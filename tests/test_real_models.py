@@ -117,7 +117,7 @@ def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, trans
 def smollm2_gate_predictor(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A gate-mode predictor for SmolLM2 calibrated on a short generated text (thresholds only: seconds)."""
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-    from powerinfer.sparsity.predictor_file import write_predictor
+    from powerinfer.predictors.predictor_file import write_predictor
 
     path = tmp_path_factory.mktemp("predictor") / "smollm2.predictor"
     write_predictor(path, calibrate(smollm2_path, CalibrationSettings(mode="gate", sparsity=0.3, tokens=64, window=32, steps=1)))

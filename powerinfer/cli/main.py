@@ -217,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return serve(argv[1:], prog="powerinfer serve")
         if argv and argv[0] == "sparsity-curve":
-            from powerinfer.sparsity.curve import main as run_curve
+            from powerinfer.cli.sparsity_cmds import run_sparsity_curve as run_curve
 
             return run_curve(argv[1:])
         if argv and argv[0] == "loadtest":

@@ -1,4 +1,5 @@
-"""`powerinfer calibrate` and `powerinfer perplexity`: make a predictor, measure what it costs.
+"""`powerinfer calibrate`, `powerinfer perplexity` and `powerinfer sparsity-curve`: make a predictor,
+measure what it costs.
 
 Runs in: the user's process.
 
@@ -40,7 +41,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from powerinfer.fetch import resolve_model
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-    from powerinfer.sparsity.predictor_file import write_predictor
+    from powerinfer.predictors.predictor_file import write_predictor
 
     if args.sparsity is None and args.mode == "predictor":
         raise CLIError("--mode predictor needs --sparsity (the quality-budget search chooses gate-mode levels)")
@@ -73,7 +74,7 @@ def run_perplexity(argv: Sequence[str]) -> int:
     from powerinfer.fetch import resolve_model
     from powerinfer.gguf_file import GGUFFile
     from powerinfer.sparsity.perplexity import perplexity
-    from powerinfer.sparsity.predictor_file import read_predictor
+    from powerinfer.predictors.predictor_file import read_predictor
 
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     pf = read_predictor(args.predictor, model=GGUFFile(model)) if args.predictor else None
@@ -87,3 +88,55 @@ def run_perplexity(argv: Sequence[str]) -> int:
         for i, q in enumerate(rep.layers):
             print(f"{i:>5} {q.recall:>8.3f} {q.precision:>10.3f} {100 * q.sparsity:>8.1f}%")
     return 0
+
+
+def run_sparsity_curve(argv: Sequence[str]) -> int:
+    import json
+    import math
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from powerinfer.cli.common import Parser, positive_int
+    from powerinfer.cli.main import CLIError
+    from powerinfer.fetch import resolve_model
+    from powerinfer.sparsity.curve import operating_point, plot, sweep
+
+    p = Parser(prog="powerinfer sparsity-curve", description="Perplexity against FFN sparsity on held-out text, for gate and predictor modes.")
+    p.add_argument("-m", "--model", required=True)
+    p.add_argument("--calib", required=True, help="calibration text file")
+    p.add_argument("--held-out", required=True, help="text to score, not seen in calibration")
+    p.add_argument("--targets", default="0.05,0.1,0.2,0.3,0.5", help="comma-separated target sparsities")
+    p.add_argument("--modes", default="gate,predictor")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens")
+    p.add_argument("--max-tokens", type=positive_int, default=2048, help="held-out tokens scored")
+    p.add_argument("--budget", type=float, default=0.02, help="perplexity increase allowed at the operating point (default 0.02)")
+    p.add_argument("--plot", default=None, help="PNG of the curve")
+    p.add_argument("--json", default=None, help="write the points here")
+    args = p.parse_args(argv)
+    try:
+        targets = [float(t) for t in args.targets.split(",")]
+    except ValueError:
+        raise CLIError(f"--targets must be comma-separated numbers, got {args.targets!r}") from None
+    if any(not 0 < t < 1 for t in targets):
+        raise CLIError("--targets must be in (0, 1)")
+    modes = args.modes.split(",")
+    if any(m not in ("gate", "predictor") for m in modes):
+        raise CLIError("--modes: gate and/or predictor")
+    model = resolve_model(args.model, progress=sys.stderr.isatty())
+    points = sweep(model, read_text(args.calib), read_text(args.held_out), targets, modes, args.tokens, args.max_tokens, progress)
+    print(f"dense perplexity {points[0].dense_ppl:.3f} on {args.max_tokens} held-out tokens")
+    print(f"{'mode':<10} {'target':>6} {'achieved':>9} {'perplexity':>11} {'change':>8} {'recall':>7}")
+    for pt in points:
+        print(f"{pt.mode:<10} {pt.target:>6.2f} {100 * pt.achieved:>8.1f}% {pt.ppl:>11.3f} {100 * pt.increase:>+7.2f}% {pt.recall:>7.3f}")
+    op = operating_point(points, args.budget)
+    if op is None:
+        print(f"no point within +{100 * args.budget:.1f}%")
+    else:
+        print(f"operating point (+{100 * args.budget:.1f}% budget): {op.mode} target {op.target:.2f}, "
+              f"{100 * op.achieved:.1f}% sparsity, {100 * op.increase:+.2f}% perplexity")
+    if args.plot:
+        plot(points, args.plot, Path(model).name)
+        print(f"plot: {args.plot}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([{**asdict(pt), "increase": pt.increase} for pt in points], indent=1))
+    return 0 if all(math.isfinite(pt.ppl) for pt in points) else 1

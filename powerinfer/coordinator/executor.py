@@ -22,7 +22,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
 
 if TYPE_CHECKING:
-    from powerinfer.sparsity.predictor_file import PredictorFile
+    from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 

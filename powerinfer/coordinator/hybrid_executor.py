@@ -4,7 +4,7 @@ Runs in: the coordinator process (the CPU shards run here, with torch's intra-op
 worker runs in its own process or, for tests, in this one).
 
 Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor`. From a
-:class:`powerinfer.sparsity.placement.Placement`:
+:class:`powerinfer.coordinator.placement.Placement`:
 
 * attention of a GPU layer (``gpu_layers[i]``) is computed by the GPU worker with its KV cache;
   of any other layer by an :class:`AttentionShard` here;
@@ -35,8 +35,8 @@ from powerinfer.gpu_worker.errors import GIB, gib, over_card
 from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS
 from powerinfer.gpu_worker.model import GpuPlan
 from powerinfer.model.sharding import HeadRange, ShardPlan, cold_neurons, plan_shards
-from powerinfer.sparsity.placement import Placement, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.coordinator.placement import Placement, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
+from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from powerinfer.cpu_workers.native_model import NativeDecoder
 from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 
 
 class NativeExecutor:

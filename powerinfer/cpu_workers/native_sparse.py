@@ -28,7 +28,7 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants.formats import dequantize_rows
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from powerinfer.cpu_workers.shm_segment import (
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks
-from powerinfer.sparsity.predictor_file import read_predictor
+from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.protocol import (
     ErrorMsg,
     LoadMsg,

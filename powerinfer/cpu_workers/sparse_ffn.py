@@ -38,7 +38,7 @@ from powerinfer.model.sharding import down_columns, packs_as_columns
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import Int8Linear, PackedLinear
 from powerinfer.quants.formats import decode
-from powerinfer.sparsity.predictor_file import LayerPredictor
+from powerinfer.predictors.predictor_file import LayerPredictor
 
 
 def _int8_rows(lin: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,7 +71,7 @@ class _Shards:
         from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
         from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable
-        from powerinfer.sparsity.predictor_file import read_predictor
+        from powerinfer.predictors.predictor_file import read_predictor
 
         f = GGUFFile(load.model)
         cfg = config_from_gguf(f)

@@ -24,7 +24,7 @@ from gguf import GGUFWriter
 
 from powerinfer.fuzz.gguf_layout import KV, Layout, enc_array, enc_scalar, enc_string, rebuild, scan
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile, model_fingerprint, write_predictor
+from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint, write_predictor
 from powerinfer.synthetic import SyntheticSpec, write_synthetic_gguf
 
 # SmolLM2-135M-Instruct's tokenizer.chat_template, so template mutations start from a real one.

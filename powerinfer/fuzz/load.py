@@ -201,7 +201,7 @@ def load_model(path: Path, stages: Stages, small: bool) -> None:
     from powerinfer.cli.inspect_cmd import inspect_text
     from powerinfer.config import config_from_gguf
     from powerinfer.gguf_file import GGUFFile
-    from powerinfer.sparsity.predictor_file import model_fingerprint
+    from powerinfer.predictors.predictor_file import model_fingerprint
 
     size = path.stat().st_size
     f = stages.run("open", lambda: _open_traced(path, size, GGUFFile) if small else GGUFFile(path))
@@ -228,8 +228,8 @@ def _check_model(model_path: str) -> Any:
 
 
 def load_predictor(path: Path, model_path: str, stages: Stages) -> None:
-    from powerinfer.sparsity.powerinfer_formats import open_powerinfer_gguf, read_gpuidx, read_powerinfer_predictor
-    from powerinfer.sparsity.predictor_file import read_predictor
+    from powerinfer.predictors.powerinfer_formats import open_powerinfer_gguf, read_gpuidx, read_powerinfer_predictor
+    from powerinfer.predictors.predictor_file import read_predictor
 
     size = path.stat().st_size
     f = stages.run("open_powerinfer", lambda: _open_traced(path, size, open_powerinfer_gguf))

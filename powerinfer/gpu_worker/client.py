@@ -55,7 +55,7 @@ from powerinfer.protocol import (
     socket_limits,
     worker_identity,
 )
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead
 from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS, qkv_width
 from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 

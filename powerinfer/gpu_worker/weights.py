@@ -20,7 +20,7 @@ from powerinfer.gpu_worker.layout import device_qtype, down_t_qtype
 from powerinfer.model.sharding import down_columns
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 from powerinfer.quants import dequantize_rows
-from powerinfer.sparsity.predictor_file import LayerPredictor
+from powerinfer.predictors.predictor_file import LayerPredictor
 
 
 def neox_perm(head_dim: int, rope_dim: int) -> np.ndarray:

@@ -45,7 +45,7 @@ from powerinfer.protocol import (
     worker_identity,
 )
 from powerinfer.protocol.lifecycle import die_with_parent, heartbeat
-from powerinfer.sparsity.predictor_file import read_predictor
+from powerinfer.predictors.predictor_file import read_predictor
 
 log = logging.getLogger(__name__)
 

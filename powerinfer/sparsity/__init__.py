@@ -6,14 +6,14 @@ Only the torch-free file formats are re-exported here, so importing the package 
 calibration and profiling live in their own modules (``powerinfer.sparsity.calibrate``, ...).
 """
 
-from powerinfer.sparsity.powerinfer_formats import (
+from powerinfer.predictors.powerinfer_formats import (
     GpuSplit,
     is_powerinfer_file,
     open_powerinfer_gguf,
     read_gpuidx,
     read_powerinfer_predictor,
 )
-from powerinfer.sparsity.predictor_file import (
+from powerinfer.predictors.predictor_file import (
     LayerPredictor,
     PredictorFile,
     model_fingerprint,

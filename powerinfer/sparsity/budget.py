@@ -31,7 +31,7 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
 from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, build_predictor, profile
 from powerinfer.sparsity.perplexity import nll
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.sparsity.profile import windows_of
 
 STEP = 0.05  # allocation granularity per layer

@@ -26,7 +26,7 @@ from powerinfer.coordinator.engine import Engine
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.sampling import Sampler, SamplingParams
-from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
+from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
 from powerinfer.sparsity.profile import ProfilingExecutor, run_tokens, windows_of
 from powerinfer.tokenizer import GGUFTokenizer
 

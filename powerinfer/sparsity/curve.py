@@ -12,10 +12,7 @@ point: the sparsest point whose perplexity stays within --budget (default +2%) o
 
 from __future__ import annotations
 
-import json
-import math
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -76,49 +73,3 @@ def plot(points: Sequence[CurvePoint], path: str, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def main(argv: Sequence[str]) -> int:
-    from powerinfer.cli.common import Parser, positive_int, progress, read_text
-    from powerinfer.cli.main import CLIError
-    from powerinfer.fetch import resolve_model
-
-    p = Parser(prog="powerinfer sparsity-curve", description=__doc__.split("\n\n")[0])
-    p.add_argument("-m", "--model", required=True)
-    p.add_argument("--calib", required=True, help="calibration text file")
-    p.add_argument("--held-out", required=True, help="text to score, not seen in calibration")
-    p.add_argument("--targets", default="0.05,0.1,0.2,0.3,0.5", help="comma-separated target sparsities")
-    p.add_argument("--modes", default="gate,predictor")
-    p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens")
-    p.add_argument("--max-tokens", type=positive_int, default=2048, help="held-out tokens scored")
-    p.add_argument("--budget", type=float, default=0.02, help="perplexity increase allowed at the operating point (default 0.02)")
-    p.add_argument("--plot", default=None, help="PNG of the curve")
-    p.add_argument("--json", default=None, help="write the points here")
-    args = p.parse_args(argv)
-    try:
-        targets = [float(t) for t in args.targets.split(",")]
-    except ValueError:
-        raise CLIError(f"--targets must be comma-separated numbers, got {args.targets!r}") from None
-    if any(not 0 < t < 1 for t in targets):
-        raise CLIError("--targets must be in (0, 1)")
-    modes = args.modes.split(",")
-    if any(m not in ("gate", "predictor") for m in modes):
-        raise CLIError("--modes: gate and/or predictor")
-    model = resolve_model(args.model, progress=sys.stderr.isatty())
-    points = sweep(model, read_text(args.calib), read_text(args.held_out), targets, modes, args.tokens, args.max_tokens, progress)
-    print(f"dense perplexity {points[0].dense_ppl:.3f} on {args.max_tokens} held-out tokens")
-    print(f"{'mode':<10} {'target':>6} {'achieved':>9} {'perplexity':>11} {'change':>8} {'recall':>7}")
-    for pt in points:
-        print(f"{pt.mode:<10} {pt.target:>6.2f} {100 * pt.achieved:>8.1f}% {pt.ppl:>11.3f} {100 * pt.increase:>+7.2f}% {pt.recall:>7.3f}")
-    op = operating_point(points, args.budget)
-    if op is None:
-        print(f"no point within +{100 * args.budget:.1f}%")
-    else:
-        print(f"operating point (+{100 * args.budget:.1f}% budget): {op.mode} target {op.target:.2f}, "
-              f"{100 * op.achieved:.1f}% sparsity, {100 * op.increase:+.2f}% perplexity")
-    if args.plot:
-        plot(points, args.plot, Path(model).name)
-        print(f"plot: {args.plot}")
-    if args.json:
-        Path(args.json).write_text(json.dumps([{**asdict(pt), "increase": pt.increase} for pt in points], indent=1))
-    return 0 if all(math.isfinite(pt.ppl) for pt in points) else 1

@@ -23,7 +23,7 @@ from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.sparsity.profile import windows_of
 from powerinfer.tokenizer import GGUFTokenizer
 

@@ -25,7 +25,7 @@ from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import dequantize_rows
-from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile, model_fingerprint, write_predictor
+from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint, write_predictor
 
 log = logging.getLogger(__name__)
 

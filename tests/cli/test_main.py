@@ -221,7 +221,7 @@ def test_subcommand_help(sub: str) -> None:
 
 def test_predictor_flags(make_model: Callable[..., Path], tmp_path: Path) -> None:
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-    from powerinfer.sparsity.predictor_file import write_predictor
+    from powerinfer.predictors.predictor_file import write_predictor
 
     model, other = make_model(arch="llama"), make_model(arch="llama", seed=7)
     pred = tmp_path / "m.predictor"

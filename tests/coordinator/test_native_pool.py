@@ -254,7 +254,7 @@ def test_sparse_ranks_equal_the_sparse_decoder_in_process(tmp_path: Path, mode: 
     """With a predictor each rank computes its neurons' chosen gate and up rows; the merge is the
     dense one, so 1, 2 and 3 workers give the in-process sparse decoder's logits bit for bit."""
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-    from powerinfer.sparsity.predictor_file import write_predictor
+    from powerinfer.predictors.predictor_file import write_predictor
     from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 
     model = write_relu_sparse_gguf(tmp_path / "tiny.gguf", ReluSparseSpec.shape("tiny"))

@@ -18,7 +18,7 @@ from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
 from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-from powerinfer.sparsity.predictor_file import PredictorFile, write_predictor
+from powerinfer.predictors.predictor_file import PredictorFile, write_predictor
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 
 pytestmark = pytest.mark.skipif(decoder_lib() is None, reason="no C compiler for the native decoder")

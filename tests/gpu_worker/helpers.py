@@ -16,7 +16,7 @@ from powerinfer.gpu_worker.kernels import act
 from powerinfer.gpu_worker.model import GpuModel, GpuPlan
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import dequantize_rows
-from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
+from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
 
 
 def load(path: Path) -> tuple[GGUFFile, ModelConfig]:

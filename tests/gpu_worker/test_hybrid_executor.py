@@ -18,8 +18,8 @@ from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
 from powerinfer.gpu_worker.errors import GIB, GpuMemoryError
-from powerinfer.sparsity.placement import layer_costs
-from powerinfer.sparsity.predictor_file import write_predictor
+from powerinfer.coordinator.placement import layer_costs
+from powerinfer.predictors.predictor_file import write_predictor
 from tests.gpu_worker.helpers import load, make_predictor, rel
 from tests.reference_forward import reference_logits
 

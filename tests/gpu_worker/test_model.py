@@ -22,7 +22,7 @@ from powerinfer.gpu_worker.errors import GpuMemoryError
 from powerinfer.gpu_worker.weights import neox_perm
 from powerinfer.model.ops import RopeTable, neox_to_norm_perm
 from powerinfer.model.sharding import HeadRange, cold_neurons
-from powerinfer.sparsity.placement import layer_costs
+from powerinfer.coordinator.placement import layer_costs
 from tests.gpu_worker.helpers import gpu_model, load, make_predictor, rel
 
 ARCHS = ["llama", "qwen2", "gemma3"]

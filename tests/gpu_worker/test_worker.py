@@ -19,7 +19,7 @@ from powerinfer.gpu_worker.client import GpuSetup, GpuWorkerProcess, LocalGpuWor
 from powerinfer.gpu_worker.errors import GpuMemoryError
 from powerinfer.gpu_worker.model import GpuPlan
 from powerinfer.protocol import WorkerDiedError, WorkerError
-from powerinfer.sparsity.predictor_file import write_predictor
+from powerinfer.predictors.predictor_file import write_predictor
 from tests.gpu_worker.helpers import load, make_predictor
 
 

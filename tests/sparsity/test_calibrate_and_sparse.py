@@ -12,7 +12,7 @@ from powerinfer.api import LLM
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.sparsity.perplexity import perplexity
-from powerinfer.sparsity.predictor_file import read_predictor, write_predictor
+from powerinfer.predictors.predictor_file import read_predictor, write_predictor
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]

@@ -153,7 +153,7 @@ def test_oracle_sparse_output_equals_dense(tiny: Path, tmp_path: Path) -> None:
     from dataclasses import replace
 
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-    from powerinfer.sparsity.predictor_file import write_predictor
+    from powerinfer.predictors.predictor_file import write_predictor
 
     pf = calibrate(tiny, CalibrationSettings(mode="gate", sparsity=0.85, tokens=64, window=32, steps=1))
     paths = {}

@@ -17,7 +17,7 @@ import pytest
 
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-from powerinfer.sparsity.predictor_file import write_predictor
+from powerinfer.predictors.predictor_file import write_predictor
 from powerinfer.sparsity.speed import compare_decode
 
 REPO = Path(__file__).resolve().parents[2]

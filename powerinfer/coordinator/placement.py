@@ -49,7 +49,7 @@ from powerinfer.gpu_worker.layout import (
     predictor_fixed_bytes,
     workspace_bytes,
 )
-from powerinfer.sparsity.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 

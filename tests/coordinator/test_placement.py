@@ -13,8 +13,8 @@ import pytest
 from powerinfer.config import config_from_gguf
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.sparsity.placement import LayerCosts, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
-from powerinfer.sparsity.predictor_file import LayerPredictor, PredictorFile
+from powerinfer.coordinator.placement import LayerCosts, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
+from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile
 
 
 def predictor(masses: np.ndarray) -> PredictorFile:

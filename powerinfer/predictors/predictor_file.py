@@ -31,7 +31,7 @@ Modes: ``predictor`` skips the gate, up and down rows of neurons the low-rank ML
 (Linear(d, r) -> ReLU -> Linear(r, n_ff), active where the logit > 0) predicts cold; ``gate``
 computes the gate densely and reads up/down rows only where |act(gate)| > the layer's threshold.
 
-PowerInfer's own files (``PWRI`` magic, see :mod:`powerinfer.sparsity.powerinfer_formats`) are
+PowerInfer's own files (``PWRI`` magic, see :mod:`powerinfer.predictors.powerinfer_formats`) are
 read transparently by :func:`read_predictor`.
 """
 
@@ -379,7 +379,7 @@ def read_predictor(path: str | Path, model: GGUFFile | None = None) -> Predictor
     count, n_ff or d_model differ from the model's. Every problem is a one-line ModelFileError.
     """
     # Imported here: powerinfer_formats builds on this module's dataclasses.
-    from powerinfer.sparsity.powerinfer_formats import is_powerinfer_file, read_powerinfer_predictor
+    from powerinfer.predictors.powerinfer_formats import is_powerinfer_file, read_powerinfer_predictor
 
     path = Path(path)
     if is_powerinfer_file(path):
