@@ -287,7 +287,7 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
             raise bad("the prompt is empty", where)
         if len(ids) >= llm.n_ctx:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply)",
-                           param=where, code="context_length_exceeded", extra={"n_prompt_tokens": len(ids), "n_ctx": llm.n_ctx})
+                           param=where, code="context_length_exceeded")
         out.append(ids)
     return out
 

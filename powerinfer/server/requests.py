@@ -29,15 +29,13 @@ class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None, extra: Mapping[str, Any] | None = None) -> None:
-        """extra: more fields of the error object (llama.cpp's, e.g. n_prompt_tokens and n_ctx)."""
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = dict(headers or {})
-        self.extra = dict(extra or {})
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "conformance.py"
 LLAMA_CPP_ONLY = {
     "props_n_ctx_per_slot",  # llama.cpp splits -c over the slots; here every slot has the whole context
     "unknown_model_name_accepted",  # llama.cpp answers any model name; OpenAI (and this server) say 404
-    "ctx_exceeded_llamacpp_fields",  # OpenAI's error type and code (llama.cpp's fields n_prompt_tokens, n_ctx are there too)
+    "ctx_exceeded_llamacpp_fields",  # OpenAI's exact error shape {message, type, param, code}, not llama.cpp's fields
 }
 
 
