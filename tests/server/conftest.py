@@ -79,6 +79,13 @@ def start_server(model: Path, tmp: Path, *args: str, ready: bool = True, timeout
     return server
 
 
+def serving(model: Path, tmp_path_factory: pytest.TempPathFactory, name: str, *args: str) -> Iterator[RunningServer]:
+    """A module fixture's body: a server on the model with these flags, stopped after the module."""
+    server = start_server(model, tmp_path_factory.mktemp(name), *args)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """SmolLM2 with 8 slots of 512 tokens, 2 CPU workers, --parallel 8, a small queue, -n 48."""

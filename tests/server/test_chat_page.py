@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer, serving
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -27,9 +27,7 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="chromiu
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = start_server(smollm2_path, tmp_path_factory.mktemp("page"), "-c", "1024", "--parallel", "2", "-t", "2")
-    yield s
-    s.stop()
+    yield from serving(smollm2_path, tmp_path_factory, "page", "-c", "1024", "--parallel", "2", "-t", "2")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from starlette.testclient import TestClient
 
 from powerinfer.server.compat import add_cors
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer, serving
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
@@ -26,9 +26,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France? Answer in on
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = start_server(smollm2_path, tmp_path_factory.mktemp("compat"), "-c", "512", "--parallel", "4", "-t", "2", "-n", "32")
-    yield s
-    s.stop()
+    yield from serving(smollm2_path, tmp_path_factory, "compat", "-c", "512", "--parallel", "4", "-t", "2", "-n", "32")
 
 
 def client(server: RunningServer) -> openai.OpenAI:

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer, serving
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "conformance.py"
 # llama.cpp conventions this server does not follow, on purpose (README, "Server")
@@ -27,9 +27,7 @@ LLAMA_CPP_ONLY = {
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = start_server(smollm2_path, tmp_path_factory.mktemp("conformance"), "-c", "1024", "--parallel", "4", "-t", "2")
-    yield s
-    s.stop()
+    yield from serving(smollm2_path, tmp_path_factory, "conformance", "-c", "1024", "--parallel", "4", "-t", "2")
 
 
 def test_llama_cpp_derived_conformance(server: RunningServer) -> None:

@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import RunningServer, start_server
+from tests.server.conftest import RunningServer, serving
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 PERSON = {
@@ -31,9 +31,7 @@ TOPICS = ["a pilot", "a chef", "a child", "a painter", "a doctor", "a farmer", "
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = start_server(smollm2_path, tmp_path_factory.mktemp("structured"), "-c", "512", "--parallel", "4", "-t", "2", "-n", "96")
-    yield s
-    s.stop()
+    yield from serving(smollm2_path, tmp_path_factory, "structured", "-c", "512", "--parallel", "4", "-t", "2", "-n", "96")
 
 
 def client(server: RunningServer) -> openai.OpenAI:
