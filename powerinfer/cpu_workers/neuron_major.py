@@ -1,9 +1,10 @@
 """The sparse FFN kernel's weight layout: gate, up and down neuron-major in the file's own codes.
 
-Runs in: every process that computes sparse FFNs natively: the in-process executor (its torch
-shards' kernel, cpu_workers/native.py, and the native decoder, native_sparse.py) and the native
-pool's ranks. numpy and ctypes only (no torch: the ranks never import it). The layouts and
-arithmetic are described in kernels/sparse_ffn.c; these structs mirror its pi_mat and pi_call.
+Runs in: the processes of the torch executors' sparse FFN shards (cpu_workers/native.py's
+NativeFFN: the in-process torch executor, `--transport zmq` workers, the GPU hybrid's CPU side).
+numpy and ctypes only; the torch glue stays in native.py. The layouts and arithmetic are
+described in kernels/sparse_ffn.c; these structs mirror its pi_mat and pi_call. (The native
+decoder's sparse FFN reads the file's own rows instead: kernels/sparse_rows.h.)
 """
 
 from __future__ import annotations
