@@ -156,9 +156,10 @@ static int pi_ffn_fits(const pi_call *c) {
     return !(d % 32 || d > 8192 || d / c->gate.group > 512 || d / c->up.group > 512 || c->n % ug || ug > 64 || c->parts < 1);
 }
 
-/* pi_ffn's work, called by every thread of an enclosing parallel region (the native decoder's, or
- * pi_ffn's own): the orphaned work-sharing loops below bind to it, and their implicit barriers
- * are its only synchronisation. The caller has checked pi_ffn_fits. */
+/* pi_ffn's work, called by every thread of an enclosing parallel region (pi_ffn's own; a caller
+ * with a region of its own can call it from there): the orphaned work-sharing loops below bind
+ * to it, and their implicit barriers are its only synchronisation. The caller has checked
+ * pi_ffn_fits. */
 static void pi_ffn_team(const pi_call *c) {
     const int T = c->T, d = c->d, parts = c->parts, ug = c->down.group;
     const pi_mat *gate = &c->gate, *up = &c->up;
