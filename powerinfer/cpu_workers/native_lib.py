@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from powerinfer.cpu_workers.cbuild import load_library
 from powerinfer.errors import InvalidArgumentError
+from powerinfer.quants.registry import REGISTRY
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,7 @@ ISA_FLAGS = {
 ISA_CPU_FLAGS = {"vnni": {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni"}, "avx2": {"avx2", "fma", "f16c"}, "scalar": set()}
 ISA_IDS = {"scalar": 0, "avx2": 1, "vnni": 2}
 # GGML types the dot products cover (qdot.h's registry), with the row length their blocks need.
-TYPES = {QT.F32: 1, QT.F16: 1, QT.BF16: 1, QT.Q4_0: 32, QT.Q4_1: 32, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q8_0: 32,
-         QT.Q4_K: 256, QT.Q5_K: 256, QT.Q6_K: 256}
+TYPES = {q: t.native_align for q, t in REGISTRY.items() if t.native_align is not None}
 
 
 class PiWt(ctypes.Structure):

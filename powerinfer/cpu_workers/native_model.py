@@ -27,6 +27,7 @@ from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import RankShard
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
+from powerinfer.quants.registry import REGISTRY
 
 if TYPE_CHECKING:
     from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
@@ -52,7 +53,7 @@ def weight(f: GGUFFile, name: str, rows: tuple[int, int] | None = None, cols: tu
     return PiWt(raw.ctypes.data + r0 * stride + col_bytes, None, stride, int(info.qtype), r1 - r0, c1 - c0)
 
 
-X8_BYTES = {QT.Q4_0: 16 + 128, QT.Q4_1: 32 + 128, QT.Q5_0: 48 + 128, QT.Q8_0: 16 + 256, QT.Q6_K: 32 + 256}  # qx8.h's PI_X8_BYTES: one block of eight rows
+X8_BYTES = {q: t.x8_group_bytes for q, t in REGISTRY.items() if t.x8_group_bytes is not None}  # qx8.h's PI_X8_BYTES: one block of eight rows
 
 
 def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:

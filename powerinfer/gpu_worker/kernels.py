@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.quants import dequantize_rows
+from powerinfer.quants.registry import REGISTRY
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAX_HEAD_DIM = 256  # attention.cu's MAX_D
@@ -26,10 +27,7 @@ BLOCK = 128  # threads per block of the element-wise, gemv and axpy launches
 AXPY_CHUNK = 64  # rows of the down projection one axpy block sums before its atomic add
 
 # GGUF weight type -> kernel suffix (gemv_<suffix>, axpy_<suffix>), one .cu file each.
-SUFFIX: dict[QT, str] = {
-    QT.F32: "f32", QT.F16: "f16", QT.Q4_0: "q4_0", QT.Q4_1: "q4_1", QT.Q5_0: "q5_0", QT.Q5_1: "q5_1",
-    QT.Q8_0: "q8_0", QT.Q4_K: "q4_k", QT.Q6_K: "q6_k",
-}  # fmt: skip
+SUFFIX: dict[QT, str] = {q: t.gpu_suffix for q, t in REGISTRY.items() if t.gpu_suffix is not None}
 QTYPE_OF: dict[str, QT] = {s: q for q, s in SUFFIX.items()}
 
 

@@ -11,7 +11,14 @@ zero) or float32; ``pack_linear`` / ``linear_from_tensor`` turn those into a :cl
 import importlib
 from typing import Any
 
-from powerinfer.quants.formats import FOUR_BIT_TYPES, SUPPORTED_TYPES, decode, dequantize_rows, raw_rows, row_bytes
+from powerinfer.quants.formats import (
+    FOUR_BIT_TYPES,
+    SUPPORTED_TYPES,
+    decode,
+    dequantize_rows,
+    raw_rows,
+    row_bytes,
+)
 from powerinfer.quants.grouped import Grouped
 
 # The packed linears need torch; they load on first use so that the coordinator, which only

@@ -19,19 +19,26 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import ModelFileError, UnsupportedModelError
-from powerinfer.quants.formats_kquants import decode_q4_k, decode_q5_k, decode_q6_k, f16_field
+from powerinfer.quants.formats_kquants import (
+    decode_q4_k,
+    decode_q5_k,
+    decode_q6_k,
+    f16_field,
+)
 from powerinfer.quants.grouped import Grouped
+from powerinfer.quants.registry import REGISTRY, types_where
 
 log = logging.getLogger(__name__)
 
-FLOAT_TYPES: frozenset[QT] = frozenset({QT.F32, QT.F16, QT.BF16})
-QUANT_TYPES: frozenset[QT] = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K})
+# The types and their traits come from the registry (quants/registry.py).
+FLOAT_TYPES: frozenset[QT] = frozenset(q for q, t in REGISTRY.items() if t.is_float)
+QUANT_TYPES: frozenset[QT] = frozenset(q for q, t in REGISTRY.items() if not t.is_float)
 SUPPORTED_TYPES: frozenset[QT] = FLOAT_TYPES | QUANT_TYPES
 # Formats whose codes are all 0..15 (Grouped.bits == 4): these pack to int4 without requantizing.
-FOUR_BIT_TYPES: frozenset[QT] = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+FOUR_BIT_TYPES: frozenset[QT] = types_where(four_bit=True)
 
 # Bytes per element of the float formats; BF16 is read as uint16 and widened by a shift.
-_FLOAT_ITEMSIZE: dict[QT, int] = {QT.F32: 4, QT.F16: 2, QT.BF16: 2}
+_FLOAT_ITEMSIZE: dict[QT, int] = {q: REGISTRY[q].float_itemsize for q in FLOAT_TYPES}
 # Typed arrays accepted besides raw bytes (bf16 has no numpy dtype: 16-bit integers carry its bits).
 _FLOAT_DTYPES: dict[QT, tuple[np.dtype, ...]] = {
     QT.F32: (np.dtype(np.float32),),
@@ -150,6 +157,9 @@ _QUANT_DECODERS: dict[QT, Callable[[np.ndarray], Grouped]] = {
     QT.Q5_K: decode_q5_k,
     QT.Q6_K: decode_q6_k,
 }
+if set(_QUANT_DECODERS) != QUANT_TYPES:  # a registered block type without a decoder, or the reverse
+    raise ImportError(f"quants/formats.py decodes {sorted(t.name for t in _QUANT_DECODERS)}, the registry lists "
+                      f"{sorted(t.name for t in QUANT_TYPES)}")
 
 
 # --- public entry points ----------------------------------------------------------------------------

@@ -19,12 +19,20 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.quants.formats import FLOAT_TYPES, FOUR_BIT_TYPES, decode, raw_rows
 from powerinfer.quants.grouped import Grouped
-from powerinfer.quants.linear import INT4_GROUP, KINDS, Int8Packer, Part, PackedLinear, build_linear
+from powerinfer.quants.linear import (
+    INT4_GROUP,
+    KINDS,
+    Int8Packer,
+    PackedLinear,
+    Part,
+    build_linear,
+)
+from powerinfer.quants.registry import types_where
 
 log = logging.getLogger(__name__)
 
 # 5..8-bit types with group-32 codes: exact as two int4 halves (Q6_K's groups of 16 are not).
-SPLIT_TYPES: frozenset[QT] = frozenset({QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q8_0})
+SPLIT_TYPES: frozenset[QT] = types_where(int4_split=True)
 
 CHUNK_ROWS = 4096  # raw rows decoded at a time (4096 x 640 Q8_0: ~2.6 MB codes + 10 MB float32 transient)
 

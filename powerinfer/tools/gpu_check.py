@@ -24,12 +24,13 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.gpu_worker.backend import Backend, CpuBackend
-from powerinfer.tools.gpu_bench import Row, run_benchmark
 from powerinfer.gpu_worker.kernels import SUFFIX
+from powerinfer.quants.registry import REGISTRY
+from powerinfer.tools.gpu_bench import Row, run_benchmark
 
 log = logging.getLogger(__name__)
 
-SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,), QT.Q4_K: (0, 2), QT.Q6_K: (208,)}
+SCALE_FIELDS = {q: t.scale_fields for q, t in REGISTRY.items() if t.scale_fields}
 Case = Callable[[Backend], list[np.ndarray]]
 
 
