@@ -1,93 +1,31 @@
-"""Numpy forward pass and sparsity measurement for the synthetic ReLU-sparse llama files.
+"""Sparsity measurement for the synthetic ReLU-sparse llama files, through the readable model.
 
-Runs in: the CLI / tests process. Used by relu_model.py while planting (to calibrate each layer on
-the layers already written) and by :func:`measure_sparsity` on a finished file.
+Runs in: the CLI / tests process (:func:`measure_sparsity` on a finished file; relu_model.py
+prints it after writing, the GPU benchmark profiles with :func:`run_layers`).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-
-QT = GGMLQuantizationType
-ROPE_BASE, NORM_EPS = 10000.0, 1e-5
-
-
-def rms_norm(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
-    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + NORM_EPS)
-    return y if w is None else y * w
+from powerinfer.model import reference
+from powerinfer.model.reference import LayerOut
 
 
-def _rope(x: np.ndarray) -> np.ndarray:
-    """llama ("norm") rope on adjacent pairs, as ggml does for llama files. x [B, T, H, D]."""
-    d = x.shape[-1]
-    ang = np.arange(x.shape[1])[:, None] * ROPE_BASE ** (-np.arange(0, d, 2) / d)  # [T, D/2]
-    c, s = np.cos(ang).astype(np.float32)[None, :, None], np.sin(ang).astype(np.float32)[None, :, None]
-    a, b = x[..., 0::2], x[..., 1::2]
-    out = np.empty_like(x)
-    out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
-    return out
-
-
-def attention(h: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, n_heads: int, n_kv: int) -> np.ndarray:
-    """Causal GQA attention of normed h [B, T, d] -> per-head outputs concatenated [B, T, n_heads*hd]
-    (before attn_output)."""
-    B, T, _ = h.shape
-    hd = wq.shape[0] // n_heads
-    q = _rope((h @ wq.T).reshape(B, T, n_heads, hd)).transpose(0, 2, 1, 3)  # [B, H, T, hd]
-    k = _rope((h @ wk.T).reshape(B, T, n_kv, hd)).transpose(0, 2, 3, 1)  # [B, KV, hd, T]
-    v = (h @ wv.T).reshape(B, T, n_kv, hd).transpose(0, 2, 1, 3)  # [B, KV, T, hd]
-    g = n_heads // n_kv
-    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    s = (q @ k) / np.float32(math.sqrt(hd)) + np.triu(np.full((T, T), -np.inf, np.float32), 1)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    return (p @ v).transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)
-
-
-def silu(g: np.ndarray) -> np.ndarray:
-    return g / (1.0 + np.exp(-np.clip(g, -80.0, 80.0)))
-
-
-def weight(f: GGUFFile, name: str) -> np.ndarray:
-    info = f.tensor(name)
-    raw = np.asarray(f.raw(name))
-    if info.qtype in (QT.F32, QT.F16):
-        return raw.astype(np.float32)
-    return dequantize(raw, info.qtype).reshape(info.shape).astype(np.float32)
-
-
-@dataclass(frozen=True)
-class LayerActivations:
-    layer: int
-    gate: np.ndarray  # [N, n_ff] pre-activations of the N tokens
-    up: np.ndarray  # [N, n_ff]
-    residual: np.ndarray  # [B, T, d] residual stream after the layer
-
-
-def run_layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, layers: int | None = None) -> Iterator[LayerActivations]:
-    """Run the file's first ``layers`` llama layers on token ids [B, T] (each row a sequence)."""
+def run_layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, layers: int | None = None) -> Iterator[LayerOut]:
+    """The file's first ``layers`` layers on token ids [B, T] (each row a sequence), through the
+    readable model (powerinfer/model/reference.py) in float32: each layer's gate and up
+    pre-activations [N, n_ff] and the residual [B, T, d] after it."""
     if cfg.arch != "llama":
         raise InvalidArgumentError(f"{f.path}: expected a llama file, got {cfg.arch}")
-    x = weight(f, "token_embd.weight")[ids]  # [B, T, d]
-    for i in range(cfg.n_layers if layers is None else min(layers, cfg.n_layers)):
-        w = lambda part: weight(f, f"blk.{i}.{part}.weight")  # noqa: E731
-        att = attention(rms_norm(x, w("attn_norm")), w("attn_q"), w("attn_k"), w("attn_v"), cfg.n_heads, cfg.n_kv_heads)
-        x = x + att @ w("attn_output").T
-        h = rms_norm(x, w("ffn_norm")).reshape(-1, cfg.d_model)
-        gate, up = h @ w("ffn_gate").T, h @ w("ffn_up").T
-        x = x + ((silu(gate) * up) @ w("ffn_down").T).reshape(x.shape)
-        yield LayerActivations(i, gate, up, x)
+    yield from reference.layers(f, cfg, ids, layers, dtype=np.float32)
 
 
 # -- the writer ------------------------------------------------------------------------------------
@@ -135,9 +73,9 @@ class SparsityStats:
         return "\n".join(lines)
 
 
-def _layer_sparsity(a: LayerActivations, threshold_rel: float, hot_fraction: float,
+def _layer_sparsity(a: LayerOut, threshold_rel: float, hot_fraction: float,
                     abs_thresholds: Sequence[float]) -> LayerSparsity:
-    act = np.abs(silu(a.gate) * a.up)  # [N, n_ff]
+    act = np.abs(reference.activation(a.gate, "silu") * a.up)  # [N, n_ff]
     active = act >= threshold_rel * act.max(1, keepdims=True)
     per_token = 1.0 - active.mean(1)
     freq = active.mean(0)  # [n_ff] share of tokens for which each neuron is active

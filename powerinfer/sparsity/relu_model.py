@@ -46,18 +46,53 @@ from gguf.quants import quantize
 from tqdm import tqdm
 
 from powerinfer.errors import InvalidArgumentError, PowerInferError
-from powerinfer.sparsity.relu_measure import (
-    NORM_EPS,
-    ROPE_BASE,
-    attention,
-    rms_norm,
-    silu,
-    measure_sparsity,
-)
+from powerinfer.sparsity.relu_measure import measure_sparsity
 from powerinfer.synthetic import byte_vocab
 
 log = logging.getLogger(__name__)
 QT = GGMLQuantizationType
+
+# The planter's forward building blocks (float32, on the weights it is writing; the finished file is
+# measured through the readable model, powerinfer/model/reference.py, which the tests hold these to).
+ROPE_BASE, NORM_EPS = 10000.0, 1e-5
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + NORM_EPS)
+    return y if w is None else y * w
+
+
+def _rope(x: np.ndarray) -> np.ndarray:
+    """llama ("norm") rope on adjacent pairs, as ggml does for llama files. x [B, T, H, D]."""
+    d = x.shape[-1]
+    ang = np.arange(x.shape[1])[:, None] * ROPE_BASE ** (-np.arange(0, d, 2) / d)  # [T, D/2]
+    c, s = np.cos(ang).astype(np.float32)[None, :, None], np.sin(ang).astype(np.float32)[None, :, None]
+    a, b = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+    return out
+
+
+def attention(h: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, n_heads: int, n_kv: int) -> np.ndarray:
+    """Causal GQA attention of normed h [B, T, d] -> per-head outputs concatenated [B, T, n_heads*hd]
+    (before attn_output)."""
+    B, T, _ = h.shape
+    hd = wq.shape[0] // n_heads
+    q = _rope((h @ wq.T).reshape(B, T, n_heads, hd)).transpose(0, 2, 1, 3)  # [B, H, T, hd]
+    k = _rope((h @ wk.T).reshape(B, T, n_kv, hd)).transpose(0, 2, 3, 1)  # [B, KV, hd, T]
+    v = (h @ wv.T).reshape(B, T, n_kv, hd).transpose(0, 2, 1, 3)  # [B, KV, T, hd]
+    g = n_heads // n_kv
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = (q @ k) / np.float32(math.sqrt(hd)) + np.triu(np.full((T, T), -np.inf, np.float32), 1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ v).transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)
+
+
+def silu(g: np.ndarray) -> np.ndarray:
+    return g / (1.0 + np.exp(-np.clip(g, -80.0, 80.0)))
+
+
 
 WRITABLE_TYPES = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 SHAPES: dict[str, dict[str, int]] = {

@@ -14,7 +14,7 @@ from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from tests.reference_forward import reference_logits
+from powerinfer.model.reference import logits as reference_logits
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
 

@@ -21,7 +21,7 @@ from powerinfer.gpu_worker.errors import GIB, GpuMemoryError
 from powerinfer.coordinator.placement import layer_costs
 from powerinfer.predictors.predictor_file import write_predictor
 from tests.gpu_worker.helpers import load, make_predictor, rel
-from tests.reference_forward import reference_logits
+from powerinfer.model.reference import logits as reference_logits
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
 CTX = 64

@@ -1,0 +1,136 @@
+"""The readable model: a decoder's forward pass for llama, qwen2 and gemma3 in plain numpy, from
+the architectures' definitions, the oracle every fast path is tested against.
+
+Runs in: whichever process asks (pytest, the sparsity measurements, the GPU benchmark); numpy only,
+no engine code: weights come from ``gguf.quants.dequantize`` and the GGUF reader, shapes from the
+config. The native decoder, the worker shards and the GPU worker are held to it by their tests;
+``sparsity/relu_measure.py`` measures activations through :func:`layers`.
+
+    x = embed(ids) * embed_scale                                    [B, T, d]
+    per layer:
+        h = rmsnorm(x) * attn_norm
+        q, k, v = h Wq^T (+bq), h Wk^T (+bk), h Wv^T (+bv)           [B, T, H(kv), D]
+        q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm             (gemma3)
+        q, k = rope(q), rope(k)                                     (adjacent pairs, or NEOX halves)
+        a = softmax(scale q k^T + causal (+ sliding window)) v Wo^T
+        x = x + post_attention_norm(a)                              (gemma3's post-norms)
+        h = rmsnorm(x) * ffn_norm
+        x = x + post_ffw_norm((act(h Wg^T) * h Wu^T) Wd^T)            act: silu, or gelu (tanh)
+    logits = rmsnorm(x) * output_norm  Whead^T
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from powerinfer.config import ModelConfig
+from powerinfer.gguf_file import GGUFFile
+
+
+def weight(f: GGUFFile, name: str, dtype: type = np.float64) -> np.ndarray:
+    """A tensor of the file, dequantized, in its GGUF shape."""
+    info = f.tensor(name)
+    raw = np.asarray(f.raw(name))
+    if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return raw.astype(dtype)
+    return dequantize(raw, info.qtype).reshape(info.shape).astype(dtype)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * w
+
+
+def rope(x: np.ndarray, pos: np.ndarray, base: float, style: str) -> np.ndarray:
+    """x [..., T, H, D] rotated by position pos [T]: adjacent pairs ("norm", llama) or halves (NEOX)."""
+    D = x.shape[-1]
+    ang = pos[:, None, None] * base ** (-np.arange(0, D, 2) / D)  # [T, 1, D/2]
+    c, s = np.cos(ang).astype(x.dtype), np.sin(ang).astype(x.dtype)
+    if style == "norm":
+        a, b = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+        return out
+    a, b = x[..., : D // 2], x[..., D // 2 :]
+    return np.concatenate([a * c - b * s, a * s + b * c], -1)
+
+
+def activation(g: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "silu":
+        return g / (1 + np.exp(-np.clip(g, -80.0, 80.0)))
+    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+
+
+def attention(cfg: ModelConfig, i: int, h: np.ndarray, w: "_Layer") -> np.ndarray:
+    """Layer i's attention of normed h [B, T, d] -> its output before the residual [B, T, d]."""
+    B, T, _ = h.shape
+    D, pos = cfg.head_dim, np.arange(T)
+    q, k, v = h @ w("attn_q").T, h @ w("attn_k").T, h @ w("attn_v").T
+    if cfg.qkv_bias:
+        q, k, v = q + w("attn_q", "bias"), k + w("attn_k", "bias"), v + w("attn_v", "bias")
+    q, k, v = q.reshape(B, T, -1, D), k.reshape(B, T, -1, D), v.reshape(B, T, -1, D)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w("attn_q_norm"), cfg.norm_eps), rms_norm(k, w("attn_k_norm"), cfg.norm_eps)
+    base = cfg.rope_base if cfg.global_layers[i] else cfg.rope_base_local
+    q, k = rope(q, pos, base, cfg.rope_style), rope(k, pos, base, cfg.rope_style)
+    g = cfg.n_heads // cfg.n_kv_heads
+    k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, k) * cfg.attn_scale
+    allowed = pos[None, :] <= pos[:, None]
+    if not cfg.global_layers[i]:
+        allowed &= pos[:, None] - pos[None, :] < cfg.sliding_window
+    scores = np.where(allowed[None, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    a = np.einsum("bhts,bshd->bthd", p, v).reshape(B, T, -1) @ w("attn_output").T
+    return rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a
+
+
+@dataclass(frozen=True)
+class LayerOut:
+    """What one layer did to a batch: its FFN's input and pre-activations, and the residual after it."""
+
+    layer: int
+    ffn_in: np.ndarray  # [N, d] normed FFN input of the N = B * T tokens
+    gate: np.ndarray  # [N, n_ff]
+    up: np.ndarray  # [N, n_ff]
+    residual: np.ndarray  # [B, T, d]
+
+
+class _Layer:
+    """Layer i's tensors by part name, read (and dequantized) when first asked for."""
+
+    def __init__(self, f: GGUFFile, i: int, dtype: type) -> None:
+        self.f, self.i, self.dtype = f, i, dtype
+
+    def __call__(self, part: str, kind: str = "weight") -> np.ndarray:
+        return weight(self.f, f"blk.{self.i}.{part}.{kind}", self.dtype)
+
+
+def layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, n_layers: int | None = None, dtype: type = np.float64) -> Iterator[LayerOut]:
+    """Token ids [B, T] (each row a sequence from position 0) through the first n_layers layers."""
+    x = weight(f, "token_embd.weight", dtype)[ids] * dtype(cfg.embed_scale)  # [B, T, d]
+    for i in range(cfg.n_layers if n_layers is None else min(n_layers, cfg.n_layers)):
+        w = _Layer(f, i, dtype)
+        x = x + attention(cfg, i, rms_norm(x, w("attn_norm"), cfg.norm_eps), w)
+        h = rms_norm(x, w("ffn_norm"), cfg.norm_eps).reshape(-1, cfg.d_model)
+        gate, up = h @ w("ffn_gate").T, h @ w("ffn_up").T
+        m = ((activation(gate, cfg.activation) * up) @ w("ffn_down").T).reshape(x.shape)
+        x = x + (rms_norm(m, w("post_ffw_norm"), cfg.norm_eps) if cfg.post_norms else m)
+        yield LayerOut(i, h, gate, up, x)
+
+
+def logits(f: GGUFFile, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
+    """Logits [T, vocab] of a whole sequence from scratch (float64)."""
+    x = np.asarray(ids, dtype=np.int64)[None]
+    for out in layers(f, cfg, x):
+        x = out.residual
+    if not cfg.n_layers:
+        x = weight(f, "token_embd.weight")[np.asarray(ids)][None] * cfg.embed_scale
+    h = rms_norm(x[0], weight(f, "output_norm.weight"), cfg.norm_eps)
+    return h @ weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight").T
