@@ -14,43 +14,81 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
-from powerinfer.cli.common import Parser, positive_int
+from powerinfer.cli.common import (
+    CLIError,
+    Parser,
+    add_gpu_args,
+    add_model_args,
+    check_gpu_flags,
+    configure_logging,
+    load_llm,
+)
 from powerinfer.errors import PowerInferError
-
-if TYPE_CHECKING:
-    from powerinfer.api import LLM
-    from powerinfer.coordinator.hybrid_executor import (
-        GpuOptions,  # imported lazily at run time: `fetch` and `--help` stay light
-    )
 
 log = logging.getLogger("powerinfer")
 
-SUBCOMMANDS = ("fetch", "bench", "inspect", "calibrate", "perplexity", "sparsity-curve", "serve", "loadtest")
+
+def _fetch(argv: Sequence[str]) -> int:
+    from powerinfer.fetch import add_fetch_subcommand, run_fetch
+
+    p = Parser(prog="powerinfer")
+    add_fetch_subcommand(p.add_subparsers(dest="command"))
+    return run_fetch(p.parse_args(["fetch", *argv]))
 
 
-class CLIError(PowerInferError):
-    """A bad command-line argument."""
+def _calibrate(argv: Sequence[str]) -> int:
+    from powerinfer.cli.sparsity_cmds import run_calibrate
+
+    return run_calibrate(argv)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
-    p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
-    p.add_argument("--executor", choices=["process", "inprocess"], default="process",
-                   help="process: shards in CPU worker processes (default); inprocess: everything in this process")
-    p.add_argument("--transport", choices=["auto", "shm", "zmq"], default="auto",
-                   help="worker processes: shm = native ranks, one step per forward pass, merged in shared memory; zmq = torch "
-                        "shards, one message per layer (predictors use it); auto (default): shm when the native decoder runs the model")
-    p.add_argument("-c", "--ctx-size", type=int, default=None,
-                   help="context size in tokens; 0 = the model's trained context (default: 4096, or less if the model was trained on less)")
-    p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
-    p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
+def _perplexity(argv: Sequence[str]) -> int:
+    from powerinfer.cli.sparsity_cmds import run_perplexity
+
+    return run_perplexity(argv)
+
+
+def _sparsity_curve(argv: Sequence[str]) -> int:
+    from powerinfer.cli.sparsity_cmds import run_sparsity_curve
+
+    return run_sparsity_curve(argv)
+
+
+def _inspect(argv: Sequence[str]) -> int:
+    from powerinfer.cli.inspect_cmd import run_inspect
+
+    return run_inspect(argv)
+
+
+def _bench(argv: Sequence[str]) -> int:
+    from powerinfer.cli.bench import run_bench
+
+    return run_bench(argv)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    from powerinfer.server.main import serve
+
+    return serve(argv, prog="powerinfer serve")
+
+
+def _loadtest(argv: Sequence[str]) -> int:
+    from powerinfer.server.loadtest import main as run_loadtest
+
+    return run_loadtest(argv)
+
+
+# Subcommand -> its runner (argv after the name); each imports its module when called, so that
+# `fetch` and `--help` stay light. Anything else is one-shot generation.
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "fetch": _fetch, "bench": _bench, "inspect": _inspect, "calibrate": _calibrate, "perplexity": _perplexity,
+    "sparsity-curve": _sparsity_curve, "serve": _serve, "loadtest": _loadtest,
+}  # fmt: skip
+SUBCOMMANDS = tuple(COMMANDS)
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
@@ -78,63 +116,6 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--predictor", default=None, help="a .predictor file (from `powerinfer calibrate`, or PowerInfer's): sparse FFN")
     p.add_argument("--no-sparse", action="store_true", help="compute every FFN neuron even when a predictor is given (dense, exact)")
     return p
-
-
-def add_gpu_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0,
-                   help="layers that take part in GPU offload, from the first (default 0: CPU only; -1 or 99: all)")
-    p.add_argument("--vram-budget", type=float, default=None, help="GiB of GPU memory to use (default: free memory minus a margin)")
-    p.add_argument("--split", choices=["neuron", "layer"], default="neuron",
-                   help="neuron: hot neurons on the GPU, cold on the CPU (PowerInfer, default); layer: whole layers (llama.cpp)")
-    p.add_argument("--reset-gpu-index", action="store_true", help="re-solve the hot-neuron placement even if the cached one matches")
-    p.add_argument("--gpu-backend", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda: the NVIDIA GPU (default); cpu: a numpy stand-in of the GPU worker, to check a placement without one")
-
-
-def check_gpu_flags(args: argparse.Namespace) -> None:
-    """-ngl / --vram-budget need an NVIDIA GPU; say so plainly instead of failing deep inside."""
-    if args.n_gpu_layers < -1:
-        raise CLIError(f"-ngl must be >= 0 (or -1 for all layers), got {args.n_gpu_layers}")
-    if args.vram_budget is not None and not args.vram_budget > 0:
-        raise CLIError(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
-    if args.n_gpu_layers == 0 and args.vram_budget is None:
-        return
-    if getattr(args, "gpu_backend", "cuda") == "cpu":
-        return
-    from powerinfer.gpu_worker.device import find_gpu
-
-    probe = find_gpu()
-    if probe.name is None:
-        raise CLIError(f"-ngl/--vram-budget need an NVIDIA GPU, and none was found ({probe.reason}); use -ngl 0")
-
-
-def gpu_options(args: argparse.Namespace) -> "GpuOptions | None":
-    if args.n_gpu_layers == 0 and args.vram_budget is None:
-        return None
-    from powerinfer.coordinator.hybrid_executor import GpuOptions
-
-    ngl = -1 if args.n_gpu_layers in (0, -1) else args.n_gpu_layers  # only --vram-budget given: every layer may take part
-    return GpuOptions(backend=args.gpu_backend, split=args.split, vram_budget_gib=args.vram_budget, n_gpu_layers=ngl,
-                      reset_index=args.reset_gpu_index)
-
-
-def configure_logging(level: str, verbose: bool) -> None:
-    logging.basicConfig(level="DEBUG" if verbose else level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-
-
-def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
-    from powerinfer.api import LLM
-    from powerinfer.fetch import MODELS, resolve_model
-
-    if args.ctx_size is not None and args.ctx_size < 0:
-        raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
-    path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
-    if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
-        raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
-    return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
-               worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
-               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
-               gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)
 
 
 def run_generate(argv: Sequence[str]) -> int:
@@ -198,36 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        if argv and argv[0] == "fetch":
-            from powerinfer.fetch import add_fetch_subcommand, run_fetch
-
-            p = Parser(prog="powerinfer")
-            add_fetch_subcommand(p.add_subparsers(dest="command"))
-            return run_fetch(p.parse_args(argv))
-        if argv and argv[0] in ("calibrate", "perplexity"):
-            from powerinfer.cli.sparsity_cmds import run_calibrate, run_perplexity
-
-            return (run_calibrate if argv[0] == "calibrate" else run_perplexity)(argv[1:])
-        if argv and argv[0] == "inspect":
-            from powerinfer.cli.inspect_cmd import run_inspect
-
-            return run_inspect(argv[1:])
-        if argv and argv[0] == "serve":
-            from powerinfer.server.main import serve
-
-            return serve(argv[1:], prog="powerinfer serve")
-        if argv and argv[0] == "sparsity-curve":
-            from powerinfer.cli.sparsity_cmds import run_sparsity_curve as run_curve
-
-            return run_curve(argv[1:])
-        if argv and argv[0] == "loadtest":
-            from powerinfer.server.loadtest import main as run_loadtest
-
-            return run_loadtest(argv[1:])
-        if argv and argv[0] == "bench":
-            from powerinfer.cli.bench import run_bench
-
-            return run_bench(argv[1:])
+        command = COMMANDS.get(argv[0]) if argv else None
+        if command is not None:
+            return command(argv[1:])
         return run_generate(argv)
     except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)

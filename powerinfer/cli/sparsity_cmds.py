@@ -16,8 +16,7 @@ from powerinfer.cli.common import progress, read_text
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    from powerinfer.cli.common import Parser, positive_int
-    from powerinfer.cli.main import CLIError
+    from powerinfer.cli.common import CLIError, Parser, positive_int
 
     p = Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
@@ -40,8 +39,8 @@ def run_calibrate(argv: Sequence[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from powerinfer.fetch import resolve_model
-    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
     from powerinfer.predictors.predictor_file import write_predictor
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 
     if args.sparsity is None and args.mode == "predictor":
         raise CLIError("--mode predictor needs --sparsity (the quality-budget search chooses gate-mode levels)")
@@ -73,8 +72,8 @@ def run_perplexity(argv: Sequence[str]) -> int:
     args = p.parse_args(argv)
     from powerinfer.fetch import resolve_model
     from powerinfer.gguf_file import GGUFFile
-    from powerinfer.sparsity.perplexity import perplexity
     from powerinfer.predictors.predictor_file import read_predictor
+    from powerinfer.sparsity.perplexity import perplexity
 
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     pf = read_predictor(args.predictor, model=GGUFFile(model)) if args.predictor else None
@@ -96,8 +95,7 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from powerinfer.cli.common import Parser, positive_int
-    from powerinfer.cli.main import CLIError
+    from powerinfer.cli.common import CLIError, Parser, positive_int
     from powerinfer.fetch import resolve_model
     from powerinfer.sparsity.curve import operating_point, plot, sweep
 

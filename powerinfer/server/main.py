@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from powerinfer.cli.main import (
+from powerinfer.cli.common import (
     CLIError,
     Parser,
     add_gpu_args,
