@@ -38,7 +38,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from powerinfer.cli.common import Parser, positive_int
+    from powerinfer.flags import Parser, positive_int
 
     p = Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per worker count.")
     p.add_argument("-m", "--model", default=None, help="GGUF file or known model name (not needed for --merge)")

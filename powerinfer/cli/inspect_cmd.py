@@ -56,7 +56,7 @@ def inspect_text(path: str, tensors: bool) -> str:
 
 
 def run_inspect(argv: Sequence[str]) -> int:
-    from powerinfer.cli.common import Parser
+    from powerinfer.flags import Parser
 
     p = Parser(prog="powerinfer inspect", description="Print a GGUF model's metadata, tensor types and sizes.")
     p.add_argument("model", help="GGUF file or known model name")

@@ -18,7 +18,7 @@ import signal
 import sys
 from typing import Callable, Sequence
 
-from powerinfer.cli.common import (
+from powerinfer.flags import (
     CLIError,
     Parser,
     add_gpu_args,

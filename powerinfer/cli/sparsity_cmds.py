@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from powerinfer.cli.common import progress, read_text
+from powerinfer.flags import progress, read_text
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    from powerinfer.cli.common import CLIError, Parser, positive_int
+    from powerinfer.flags import CLIError, Parser, positive_int
 
     p = Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
@@ -61,7 +61,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
 
 
 def run_perplexity(argv: Sequence[str]) -> int:
-    from powerinfer.cli.common import Parser, positive_int
+    from powerinfer.flags import Parser, positive_int
 
     p = Parser(prog="powerinfer perplexity", description="Dense vs sparse perplexity on a text, predictor recall/precision per layer.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
@@ -95,7 +95,7 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from powerinfer.cli.common import CLIError, Parser, positive_int
+    from powerinfer.flags import CLIError, Parser, positive_int
     from powerinfer.fetch import resolve_model
     from powerinfer.sparsity.curve import operating_point, plot, sweep
 

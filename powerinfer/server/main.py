@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from powerinfer.cli.common import (
+from powerinfer.flags import (
     CLIError,
     Parser,
     add_gpu_args,

@@ -1,9 +1,9 @@
-"""What every command line shares: the argument parser class, argument types, the model and GPU
-flags and loading a model from them, logging, progress lines on stderr, and reading a text file the
-user named.
+"""The command-line pieces both entry points share (``powerinfer`` and ``powerinfer-server``): the
+argument parser class, argument types, the model and GPU flags and loading a model from them,
+logging, progress lines on stderr, and reading a text file the user named.
 
-Runs in: the user's process (the ``powerinfer`` and ``powerinfer-server`` commands and the tools
-they start).
+Runs in: the user's process. A first-level module below both entry points, so that the server
+does not import the CLI package (the CLI imports the server for ``powerinfer serve``).
 """
 
 from __future__ import annotations
