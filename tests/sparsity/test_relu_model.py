@@ -182,3 +182,26 @@ def test_oracle_sparse_output_equals_dense(tiny: Path, tmp_path: Path) -> None:
     coarse_logits, _, coarse_skipped = out["coarse"]
     assert coarse_skipped > skipped
     assert float(np.abs(coarse_logits.max(1) - dense_logits.max(1)).max()) > 30 * best_err
+
+
+def test_planter_blocks_match_the_readable_model(tiny: Path) -> None:
+    """The planter's float32 building blocks (on the weights it is writing) compute what the readable
+    model computes from the finished file: norm, rope'd causal attention, SiLU."""
+    from powerinfer.model import reference
+    from powerinfer.sparsity.relu_model import attention, rms_norm, silu
+
+    f = GGUFFile(tiny)
+    cfg = config_from_gguf(f)
+    w = lambda part: reference.weight(f, f"blk.0.{part}.weight", np.float32)  # noqa: E731
+    x = reference.weight(f, "token_embd.weight", np.float32)[np.array([IDS])]  # [1, T, d]
+    h = rms_norm(x, w("attn_norm"))
+    ours = attention(h, w("attn_q"), w("attn_k"), w("attn_v"), cfg.n_heads, cfg.n_kv_heads) @ w("attn_output").T
+
+    class Layer0:
+        def __call__(self, part: str, kind: str = "weight") -> np.ndarray:
+            return reference.weight(f, f"blk.0.{part}.{kind}", np.float64)
+
+    ref = reference.attention(cfg, 0, reference.rms_norm(x.astype(np.float64), Layer0()("attn_norm"), cfg.norm_eps), Layer0())  # type: ignore[arg-type]
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-4
+    g = np.linspace(-90, 90, 181, dtype=np.float32)
+    np.testing.assert_allclose(silu(g), reference.activation(g.astype(np.float64), "silu"), rtol=1e-5, atol=1e-30)
