@@ -35,7 +35,7 @@ static inline const uint8_t *row_ptr(const pi_mat *m, int j) {
 
 enum { PI_SILU = 0, PI_GELU = 1 };
 
-__attribute__((unused)) static float ph2f(uint16_t h) { return half_to_float(h); }
+__attribute__((unused)) static float h2f(uint16_t h) { return half_to_float(h); }
 
 #include "exp8.h"
 
@@ -93,7 +93,7 @@ static float row_dot(const pi_mat *m, int d, int j, const int16_t *xq, const flo
             }
             a += (int64_t)q * xq[pos];
         }
-        tot += (float)a * (ph2f(sc[g]) * xd[(g * gs) / 32]) + (zr ? ph2f(zr[g]) : m->zk * ph2f(sc[g])) * xs[g];
+        tot += (float)a * (h2f(sc[g]) * xd[(g * gs) / 32]) + (zr ? h2f(zr[g]) : m->zk * h2f(sc[g])) * xs[g];
     }
     return tot;
 }
@@ -297,7 +297,7 @@ static void down_unit(const pi_mat *m, int d, int u, const int32_t *idx, const f
             acc[c] += q * hq[a];
         }
     }
-    for (int c = 0; c < d; c++) y[c] += ph2f(sc[c]) * hs * (float)acc[c] + (zr ? ph2f(zr[c]) : m->zk * ph2f(sc[c])) * hsum;
+    for (int c = 0; c < d; c++) y[c] += h2f(sc[c]) * hs * (float)acc[c] + (zr ? h2f(zr[c]) : m->zk * h2f(sc[c])) * hsum;
 #endif
 }
 

@@ -149,34 +149,31 @@ static int finish_block(const pi_call *c, int u, int nu, const int *off, const i
     return done;
 }
 
-/* Whether pi_ffn takes these shapes: row_dot keeps a row's scales on the stack (<= 512 groups),
- * a unit's neurons too (<= 64). */
-static int pi_ffn_fits(const pi_call *c) {
-    const int d = c->d, ug = c->down.group;
-    return !(d % 32 || d > 8192 || d / c->gate.group > 512 || d / c->up.group > 512 || c->n % ug || ug > 64 || c->parts < 1);
-}
-
-/* pi_ffn's work, called by every thread of an enclosing parallel region (pi_ffn's own; a caller
- * with a region of its own can call it from there): the orphaned work-sharing loops below bind
- * to it, and their implicit barriers are its only synchronisation. The caller has checked
- * pi_ffn_fits. */
-static void pi_ffn_team(const pi_call *c) {
-    const int T = c->T, d = c->d, parts = c->parts, ug = c->down.group;
+/*
+ * x [T, d] (normed input) -> y [T, d]; active [T] counts the neurons computed per token.
+ * mode PI_ALL: every neuron. PI_GATE: neurons with |act(gate)| > thr. PI_MASK: mask [T, n] != 0
+ * (gate and up of the others are never read). PI_ORACLE: |act(gate) * up| > thr. PI_GIVEN_GATE:
+ * act(gate) comes in given_a (computed densely by the caller), |act(gate)| > thr picks the
+ * neurons whose up and down rows are read. PI_GIVEN_H: given_h holds act(gate) * up too, only
+ * down rows are read. Returns 0, or -1 for a shape this kernel does not take (checked by the
+ * caller too).
+ */
+int pi_ffn(const pi_call *c) {
+    const int T = c->T, d = c->d, n = c->n, parts = c->parts, ug = c->down.group;
     const pi_mat *gate = &c->gate, *up = &c->up;
-    const int units = c->n / ug;
+    /* row_dot keeps a row's scales on the stack (<= 512 groups); a unit's neurons too (<= 64) */
+    if (d % 32 || d > 8192 || d / gate->group > 512 || d / up->group > 512 || n % ug || ug > 64 || parts < 1) return -1;
+    const int units = n / ug;
     float *scratch = c->scratch;
     float *xs_g = scratch + (size_t)parts * T * d;  /* [T, d / gate group] */
     float *xs_u = xs_g + (size_t)T * (d / gate->group);  /* [T, d / up group] */
     float *xd = xs_u + (size_t)T * (d / up->group);  /* [T, d / 32] */
     int16_t *xq = (int16_t *)(xd + (size_t)T * (d / 32));  /* [T, d]: the four fit in T * d floats */
     int32_t *counts = (int32_t *)(scratch + (size_t)(parts + 1) * T * d);  /* [parts, T] */
-#pragma omp single
-    {
-        prepare_x(c->x, T, d, gate->group, up->group, xs_g, xs_u, xq, xd);
-        memset(scratch, 0, sizeof(float) * (size_t)parts * T * d);
-        memset(counts, 0, sizeof(int32_t) * (size_t)parts * T);
-    }
-#pragma omp for schedule(static, 1)
+    prepare_x(c->x, T, d, gate->group, up->group, xs_g, xs_u, xq, xd);
+    memset(scratch, 0, sizeof(float) * (size_t)parts * T * d);
+    memset(counts, 0, sizeof(int32_t) * (size_t)parts * T);
+#pragma omp parallel for schedule(static, 1)
     for (int p = 0; p < parts; p++) {
         int32_t idx[PI_BLOCK * 64];
         float h[PI_BLOCK * 64 + 8];
@@ -194,8 +191,6 @@ static void pi_ffn_team(const pi_call *c) {
             }
         }
     }
-    /* the parts' partial outputs, summed in order (per token: the same arithmetic whoever runs it) */
-#pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         float *yt = c->y + (size_t)t * d;
         memcpy(yt, scratch + (size_t)t * d, sizeof(float) * d);
@@ -206,21 +201,6 @@ static void pi_ffn_team(const pi_call *c) {
             c->active[t] += counts[(size_t)p * T + t];
         }
     }
-}
-
-/*
- * x [T, d] (normed input) -> y [T, d]; active [T] counts the neurons computed per token.
- * mode PI_ALL: every neuron. PI_GATE: neurons with |act(gate)| > thr. PI_MASK: mask [T, n] != 0
- * (gate and up of the others are never read). PI_ORACLE: |act(gate) * up| > thr. PI_GIVEN_GATE:
- * act(gate) comes in given_a (computed densely by the caller), |act(gate)| > thr picks the
- * neurons whose up and down rows are read. PI_GIVEN_H: given_h holds act(gate) * up too, only
- * down rows are read. Returns 0, or -1 for a shape this kernel does not take (checked by the
- * caller too).
- */
-int pi_ffn(const pi_call *c) {
-    if (!pi_ffn_fits(c)) return -1;
-#pragma omp parallel
-    pi_ffn_team(c);
     return 0;
 }
 
