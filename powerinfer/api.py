@@ -88,6 +88,7 @@ class LLM:
         model_path: str | os.PathLike[str],
         *,
         n_ctx: int | None = None,
+        default_ctx: int = DEFAULT_CTX,
         n_batch: int = 512,
         n_threads: int | None = None,
         executor: str = "process",
@@ -113,7 +114,7 @@ class LLM:
         self.file = GGUFFile(self.path)
         self.config: ModelConfig = config_from_gguf(self.file)
         if n_ctx is None:
-            n_ctx = min(DEFAULT_CTX, self.config.context_length)  # llama.cpp's default, capped by the model
+            n_ctx = min(default_ctx, self.config.context_length)  # 4096 is llama.cpp's default; capped by the model
         elif n_ctx == 0:
             n_ctx = self.config.context_length
         if n_ctx < 0:

@@ -56,7 +56,8 @@ class CLIError(PowerInferError):
     """A bad command-line argument."""
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None:
+    """The model flags; default_ctx is the context a run gets without -c (capped by the model's trained context)."""
     p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
     p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
@@ -66,7 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="worker processes: shm = native ranks, one step per forward pass, merged in shared memory; zmq = torch "
                         "shards, one message per layer (the oracle); auto (default): shm when the native decoder runs the model")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
-                   help="context size in tokens; 0 = the model's trained context (default: 4096, or less if the model was trained on less)")
+                   help=f"context size in tokens; 0 = the model's trained context (default: {default_ctx}, or less if the model was "
+                        "trained on less)")
+    p.set_defaults(default_ctx=default_ctx)
     p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
@@ -123,7 +126,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
-    return LLM(path, n_ctx=args.ctx_size, n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
+    return LLM(path, n_ctx=args.ctx_size, default_ctx=getattr(args, "default_ctx", 4096), n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
                worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
                progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
                gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)

@@ -268,18 +268,19 @@ check("chat_logit_bias", "test_chat_completion.py::test_logit_bias", lambda: no_
     model=MODEL, temperature=0.0, messages=BOOK, max_tokens=64, logit_bias=bias()).choices[0].message.content))
 check("completions_logit_bias", "test_completion.py::test_logit_bias[tokenize, openai_style]", lambda: no_excluded(
     cmpl(prompt="What is the best book", max_tokens=64, temperature=0.0, logit_bias=bias())["choices"][0]["text"]))
-LONG = {"messages": BOOK * 100}
+def long_chat():  # over the server's context whatever its -c (100 copies exceed 1024 tokens)
+    return {"messages": BOOK * (100 * -(-N_CTX // 1024))}
 SRC_CTX = "test_chat_completion.py::test_context_size_exceeded"
 check("ctx_exceeded_400", SRC_CTX, lambda: (lambda e: need(e.get("code") == "context_length_exceeded" or e.get(
-    "type") == "exceed_context_size_error", e))(bad("/v1/chat/completions", LONG)["error"]))
+    "type") == "exceed_context_size_error", e))(bad("/v1/chat/completions", long_chat())["error"]))
 @check("ctx_exceeded_llamacpp_fields", SRC_CTX + " (llama.cpp error fields)")
 def _():
-    e = bad("/v1/chat/completions", LONG)["error"]
+    e = bad("/v1/chat/completions", long_chat())["error"]
     need(e.get("type") == "exceed_context_size_error" and e.get("n_prompt_tokens", 0) > 0, e)
     need(e.get("n_ctx") == N_CTX // N_SLOTS, f"n_ctx={e.get('n_ctx')}, llama.cpp: n_ctx/slots={N_CTX // N_SLOTS}")
 @check("ctx_exceeded_stream_is_http_400", SRC_CTX + "_stream")
 def _():
-    st, _, _, _, err = sse("/v1/chat/completions", LONG)
+    st, _, _, _, err = sse("/v1/chat/completions", long_chat())
     need(st == 400 and isinstance(err, dict) and "error" in err, f"HTTP {st}: {str(err)[:150]}")
 @check("chat_n_2_choices", "test_chat_completion.py::test_chat_completions_multiple_choices")
 def _():
@@ -370,7 +371,7 @@ def _():
     need(len(lp["tokens"]) == 5 and len(lp["token_logprobs"]) == 5 and max(lp["token_logprobs"]) <= 0.0, lp)
     need(all(isinstance(d, dict) and len(d) == 5 for d in lp["top_logprobs"]), lp["top_logprobs"])
 check("completions_ctx_exceeded", "test_completion.py::test_nocache_long_input_prompt",
-      lambda: bad("/v1/completions", {"prompt": PROMPT * 200, "max_tokens": 8}))
+      lambda: bad("/v1/completions", {"prompt": PROMPT * (200 * -(-N_CTX // 1024)), "max_tokens": 8}))
 
 def stop_case(stream):
     base = cmpl(prompt="Once upon a time", temperature=0, max_tokens=32)["choices"][0]["text"]
@@ -515,11 +516,17 @@ def main():
     global U, MODEL, N_CTX, N_SLOTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8099")
-    ap.add_argument("--n-ctx", type=int, default=1024, help="the server's -c (for llama.cpp's per-slot n_ctx checks)")
+    ap.add_argument("--n-ctx", type=int, default=None,
+                    help="the server's -c (llama.cpp's per-slot n_ctx checks; the too-long prompts are sized by it); default: from /props")
     ap.add_argument("--n-slots", type=int, default=4, help="the server's --parallel")
     ap.add_argument("-k", default="", help="run only the checks whose name contains this")
     a = ap.parse_args()
     U, N_CTX, N_SLOTS = a.url.rstrip("/"), a.n_ctx, a.n_slots
+    if N_CTX is None:
+        try:
+            N_CTX = int(get("/props").json()["default_generation_settings"]["n_ctx"])
+        except Exception:  # noqa: BLE001 - props_* report it
+            N_CTX = 1024
     try:
         MODEL = get("/v1/models").json()["data"][0]["id"]
     except Exception:  # noqa: BLE001 - models_list reports it

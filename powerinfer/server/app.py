@@ -286,7 +286,8 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
         if not ids:
             raise bad("the prompt is empty", where)
         if len(ids) >= llm.n_ctx:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply)",
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply; "
+                                f"the server's -c/--ctx-size sets it, up to the model's {llm.config.context_length})",
                            param=where, code="context_length_exceeded")
         out.append(ids)
     return out

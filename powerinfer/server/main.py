@@ -40,12 +40,17 @@ log = logging.getLogger("powerinfer.server")
 # Requests without max_tokens (Open WebUI's title/tags/follow-up tasks send none) stop here. 1024
 # tokens is several screens of chat, more than a small model's useful answers; -n -1 lifts it.
 DEFAULT_N_PREDICT = 1024
+# The server's context without -c (capped by the model's trained context): Open WebUI 0.12 sends its
+# 36 built-in tool definitions with every chat message, ~6.6k tokens with SmolLM2's tokenizer, which
+# 4096 (the library's default) refused outright. The CPU KV caches are np.empty: their pages are
+# committed as positions are written, so a long default costs memory only when a chat uses it.
+SERVER_DEFAULT_CTX = 16384
 
 
 def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p = Parser(prog=prog, description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, "
                                          "/health, /metrics.")
-    add_model_args(p)
+    add_model_args(p, default_ctx=SERVER_DEFAULT_CTX)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("POWERINFER_API_KEY"),

@@ -41,3 +41,20 @@ def test_serve_subcommand_and_help() -> None:
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--parallel", "0", "-m", "x"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("trained, expected", [(65536, 16384), (8192, 8192)])
+def test_server_context_default(make_model, trained: int, expected: int) -> None:  # type: ignore[no-untyped-def]
+    """Without -c the server takes 16384 positions (Open WebUI's built-in tools alone are ~6.6k tokens),
+    capped by the model; the library and the one-shot CLI keep llama.cpp's 4096."""
+    from powerinfer.cli.main import build_generate_parser
+    from powerinfer.flags import load_llm
+    from powerinfer.server.main import build_parser
+
+    path = str(make_model(context_length=trained))
+    llm = load_llm(build_parser().parse_args(["-m", path, "--executor", "inprocess"]), progress=False)
+    try:
+        assert llm.n_ctx == expected
+    finally:
+        llm.close()
+    assert build_generate_parser().parse_args(["-m", path]).default_ctx == 4096

@@ -174,7 +174,7 @@ def test_errors_in_openai_shape(smollm2_server: RunningServer) -> None:
     assert bad.value.status_code == 400 and bad.value.param == "temperature"  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError) as long:
         c.completions.create(model=MODEL, prompt="hello " * 600, max_tokens=4)
-    assert long.value.code == "context_length_exceeded"
+    assert long.value.code == "context_length_exceeded" and "--ctx-size" in long.value.message
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.create(model="gpt-4o", messages=CHAT)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
