@@ -68,6 +68,12 @@ def activation(g: np.ndarray, kind: str) -> np.ndarray:
 
 def attention(cfg: ModelConfig, i: int, h: np.ndarray, w: "_Layer") -> np.ndarray:
     """Layer i's attention of normed h [B, T, d] -> its output before the residual [B, T, d]."""
+    a = attention_heads(cfg, i, h, w) @ w("attn_output").T
+    return rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a
+
+
+def attention_heads(cfg: ModelConfig, i: int, h: np.ndarray, w: "_Layer") -> np.ndarray:
+    """Layer i's heads' outputs of normed h [B, T, d], concatenated: the input of attn_output [B, T, H * D]."""
     B, T, _ = h.shape
     D, pos = cfg.head_dim, np.arange(T)
     q, k, v = h @ w("attn_q").T, h @ w("attn_k").T, h @ w("attn_v").T
@@ -87,8 +93,7 @@ def attention(cfg: ModelConfig, i: int, h: np.ndarray, w: "_Layer") -> np.ndarra
     scores = np.where(allowed[None, None], scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    a = np.einsum("bhts,bshd->bthd", p, v).reshape(B, T, -1) @ w("attn_output").T
-    return rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a
+    return np.einsum("bhts,bshd->bthd", p, v).reshape(B, T, -1)
 
 
 @dataclass(frozen=True)

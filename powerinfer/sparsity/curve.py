@@ -1,12 +1,15 @@
-"""`powerinfer sparsity-curve`: achieved FFN sparsity against perplexity increase, for both modes.
+"""`powerinfer sparsity-curve`: achieved sparsity against perplexity increase, per mode.
 
 Runs in: the user's process.
 
     powerinfer sparsity-curve -m smollm2 --calib calib.txt --held-out held_out.txt \
-        --targets 0.05,0.1,0.2,0.3,0.5 --modes gate,predictor --plot curve.png
+        --targets 0.05,0.1,0.2,0.3,0.5 --modes gate,predictor,input --plot curve.png
 
 For each mode and target sparsity: calibrate on --calib, then score --held-out (text calibration
-never saw) densely once and sparsely per point. Prints one table row per point and the operating
+never saw) densely once and sparsely per point. gate and predictor: FFN neurons, through the
+engine (achieved: the share of neurons not computed); input: every projection's input thresholded
+on the readable model (teal.py; achieved: the share of the layers' weight bytes whose input was
+zero, the bound of what skipping input columns saves). Prints one table row per point and the operating
 point: the sparsest point whose perplexity stays within --budget (default +2%) of dense.
 """
 
@@ -18,13 +21,14 @@ from typing import Callable, Sequence
 
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.sparsity.perplexity import perplexity
+from powerinfer.sparsity.teal import input_curve
 
 
 @dataclass(frozen=True)
 class CurvePoint:
     mode: str
     target: float
-    achieved: float  # mean share of (token, neuron) pairs not computed on the held-out text
+    achieved: float  # held-out text: mean share of (token, neuron) pairs not computed; input: share of layer weight bytes skipped
     ppl: float
     dense_ppl: float
     recall: float  # mean over layers
@@ -36,9 +40,16 @@ class CurvePoint:
 
 def sweep(model: str | Path, calib: str, held_out: str, targets: Sequence[float], modes: Sequence[str], tokens: int = 4096,
           max_tokens: int = 2048, progress: Callable[[str], None] = lambda _: None) -> list[CurvePoint]:
-    dense = perplexity(model, held_out, None, max_tokens=max_tokens, progress=progress).dense_ppl
     points = []
+    if "input" in modes:
+        for q in input_curve(model, calib, held_out, targets, tokens=tokens, max_tokens=max_tokens, progress=progress):
+            points.append(CurvePoint("input", q.level, q.skipped_share, q.ppl, q.dense_ppl, 1.0))
+    if not set(modes) - {"input"}:
+        return points
+    dense = perplexity(model, held_out, None, max_tokens=max_tokens, progress=progress).dense_ppl
     for mode in modes:
+        if mode == "input":
+            continue
         for t in targets:
             pf = calibrate(model, CalibrationSettings(mode=mode, sparsity=t, tokens=tokens), calib)
             rep = perplexity(model, held_out, pf, max_tokens=max_tokens, dense=False)
@@ -66,7 +77,7 @@ def plot(points: Sequence[CurvePoint], path: str, title: str) -> None:
         pts = sorted((p for p in points if p.mode == mode), key=lambda p: p.achieved)
         ax.plot([100 * p.achieved for p in pts], [100 * p.increase for p in pts], marker="o", label=mode)
     ax.axhline(2.0, color="grey", linestyle="--", linewidth=0.8, label="+2%")
-    ax.set_xlabel("achieved FFN sparsity on held-out text (%)")
+    ax.set_xlabel("achieved sparsity on held-out text (%): FFN neurons; input: weight bytes")
     ax.set_ylabel("perplexity increase vs dense (%)")
     ax.set_yscale("symlog", linthresh=5)
     ax.set_title(title)

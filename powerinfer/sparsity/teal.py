@@ -1,0 +1,169 @@
+"""Input sparsity (TEAL/CATS-style), measured on the readable model: the quality it costs and the
+weight bytes it would leave unread.
+
+Runs in: the user's process (`powerinfer sparsity-curve --modes input`); numpy only, through
+model/reference.py's building blocks (no engine: nothing here runs it fast).
+
+Every projection's input entry whose magnitude is at or below a threshold is set to zero, so the
+weight columns it multiplies need not be read. Four sites a layer, each with its own threshold:
+
+    qkv      the normed attention input            -> attn_q, attn_k, attn_v   [T, d]
+    o        the heads' concatenated outputs       -> attn_output              [T, H * D]
+    gate_up  the normed FFN input                  -> ffn_gate, ffn_up         [T, d]
+    down     act(gate) * up                        -> ffn_down                 [T, n_ff]
+
+A threshold is the layer's and site's quantile of |input| at the target level, taken on the
+calibration text's dense activations (TEAL's uniform allocation: every site at the same level;
+its greedy per-layer allocation is not done here). The curve reports the held-out perplexity and
+the share of the layers' weight bytes whose input was zero on the held-out text. Those bytes are
+an upper bound of what a kernel saves: the file's row-major blocks mix skipped and kept columns,
+so reading only the kept ones needs the matrices stored column-major (docs/sparsity.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from powerinfer.config import ModelConfig, config_from_gguf
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.reference import activation, attention_heads, rms_norm, weight
+from powerinfer.sparsity.profile import windows_of
+from powerinfer.tokenizer import GGUFTokenizer
+
+SITES = ("qkv", "o", "gate_up", "down")
+CONSUMERS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+SAMPLE = 1 << 16  # |input| values kept per layer and site for the quantiles
+
+
+@dataclass(frozen=True)
+class InputPoint:
+    """One level: held-out perplexity, and the input-skipped share of the layers' weight bytes."""
+
+    level: float
+    ppl: float
+    dense_ppl: float
+    zero_share: dict[str, float]  # per site: share of input entries at or below the threshold, held-out text
+    skipped_bytes: float  # per token, bytes of the layers' matrices whose input entries were zero
+    layer_bytes: int  # per token, bytes of every layer matrix (the head excluded)
+
+    @property
+    def increase(self) -> float:
+        return self.ppl / self.dense_ppl - 1.0
+
+    @property
+    def skipped_share(self) -> float:
+        return self.skipped_bytes / self.layer_bytes
+
+
+class _Weights:
+    """Every tensor dequantized once to float32 (the model is scored window after window)."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        self.f, self.cache = f, {}  # type: dict[str, np.ndarray]
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.cache:
+            self.cache[name] = weight(self.f, name, np.float32)
+        return self.cache[name]
+
+    def layer(self, i: int) -> Callable[..., np.ndarray]:
+        return lambda part, kind="weight": self.get(f"blk.{i}.{part}.{kind}")
+
+
+class InputSparsity:
+    """The readable model with its projection inputs thresholded, scored on token windows."""
+
+    def __init__(self, model: str | Path) -> None:
+        self.f = GGUFFile(model)
+        self.cfg: ModelConfig = config_from_gguf(self.f)
+        self.tok = GGUFTokenizer.from_metadata(self.f.metadata)
+        self.w = _Weights(self.f)
+        names = {s: [[f"blk.{i}.{c}.weight" for c in CONSUMERS[s]] for i in range(self.cfg.n_layers)] for s in SITES}
+        # bytes a token reads per layer and site: [n_layers] each
+        self.site_bytes = {s: np.array([sum(self.f.tensor(n).nbytes for n in per) for per in names[s]], dtype=np.float64) for s in SITES}
+
+    def windows(self, text: str, n_ctx: int, max_tokens: int) -> list[list[int]]:
+        ids = self.tok.encode(text, add_bos=False)[:max_tokens]
+        out = windows_of(ids, n_ctx, self.tok.bos_id if self.tok.add_bos else None)
+        if not out:
+            raise InvalidArgumentError("the text is too short to score (fewer than 2 tokens)")
+        return out
+
+    def run(self, windows: Sequence[list[int]], thr: np.ndarray | None = None,
+            collect: dict[tuple[int, str], list[np.ndarray]] | None = None) -> tuple[float, int, np.ndarray]:
+        """Summed nll over windows and the token count; zeros [n_layers, 4] (inputs at or below thr
+        per layer and site, summed) with thr [n_layers, 4] set, and |input| samples into collect."""
+        cfg, rng = self.cfg, np.random.default_rng(0)
+        zeros = np.zeros((cfg.n_layers, len(SITES)))
+        total, count = 0.0, 0
+
+        def site(x: np.ndarray, i: int, k: int) -> np.ndarray:
+            a = np.abs(x)
+            if collect is not None:
+                flat = a.reshape(-1)
+                collect.setdefault((i, SITES[k]), []).append(flat[rng.integers(0, flat.size, min(flat.size, SAMPLE))])
+            if thr is None:
+                return x
+            off = a <= thr[i, k]
+            zeros[i, k] += off.sum() / x.shape[-1]
+            return np.where(off, np.float32(0), x)
+
+        for ids in windows:
+            x = self.w.get("token_embd.weight")[np.asarray(ids)][None] * np.float32(cfg.embed_scale)  # [1, T, d]
+            for i in range(cfg.n_layers):
+                w = self.w.layer(i)
+                h = site(rms_norm(x, w("attn_norm"), cfg.norm_eps), i, 0)
+                a = site(attention_heads(cfg, i, h, w), i, 1) @ w("attn_output").T
+                x = x + (rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a)
+                h = site(rms_norm(x, w("ffn_norm"), cfg.norm_eps), i, 2)
+                m = site(activation(h @ w("ffn_gate").T, cfg.activation) * (h @ w("ffn_up").T), i, 3) @ w("ffn_down").T
+                x = x + (rms_norm(m, w("post_ffw_norm"), cfg.norm_eps) if cfg.post_norms else m)
+            h = rms_norm(x[0, :-1], self.w.get("output_norm.weight"), cfg.norm_eps)  # [T - 1, d]: predicts ids[1:]
+            head = self.w.get("token_embd.weight" if cfg.tied_embeddings else "output.weight")
+            for c in range(0, len(h), 64):  # the logits in slices: Gemma's 262k vocabulary
+                z = (h[c : c + 64] @ head.T).astype(np.float64)
+                mx = z.max(1)
+                logz = np.log(np.exp(z - mx[:, None]).sum(1)) + mx
+                total += float((logz - z[np.arange(len(z)), np.asarray(ids[c + 1 : c + 1 + len(z)])]).sum())
+            count += len(ids) - 1
+        return total, count, zeros
+
+    def thresholds(self, samples: dict[tuple[int, str], list[np.ndarray]], level: float) -> np.ndarray:
+        """[n_layers, 4]: each layer's and site's |input| quantile at level (0: nothing skipped)."""
+        out = np.full((self.cfg.n_layers, len(SITES)), -1.0)
+        if level > 0:
+            for (i, s), parts in samples.items():
+                out[i, SITES.index(s)] = float(np.quantile(np.concatenate(parts), level))
+        return out
+
+
+def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[float], n_ctx: int = 256, tokens: int = 2048,
+                max_tokens: int = 1024, progress: Callable[[str], None] = lambda _: None) -> list[InputPoint]:
+    """Profile |inputs| on calib, then score held_out densely and at each level."""
+    if not all(0.0 < v < 1.0 for v in levels):
+        raise InvalidArgumentError(f"input sparsity levels must be in (0, 1), got {list(levels)}")
+    m = InputSparsity(model)
+    samples: dict[tuple[int, str], list[np.ndarray]] = {}
+    m.run(m.windows(calib, n_ctx, tokens), collect=samples)
+    held = m.windows(held_out, n_ctx, max_tokens)
+    dense_total, n, _ = m.run(held)
+    dense = math.exp(dense_total / n)
+    progress(f"input dense: perplexity {dense:.3f} over {n} tokens")
+    n_tok = sum(len(w) for w in held)
+    layer_bytes = int(sum(b.sum() for b in m.site_bytes.values()))
+    points = []
+    for level in levels:
+        total, _, zeros = m.run(held, m.thresholds(samples, level))
+        share = zeros / n_tok  # [n_layers, 4]: share of each input's entries that were zero
+        skipped = float(sum((share[:, k] * m.site_bytes[s]).sum() for k, s in enumerate(SITES)))
+        p = InputPoint(level, math.exp(total / n), dense, {s: float(share[:, k].mean()) for k, s in enumerate(SITES)}, skipped, layer_bytes)
+        points.append(p)
+        progress(f"input {level:.2f}: perplexity {p.ppl:.3f} ({100 * p.increase:+.2f}%), layer weight bytes skipped "
+                 f"{100 * p.skipped_share:.1f}% (" + ", ".join(f"{s} {100 * v:.0f}%" for s, v in p.zero_share.items()) + ")")
+    return points
