@@ -143,7 +143,7 @@ class InputSparsity:
         return out
 
 
-def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[float], n_ctx: int = 256, tokens: int = 2048,
+def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[float], n_ctx: int = 512, tokens: int = 2048,
                 max_tokens: int = 1024, progress: Callable[[str], None] = lambda _: None) -> list[InputPoint]:
     """Profile |inputs| on calib, then score held_out densely and at each level."""
     if not all(0.0 < v < 1.0 for v in levels):
