@@ -58,9 +58,9 @@ def load_summary(llm: LLM) -> str:
     ]
     pl = getattr(ex, "placement", None)
     if pl is not None:  # hybrid: GPU worker + cold neurons here
-        proc = getattr(getattr(ex, "gpu", None), "proc", None)  # its pid is in ex.pids
+        gpu_pids = list(getattr(getattr(ex, "gpu", None), "pids", []))
         hot = sum(len(h) for h in pl.hot)
-        lines.append(f"placement  GPU worker{f' (pid {proc.pid})' if proc is not None else ' (in process)'}, {pl.mode} split: "
+        lines.append(f"placement  GPU worker{f' (pid {gpu_pids[0]})' if gpu_pids else ' (in process)'}, {pl.mode} split: "
                      f"attention of {sum(pl.gpu_layers)}/{cfg.n_layers} layers, {hot}/{cfg.n_ff * cfg.n_layers} FFN neurons hot "
                      f"({100 * pl.mass_on_gpu:.0f}% of the activation mass), {_mib(pl.used)} of a {_mib(pl.budget)} budget")
         lines.append("           cold neurons and the other layers' attention: this process; coordinator: embeddings, norms, head, sampling")

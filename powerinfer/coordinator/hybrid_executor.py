@@ -151,8 +151,7 @@ class HybridExecutor:
     @property
     def pids(self) -> list[int]:
         """The GPU worker's process, when it runs in one."""
-        proc = getattr(self.gpu, "proc", None)
-        return [proc.pid] if proc is not None else []
+        return list(getattr(self.gpu, "pids", []))
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if the GPU worker process is gone or silent (between requests)."""

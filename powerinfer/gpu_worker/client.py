@@ -5,8 +5,9 @@ Runs in: the coordinator process.
 Both handles have one interface (:class:`GpuHandle`): ``attention_begin`` / ``ffn_begin`` start a
 layer's GPU work and return a pending result, so the hybrid executor computes the CPU shards
 before it waits. :class:`GpuWorkerProcess` speaks the existing protocol (docs/protocol.md):
-HELLO -> LOAD (model, context, predictor, KV slots) -> READY, then ATTN/FFN -> PARTIAL, with the
-heartbeat supervision of the CPU pool (a dead or hung worker is a WorkerDiedError). What LOAD
+HELLO -> LOAD (model, context, predictor, KV slots) -> READY, then ATTN/FFN -> PARTIAL, started
+and watched by the CPU pool's own supervisor (protocol/supervisor.py: a dead or hung worker is a
+WorkerDiedError). What LOAD
 cannot carry (backend, budget, the hot neurons of each layer) is the :class:`GpuSetup` JSON file
 the worker is started with, written in the private socket directory (mode 0700).
 """
@@ -15,18 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import zmq
 
 from powerinfer.config import ModelConfig
 from powerinfer.errors import InvalidArgumentError
@@ -35,32 +29,22 @@ from powerinfer.gpu_worker.backend import Backend, CpuBackend
 from powerinfer.gpu_worker.errors import GpuMemoryError, GpuUnavailableError
 from powerinfer.gpu_worker.model import GpuModel, GpuPlan
 from powerinfer.protocol import (
-    HEARTBEAT_TIMEOUT_S,
     AttnMsg,
     ErrorMsg,
     FfnMsg,
-    HeartbeatMsg,
     HelloMsg,
     LoadMsg,
-    Message,
     PartialMsg,
     ProtocolError,
     ReadyMsg,
-    ShutdownMsg,
-    WorkerDiedError,
     WorkerError,
-    recv,
-    recv_routed,
-    send_routed,
-    socket_limits,
-    worker_identity,
 )
 from powerinfer.predictors.predictor_file import PredictorFile
+from powerinfer.protocol.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # kernels compile (first run) and gigabytes upload before READY
-POLL_MS = 50
 BACKENDS = ("cpu", "cuda")
 _TYPED = {"GpuMemoryError": GpuMemoryError, "GpuUnavailableError": GpuUnavailableError}
 
@@ -150,100 +134,34 @@ class GpuWorkerProcess:
     def __init__(self, model: str, setup: GpuSetup, n_ctx: int, n_slots: int = 1, predictor: str = "",
                  log_level: str = "WARNING", start_timeout: float = START_TIMEOUT_S) -> None:
         self._args = (model, setup, n_ctx, n_slots, predictor, log_level, start_timeout)  # for restarted()
-        self._dir = tempfile.mkdtemp(prefix="powerinfer-gpu-")  # mode 0700: only this user can connect
-        self._ctx: zmq.Context | None = zmq.Context()
-        self.router = self._ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        socket_limits(self.router)
-        self.router.bind(f"ipc://{self._dir}/ctl")
-        self.beats = self._ctx.socket(zmq.PULL)
-        self.beats.setsockopt(zmq.LINGER, 0)
-        socket_limits(self.beats)
-        self.beats.bind(f"ipc://{self._dir}/hb")
-        self.poller = zmq.Poller()
-        self.poller.register(self.router, zmq.POLLIN)
-        self.poller.register(self.beats, zmq.POLLIN)
-        setup_path = Path(self._dir) / "setup.json"
-        setup_path.write_text(setup.to_json())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "powerinfer.gpu_worker.worker", f"ipc://{self._dir}/ctl", f"ipc://{self._dir}/hb",
-             str(os.getpid()), log_level, str(setup_path)],
-            stdin=subprocess.DEVNULL,
-        )
-        self.ident = worker_identity(0)
-        self.last_beat = time.monotonic()
-        self._serving = False
+        # the setup file lands in the supervisor's private socket directory (mode 0700)
+        self._sup = Supervisor("powerinfer.gpu_worker.worker", 1, log_level, lambda i: "the GPU worker", prefix="powerinfer-gpu-",
+                               extra_args=lambda i: ["{dir}/setup.json"], files={"setup.json": setup.to_json()})
         self._req, self._step, self._last_layer, self._pending = 0, 0, -1, -1
         self.weight_bytes = 0
         try:
             self._handshake(model, n_ctx, n_slots, predictor, start_timeout)
-            self._serving = True
+            self._sup.serving = True
         except BaseException:
             self.close()
             raise
 
     def _handshake(self, model: str, n_ctx: int, n_slots: int, predictor: str, timeout: float) -> None:
-        hello = self._recv(timeout, "starting")
+        hello = self._sup.gather({0}, timeout, "starting")[0]
         if not isinstance(hello, HelloMsg):
             raise ProtocolError(f"GPU worker: expected HELLO, got {type(hello).__name__}")
-        self._send(LoadMsg(model=model, worker=0, n_workers=1, n_ctx=n_ctx, threads=0, cpus=(), node=-1, predictor=predictor,
-                           n_slots=n_slots))
-        ready = self._recv(timeout, "loading")
+        self._sup.send(0, LoadMsg(model=model, worker=0, n_workers=1, n_ctx=n_ctx, threads=0, cpus=(), node=-1, predictor=predictor,
+                                  n_slots=n_slots))
+        ready = self._sup.gather({0}, timeout, "loading")[0]
         if isinstance(ready, ErrorMsg):
             raise _TYPED.get(ready.kind, WorkerError)(ready.message if ready.kind in _TYPED else
                                                      f"the GPU worker could not load: {ready.kind}: {ready.message}")
         if not isinstance(ready, ReadyMsg):
             raise ProtocolError(f"GPU worker: expected READY, got {type(ready).__name__}")
         self.weight_bytes = ready.weight_bytes
-        log.info("GPU worker ready (pid %d, %.1f MiB on the device, %.1fs)", self.proc.pid, ready.weight_bytes / 2**20, ready.load_s)
+        log.info("GPU worker ready (pid %d, %.1f MiB on the device, %.1fs)", self._sup.pids[0], ready.weight_bytes / 2**20, ready.load_s)
 
     # -- messaging -----------------------------------------------------------------------------------
-
-    def _send(self, msg: Message) -> None:
-        try:
-            send_routed(self.router, self.ident, msg)
-        except zmq.ZMQError as e:
-            # The socket can see the peer gone before waitpid does: give the exit a moment to show, so the
-            # error names what happened to the worker rather than the socket's view of it.
-            try:
-                code = self.proc.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) is unreachable: {e}") from None
-            raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) exited with status {code}") from None
-
-    def _drain_beats(self) -> None:
-        while True:
-            try:
-                msg = recv(self.beats, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ProtocolError as e:
-                log.warning("dropped a malformed heartbeat: %s", e)
-                continue
-            if isinstance(msg, HeartbeatMsg):
-                self.last_beat = time.monotonic()
-
-    def _recv(self, timeout: float, what: str) -> Message:
-        """The next message from the worker on the control socket (heartbeats are absorbed)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            events = dict(self.poller.poll(POLL_MS))
-            if self.beats in events:
-                self._drain_beats()
-            if self.router in events:
-                ident, msg = recv_routed(self.router, flags=zmq.NOBLOCK)
-                if ident == self.ident:
-                    self.last_beat = time.monotonic()
-                    return msg
-            code = self.proc.poll()
-            if code is not None:
-                raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) exited with status {code} while {what}")
-            now = time.monotonic()
-            if self._serving and now - self.last_beat > HEARTBEAT_TIMEOUT_S:
-                raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) stopped answering for {now - self.last_beat:.1f}s while {what}")
-            if now > deadline:
-                raise WorkerDiedError(f"the GPU worker did not answer within {timeout:.0f}s while {what}")
 
     def _start(self, make: type[AttnMsg] | type[FfnMsg], layer: int, tensors: tuple[np.ndarray, ...], what: str) -> _Reply:
         if self._pending >= 0:
@@ -252,24 +170,18 @@ class GpuWorkerProcess:
             self._step += 1  # a new forward pass
         self._last_layer = layer
         self._req += 1
-        self._send(make(req=self._req, step=self._step, layer=layer, tensors=tensors))  # type: ignore[arg-type]
+        self._sup.send(0, make(req=self._req, step=self._step, layer=layer, tensors=tensors))  # type: ignore[arg-type]
         self._pending = self._req
         return _Reply(self, self._req, what)
 
     def _wait(self, req: int, what: str) -> np.ndarray:
-        while True:
-            msg = self._recv(600.0, what)
-            if getattr(msg, "req", req) not in (req, -1):
-                log.debug("ignored a stale GPU reply to request %s", getattr(msg, "req", None))
-                continue
+        try:
+            msg = self._sup.gather({0}, 600.0, what, req=req, error=_gpu_error)[0]
+        finally:
             self._pending = -1
-            if isinstance(msg, ErrorMsg):
-                if msg.kind in _TYPED:
-                    raise _TYPED[msg.kind](msg.message)
-                raise WorkerError(f"the GPU worker failed on layer {msg.layer}: {msg.kind}: {msg.message}")
-            if not isinstance(msg, PartialMsg):
-                raise ProtocolError(f"GPU worker: expected PARTIAL, got {type(msg).__name__}")
-            return np.array(msg.tensors[0], dtype=np.float32)  # owned: the frame is read-only
+        if not isinstance(msg, PartialMsg):
+            raise ProtocolError(f"GPU worker: expected PARTIAL, got {type(msg).__name__}")
+        return np.array(msg.tensors[0], dtype=np.float32)  # owned: the frame is read-only
 
     def attention_begin(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending:
         pos = np.ascontiguousarray(positions, dtype=np.int64)
@@ -281,13 +193,16 @@ class GpuWorkerProcess:
 
     def check_health(self) -> None:
         """Between requests: raise WorkerDiedError if the worker exited or stopped beating."""
-        self._drain_beats()
-        code = self.proc.poll()
-        if code is not None:
-            raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) exited with status {code}")
-        idle = time.monotonic() - self.last_beat
-        if idle > HEARTBEAT_TIMEOUT_S:
-            raise WorkerDiedError(f"the GPU worker (pid {self.proc.pid}) stopped answering for {idle:.1f}s")
+        self._sup.check_health()
+
+    @property
+    def pids(self) -> list[int]:
+        return self._sup.pids
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        """The worker's process (its exit status after close())."""
+        return self._sup.procs[0]
 
     def restarted(self) -> "GpuWorkerProcess":
         """Stop this worker (SIGKILL if it does not answer, e.g. SIGSTOPped) and start a fresh one."""
@@ -296,21 +211,11 @@ class GpuWorkerProcess:
         return GpuWorkerProcess(*self._args)
 
     def close(self, timeout: float = 5.0) -> None:
-        if self._ctx is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                self._send(ShutdownMsg())
-            except (zmq.ZMQError, WorkerDiedError):
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5.0)
-        self.router.close()
-        self.beats.close()
-        self._ctx.term()
-        self._ctx = None
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._sup.close(timeout)
 
+
+def _gpu_error(name: str, msg: ErrorMsg) -> Exception:
+    """An ERROR reply: the GPU's own typed errors (memory, no device) keep their type and text."""
+    if msg.kind in _TYPED:
+        return _TYPED[msg.kind](msg.message)
+    return WorkerError(f"{name} failed on layer {msg.layer}: {msg.kind}: {msg.message}")

@@ -1,0 +1,75 @@
+"""The shared worker life cycle: the coordinator's Supervisor and the workers' run_worker, with
+the real worker modules (CPU and GPU) started through them.
+
+Runs in: the pytest process plus the worker processes each test starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+import pytest
+
+from powerinfer.protocol import HelloMsg, ShutdownMsg, WorkerDiedError
+from powerinfer.protocol.supervisor import Supervisor, describe_exit
+from powerinfer.protocol.worker_runtime import WorkerArgs
+
+
+def test_worker_args_round_trip_and_usage() -> None:
+    a = WorkerArgs.parse(["2", "ipc:///x/ctl", "ipc:///x/hb", "77", "DEBUG", "/x/setup.json"])
+    assert a == WorkerArgs(2, "ipc:///x/ctl", "ipc:///x/hb", 77, "DEBUG", ("/x/setup.json",))
+    assert WorkerArgs.parse(["0", "c", "h", "1"]).log_level == "WARNING"
+    with pytest.raises(SystemExit, match="started by the coordinator"):
+        WorkerArgs.parse(["0", "c"])
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(None) == "stopped answering"
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(3) == "exited with status 3"
+
+
+def test_a_worker_that_exits_while_starting_is_named() -> None:
+    # The GPU worker without its setup file exits at once: the supervisor names it and its exit.
+    sup = Supervisor("powerinfer.gpu_worker.worker", 1, "WARNING", lambda i: "the GPU worker")
+    try:
+        with pytest.raises(WorkerDiedError, match=r"the GPU worker \(pid \d+\) exited with status 1 while starting"):
+            sup.gather({0}, 60.0, "starting")
+    finally:
+        sup.close()
+    assert not Path(sup.dir).exists()
+
+
+def test_both_worker_kinds_say_hello_and_stop_on_shutdown() -> None:
+    # CPU workers and the GPU worker run the same runtime: HELLO with their pid, SHUTDOWN before
+    # LOAD ends them cleanly, and the setup file reaches the GPU worker through the private directory.
+    sups = [Supervisor("powerinfer.cpu_workers.worker", 2, "WARNING", lambda i: f"worker {i}"),
+            Supervisor("powerinfer.gpu_worker.worker", 1, "WARNING", lambda i: "the GPU worker",
+                       extra_args=lambda i: ["{dir}/setup.json"], files={"setup.json": "{}"})]
+    try:
+        for sup in sups:
+            hellos = sup.gather(set(range(len(sup.procs))), 60.0, "starting")
+            assert all(isinstance(m, HelloMsg) and m.pid == p for m, p in zip((hellos[i] for i in sorted(hellos)), sup.pids))
+            assert (Path(sup.dir) / "setup.json").exists() == (len(sup.procs) == 1)
+            for i in range(len(sup.procs)):
+                sup.send(i, ShutdownMsg())
+            for p in sup.procs:
+                assert p.wait(30) == 0
+    finally:
+        for sup in sups:
+            sup.close()
+
+
+def test_a_killed_worker_is_noticed_between_requests() -> None:
+    sup = Supervisor("powerinfer.cpu_workers.worker", 1, "WARNING", lambda i: f"worker {i}")
+    try:
+        sup.gather({0}, 60.0, "starting")
+        sup.serving = True
+        os.kill(sup.pids[0], signal.SIGKILL)
+        sup.procs[0].wait(10)
+        with pytest.raises(WorkerDiedError, match=r"worker 0 \(pid \d+\) killed by SIGKILL while idle") as e:
+            sup.check_health()
+        assert e.value.worker == 0 and e.value.pid == sup.pids[0]
+    finally:
+        sup.close()
