@@ -110,6 +110,8 @@ class LLM:
             raise InvalidArgumentError(f"executor must be 'process' or 'inprocess', got {executor!r}")
         if transport not in ("auto", "shm", "zmq"):
             raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'zmq', got {transport!r}")
+        if default_ctx < 1:
+            raise InvalidArgumentError(f"the default context must be positive, got {default_ctx}")
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.config: ModelConfig = config_from_gguf(self.file)

@@ -22,6 +22,7 @@ import httpx
 import openai
 
 U, MODEL, N_CTX, N_SLOTS = "", "", 1024, 4  # set in main()
+CTX_GIVEN = True  # N_CTX came from --n-ctx (else from /props, which is already per slot on llama.cpp)
 BOOK = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
 CODE = [{"role": "system", "content": "You are a coding assistant."}, {"role": "user", "content": "Write an example"}]
 PROMPT = "I believe the meaning of life is"
@@ -101,6 +102,7 @@ def _():
 @check("props_n_ctx_per_slot", "test_basic.py::test_server_props (llama.cpp: -c is split across slots)")
 def _():
     n = get("/props").json()["default_generation_settings"]["n_ctx"]
+    need(CTX_GIVEN, "pass --n-ctx (the server's -c): without it the split of -c across slots cannot be checked")
     need(n == N_CTX // N_SLOTS, f"default_generation_settings.n_ctx={n}, llama.cpp: n_ctx/slots={N_CTX // N_SLOTS}")
 check("chat_route_without_v1_prefix", "test_security.py::test_openai_library_correct_api_key", lambda: need(len(
     client(v1=False).chat.completions.create(model=MODEL, messages=BOOK, max_tokens=4).choices) == 1, "not 1 choice"))
@@ -513,7 +515,7 @@ check("unknown_route_404", "test_basic.py::test_no_webui (404 for unserved paths
       lambda: need(get("/v1/definitely-not-a-route").status_code == 404, "not 404"))
 
 def main():
-    global U, MODEL, N_CTX, N_SLOTS
+    global U, MODEL, N_CTX, N_SLOTS, CTX_GIVEN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", default="http://127.0.0.1:8099")
     ap.add_argument("--n-ctx", type=int, default=None,
@@ -523,8 +525,11 @@ def main():
     a = ap.parse_args()
     U, N_CTX, N_SLOTS = a.url.rstrip("/"), a.n_ctx, a.n_slots
     if N_CTX is None:
+        CTX_GIVEN = False
         try:
-            N_CTX = int(get("/props").json()["default_generation_settings"]["n_ctx"])
+            # per slot on llama.cpp (-c / --parallel), the whole context here: times the slots is
+            # at least the server's whole context either way, which is what sizes the too-long prompts
+            N_CTX = int(get("/props").json()["default_generation_settings"]["n_ctx"]) * N_SLOTS
         except Exception:  # noqa: BLE001 - props_* report it
             N_CTX = 1024
     try:

@@ -82,3 +82,9 @@ def test_generation_stops_at_context_end(make_model: Callable[..., Path]) -> Non
 def test_missing_model_file(tmp_path: Path) -> None:
     with pytest.raises(ModelFileError, match="no such file"):
         LLM(tmp_path / "missing.gguf")
+
+
+def test_default_context_must_be_positive(make_model: Callable[..., Path]) -> None:
+    for bad in (0, -5):
+        with pytest.raises(InvalidArgumentError, match="default context must be positive"):
+            LLM(make_model(arch="llama"), default_ctx=bad, executor="inprocess")

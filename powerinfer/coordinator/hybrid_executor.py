@@ -123,8 +123,13 @@ class HybridExecutor:
         out: np.ndarray | None = None
         shard = self.ffns[layer]
         t0 = time.perf_counter()
-        if shard is not None:
-            out = shard.forward(torch.from_numpy(x)).numpy()
+        try:
+            if shard is not None:
+                out = shard.forward(torch.from_numpy(x)).numpy()
+        except BaseException:
+            if pending is not None:
+                pending.abandon()  # else every later GPU request would be refused as "one at a time"
+            raise
         t1 = time.perf_counter()
         if pending is not None:
             y = pending.result()

@@ -24,6 +24,7 @@ from powerinfer.protocol import (
     PartialMsg,
     ProtocolError,
     ReadyMsg,
+    WorkerDiedError,
     WorkerError,
 )
 from powerinfer.protocol.supervisor import Supervisor
@@ -57,6 +58,7 @@ class WorkerPool:
         # serving steps in native code come back to read their socket
         self.after_send: Callable[[], None] | None = None
         self._sup: Supervisor | None = None
+        self._closed_pids: list[int] = []
         self.start()
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -97,6 +99,8 @@ class WorkerPool:
         """Ask workers to stop, then terminate and kill what is left; remove the socket directory."""
         if self._sup is not None:
             self._sup.close(timeout, self.after_send)
+            self._closed_pids = self._sup.pids
+            self._sup = None
 
     def restart(self) -> None:
         log.warning("restarting the worker pool")
@@ -106,7 +110,8 @@ class WorkerPool:
     @property
     def _live(self) -> Supervisor:
         if self._sup is None:
-            raise RuntimeError("the worker pool is not started")
+            # a WorkerDiedError: the engine's failure path then restarts the pool
+            raise WorkerDiedError("the worker pool is not running (closed, or its last start failed)")
         return self._sup
 
     def check_health(self) -> None:
@@ -115,7 +120,8 @@ class WorkerPool:
 
     @property
     def pids(self) -> list[int]:
-        return self._live.pids
+        """The workers' process ids (after close(): the last pool's)."""
+        return self._sup.pids if self._sup is not None else self._closed_pids
 
     # -- messaging -----------------------------------------------------------------------------
 

@@ -82,6 +82,10 @@ class Pending(Protocol):
         """Wait for the partial output [T, d] (float32)."""
         ...
 
+    def abandon(self) -> None:
+        """Give up on the result without waiting (the next request may start)."""
+        ...
+
 
 class GpuHandle(Protocol):
     @property
@@ -125,7 +129,14 @@ class _Reply:
         self.proc, self.req, self.what = proc, req, what
 
     def result(self) -> np.ndarray:
+        if self.proc._pending != self.req:
+            raise RuntimeError("this GPU result was already taken or abandoned")
         return self.proc._wait(self.req, self.what)
+
+    def abandon(self) -> None:
+        """Give up on the result (the caller failed before taking it); its late reply is skipped as stale."""
+        if self.proc._pending == self.req:
+            self.proc._pending = -1
 
 
 class GpuWorkerProcess:

@@ -106,6 +106,11 @@ class _Pending:
         outs = [p.result().reshape(-1, self.d) for p in self.parts]
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
+    def abandon(self) -> None:
+        """Finish the copies anyway: they write into buffers the next call reuses."""
+        for p in self.parts:
+            p.result()
+
 
 class GpuModel:
     def __init__(self, f: GGUFFile, cfg: ModelConfig, backend: Backend, plan: GpuPlan, n_ctx: int, n_slots: int = 1,

@@ -3,7 +3,7 @@
  *
  * Runs in: a developer's shell, outside the product (docs/sparsity.md, "What the hardware allowed"):
  *   cc -O3 -march=native -fopenmp scripts/membench/down.c -o /tmp/down
- *   OMP_NUM_THREADS=2 /tmp/down ACTIVE_SHARE AHEAD VARIANT      (the 1.1B file's shape: 22 layers, 5632 x 2048)
+ *   /tmp/down ACTIVE_SHARE AHEAD VARIANT      (always 2 threads; the 1.1B file's shape: 22 layers, 5632 x 2048)
  * VARIANT 0: each thread a slice of the outputs over every chosen neuron (sparse_rows.h's down_sparse);
  * 1: each thread half of the neurons, whole rows, two partial sums added; 2: as 1 but loads only (the
  * floor); 3: as 1, four neurons per pass over the outputs. Prints the median of 15 rounds.
@@ -27,6 +27,8 @@ static void blk(const uint8_t*row,float hq,float*ab){const int8_t*qb=(const int8
  _mm512_storeu_ps(ab,_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qb))),sc,_mm512_loadu_ps(ab)));
  _mm512_storeu_ps(ab+16,_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qb+16)))),sc,_mm512_loadu_ps(ab+16)));}
 int main(int argc,char**argv){
+  if(argc!=4){fprintf(stderr,"usage: %s ACTIVE_SHARE AHEAD VARIANT (runs on exactly 2 threads)\n",argv[0]);return 2;}
+  omp_set_dynamic(0); omp_set_num_threads(2); /* variants 1 and 3 add two threads' partial sums; acc2 holds two */
   double act=atof(argv[1]); int ahead=atoi(argv[2]); int variant=atoi(argv[3]);
   uint8_t*dt=aligned_alloc(4096,(size_t)NL*NFF*RB); for(size_t i=0;i<(size_t)NL*NFF*RB;i++)dt[i]=(uint8_t)(i*7+1)&0x3f;
   size_t dense_b=(size_t)NL*D*NFF/32*18; uint8_t*dn=aligned_alloc(4096,dense_b); memset(dn,1,dense_b);

@@ -19,6 +19,7 @@ static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t
 /* read n bytes at p, return xor-sum (AVX-512 loads) */
 static inline __m512i rd(const uint8_t*p,size_t n,__m512i acc){for(size_t o=0;o<n;o+=64)acc=_mm512_xor_si512(acc,_mm512_loadu_si512(p+o));return acc;}
 int main(int argc,char**argv){
+  if(argc!=6){fprintf(stderr,"usage: %s ROW_BYTES ROWS ACTIVE_SHARE AHEAD MATRICES\n",argv[0]);return 2;}
   size_t rowb=atoi(argv[1]); int nrows=atoi(argv[2]); double act=atof(argv[3]); int ahead=atoi(argv[4]); int nmat=atoi(argv[5]);
   size_t mb=rowb*nrows; uint8_t*buf=aligned_alloc(4096,mb*nmat); memset(buf,1,mb*nmat);
   int k=(int)(nrows*act); int*idx=malloc(sizeof(int)*nrows*nmat);

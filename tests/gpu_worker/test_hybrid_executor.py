@@ -119,3 +119,27 @@ def test_a_budget_beyond_the_device_is_a_clear_error(make_model: Callable[..., P
     f, cfg = load(path)
     with pytest.raises(GpuMemoryError, match=r"more than the 1.00 GiB free .*--vram-budget.*-ngl"):
         build_hybrid_executor(path, f, cfg, CTX, GpuOptions(backend="cpu", vram_budget_gib=2.0, capacity_gib=1.0, process=False))
+
+
+def test_a_cpu_failure_between_gpu_request_and_result_leaves_the_executor_usable(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="llama", qtype=QT.Q8_0)
+    f, cfg = load(path)
+    opts = GpuOptions(backend="cpu", split="neuron", vram_budget_gib=_budget(f, cfg, "neuron") / GIB, max_tokens=8)
+    ex = build_hybrid_executor(path, f, cfg, CTX, opts)  # the GPU runtime in its worker process
+    try:
+        layer = next(i for i in range(cfg.n_layers) if ex.n_hot[i] and ex.ffns[i] is not None)
+        x = np.random.default_rng(0).standard_normal((1, cfg.d_model)).astype(np.float32)
+        want = ex.ffn(layer, x)
+        shard = ex.ffns[layer]
+        real = shard.forward
+
+        def broken(*a: object) -> object:
+            raise KeyboardInterrupt  # e.g. Ctrl+C while the cold neurons run
+
+        shard.forward = broken  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            ex.ffn(layer, x)  # the GPU request is in flight when the CPU side fails
+        shard.forward = real  # type: ignore[method-assign]
+        np.testing.assert_array_equal(ex.ffn(layer, x), want)  # not "one GPU request at a time"
+    finally:
+        ex.close()

@@ -67,6 +67,14 @@ def test_errors_leave_it_serving_and_death_is_detected(make_model: Callable[...,
         with pytest.raises(WorkerError, match="not on the GPU"):
             w.attention_begin(1, x, np.array([0]), None).result()  # layer 1's attention is on the CPU
         assert np.isfinite(w.ffn_begin(1, x).result()).all()
+        # a result taken twice is refused at once (not a 600 s wait); an abandoned one frees the
+        # handle for the next request, and its late reply is skipped as stale
+        p = w.ffn_begin(1, x)
+        first = p.result()
+        with pytest.raises(RuntimeError, match="already taken"):
+            p.result()
+        w.ffn_begin(1, 2 * x).abandon()
+        np.testing.assert_array_equal(w.ffn_begin(1, x).result(), first)
         os.kill(w.proc.pid, signal.SIGKILL)
         with pytest.raises(WorkerDiedError):
             w.ffn_begin(1, x).result()
