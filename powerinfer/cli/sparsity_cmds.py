@@ -97,15 +97,16 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
 
     from powerinfer.flags import CLIError, Parser, positive_int
     from powerinfer.fetch import resolve_model
-    from powerinfer.sparsity.curve import operating_point, plot, sweep
+    from powerinfer.sparsity.curve import INPUT_MODES, operating_point, plot, sweep
 
     p = Parser(prog="powerinfer sparsity-curve", description="Perplexity against sparsity on held-out text: FFN neurons (gate, predictor) "
-                                                                     "or every projection's inputs (input).")
+                                                                     "or every projection's inputs (input: one level for all; input-greedy: "
+                                                                     "levels per layer and site by measured damage).")
     p.add_argument("-m", "--model", required=True)
     p.add_argument("--calib", required=True, help="calibration text file")
     p.add_argument("--held-out", required=True, help="text to score, not seen in calibration")
     p.add_argument("--targets", default="0.05,0.1,0.2,0.3,0.5", help="comma-separated target sparsities")
-    p.add_argument("--modes", default="gate,predictor", help="comma-separated: gate, predictor, input (default gate,predictor)")
+    p.add_argument("--modes", default="gate,predictor", help="comma-separated: gate, predictor, input, input-greedy (default gate,predictor)")
     p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens")
     p.add_argument("--max-tokens", type=positive_int, default=2048, help="held-out tokens scored")
     p.add_argument("--budget", type=float, default=0.02, help="perplexity increase allowed at the operating point (default 0.02)")
@@ -119,21 +120,26 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     if any(not 0 < t < 1 for t in targets):
         raise CLIError("--targets must be in (0, 1)")
     modes = args.modes.split(",")
-    if any(m not in ("gate", "predictor", "input") for m in modes):
-        raise CLIError("--modes: any of gate, predictor, input")
+    if any(m not in ("gate", "predictor", "input", "input-greedy") for m in modes):
+        raise CLIError("--modes: any of gate, predictor, input, input-greedy")
+    if "input-greedy" in modes and max(targets) > 0.7:
+        raise CLIError("--targets: input-greedy targets are shares of the layers' weight bytes, at most 0.7")
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     points = sweep(model, read_text(args.calib), read_text(args.held_out), targets, modes, args.tokens, args.max_tokens, progress)
-    dense = {("readable model" if pt.mode == "input" else "engine"): pt.dense_ppl for pt in points}
+    dense = {("readable model" if pt.mode.startswith("input") else "engine"): pt.dense_ppl for pt in points}
     print("dense perplexity " + ", ".join(f"{v:.3f} ({k})" for k, v in dense.items()) + f" on {args.max_tokens} held-out tokens")
-    print(f"{'mode':<10} {'target':>6} {'achieved':>9} {'perplexity':>11} {'change':>8} {'recall':>7}")
+    print(f"{'mode':<12} {'target':>6} {'achieved':>9} {'perplexity':>11} {'change':>8} {'recall':>7}")
     for pt in points:
-        print(f"{pt.mode:<10} {pt.target:>6.2f} {100 * pt.achieved:>8.1f}% {pt.ppl:>11.3f} {100 * pt.increase:>+7.2f}% {pt.recall:>7.3f}")
-    op = operating_point(points, args.budget)
-    if op is None:
-        print(f"no point within +{100 * args.budget:.1f}%")
-    else:
-        print(f"operating point (+{100 * args.budget:.1f}% budget): {op.mode} target {op.target:.2f}, "
-              f"{100 * op.achieved:.1f}% sparsity, {100 * op.increase:+.2f}% perplexity")
+        print(f"{pt.mode:<12} {pt.target:>6.2f} {100 * pt.achieved:>8.1f}% {pt.ppl:>11.3f} {100 * pt.increase:>+7.2f}% {pt.recall:>7.3f}")
+    # one operating point per mode: "achieved" counts neurons for gate/predictor, weight bytes for input
+    for mode in dict.fromkeys(pt.mode for pt in points):
+        op = operating_point([pt for pt in points if pt.mode == mode], args.budget)
+        if op is None:
+            print(f"{mode}: no point within +{100 * args.budget:.1f}%")
+        else:
+            unit = "of the layers' weight bytes skipped" if mode in INPUT_MODES else "of FFN neurons skipped"
+            print(f"{mode} operating point (+{100 * args.budget:.1f}% budget): target {op.target:.2f}, "
+                  f"{100 * op.achieved:.1f}% {unit}, {100 * op.increase:+.2f}% perplexity")
     if args.plot:
         plot(points, args.plot, Path(model).name)
         print(f"plot: {args.plot}")

@@ -9,8 +9,9 @@ For each mode and target sparsity: calibrate on --calib, then score --held-out (
 never saw) densely once and sparsely per point. gate and predictor: FFN neurons, through the
 engine (achieved: the share of neurons not computed); input: every projection's input thresholded
 on the readable model (teal.py; achieved: the share of the layers' weight bytes whose input was
-zero, the bound of what skipping input columns saves). Prints one table row per point and the operating
-point: the sparsest point whose perplexity stays within --budget (default +2%) of dense.
+zero, the bound of what skipping input columns saves); input-greedy: the same with the target as
+that share, spread over layers and sites by measured damage (teal_greedy.py). Prints one table
+row per point and the operating point: the sparsest point whose perplexity stays within --budget (default +2%) of dense.
 """
 
 from __future__ import annotations
@@ -38,17 +39,22 @@ class CurvePoint:
         return self.ppl / self.dense_ppl - 1
 
 
+INPUT_MODES = {"input", "input-greedy"}
+
+
 def sweep(model: str | Path, calib: str, held_out: str, targets: Sequence[float], modes: Sequence[str], tokens: int = 4096,
           max_tokens: int = 2048, progress: Callable[[str], None] = lambda _: None) -> list[CurvePoint]:
     points = []
-    if "input" in modes:
-        for q in input_curve(model, calib, held_out, targets, tokens=tokens, max_tokens=max_tokens, progress=progress):
-            points.append(CurvePoint("input", q.level, q.skipped_share, q.ppl, q.dense_ppl, 1.0))
-    if not set(modes) - {"input"}:
+    for mode, allocation in (("input", "uniform"), ("input-greedy", "greedy")):
+        if mode in modes:
+            for q in input_curve(model, calib, held_out, targets, tokens=tokens, max_tokens=max_tokens, progress=progress,
+                                 allocation=allocation):
+                points.append(CurvePoint(mode, q.level, q.skipped_share, q.ppl, q.dense_ppl, 1.0))
+    if not set(modes) - INPUT_MODES:
         return points
     dense = perplexity(model, held_out, None, max_tokens=max_tokens, progress=progress).dense_ppl
     for mode in modes:
-        if mode == "input":
+        if mode in INPUT_MODES:
             continue
         for t in targets:
             pf = calibrate(model, CalibrationSettings(mode=mode, sparsity=t, tokens=tokens), calib)
@@ -62,6 +68,8 @@ def sweep(model: str | Path, calib: str, held_out: str, targets: Sequence[float]
 
 
 def operating_point(points: Sequence[CurvePoint], budget: float) -> CurvePoint | None:
+    """The sparsest of points within budget; give it one mode's points (modes count "achieved"
+    differently: neurons for gate and predictor, weight bytes for the input modes)."""
     ok = [p for p in points if p.increase <= budget]
     return max(ok, key=lambda p: p.achieved) if ok else None
 

@@ -13,9 +13,9 @@ weight columns it multiplies need not be read. Four sites a layer, each with its
     down     act(gate) * up                        -> ffn_down                 [T, n_ff]
 
 A threshold is the layer's and site's quantile of |input| at the target level, taken on the
-calibration text's dense activations (TEAL's uniform allocation: every site at the same level;
-its greedy per-layer allocation is not done here). The curve reports the held-out perplexity and
-the share of the layers' weight bytes whose input was zero on the held-out text. Those bytes are
+calibration text's dense activations: TEAL's uniform allocation (every site at the same level),
+or levels per layer and site allocated greedily by measured damage (teal_greedy.py). The curve
+reports the held-out perplexity and the share of the layers' weight bytes whose input was zero on the held-out text. Those bytes are
 an upper bound of what a kernel saves: the file's row-major blocks mix skipped and kept columns,
 so reading only the kept ones needs the matrices stored column-major (docs/sparsity.md).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from powerinfer.tokenizer import GGUFTokenizer
 
 SITES = ("qkv", "o", "gate_up", "down")
 CONSUMERS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",), "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
-SAMPLE = 1 << 16  # |input| values kept per layer and site for the quantiles
+SAMPLE = 1 << 16  # |input| values kept per layer and site for the quantiles (spread over the windows)
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,13 @@ class InputSparsity:
         cfg, rng = self.cfg, np.random.default_rng(0)
         zeros = np.zeros((cfg.n_layers, len(SITES)))
         total, count = 0.0, 0
+        per_window = max(1, SAMPLE // max(1, len(windows)))  # SAMPLE per layer and site over all windows
 
         def site(x: np.ndarray, i: int, k: int) -> np.ndarray:
             a = np.abs(x)
             if collect is not None:
                 flat = a.reshape(-1)
-                collect.setdefault((i, SITES[k]), []).append(flat[rng.integers(0, flat.size, min(flat.size, SAMPLE))])
+                collect.setdefault((i, SITES[k]), []).append(flat[rng.integers(0, flat.size, min(flat.size, per_window))])
             if thr is None:
                 return x
             off = a <= thr[i, k]
@@ -115,42 +116,84 @@ class InputSparsity:
             return np.where(off, np.float32(0), x)
 
         for ids in windows:
-            x = self.w.get("token_embd.weight")[np.asarray(ids)][None] * np.float32(cfg.embed_scale)  # [1, T, d]
+            x = self.embed(ids)
             for i in range(cfg.n_layers):
-                w = self.w.layer(i)
-                h = site(rms_norm(x, w("attn_norm"), cfg.norm_eps), i, 0)
-                a = site(attention_heads(cfg, i, h, w), i, 1) @ w("attn_output").T
-                x = x + (rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a)
-                h = site(rms_norm(x, w("ffn_norm"), cfg.norm_eps), i, 2)
-                m = site(activation(h @ w("ffn_gate").T, cfg.activation) * (h @ w("ffn_up").T), i, 3) @ w("ffn_down").T
-                x = x + (rms_norm(m, w("post_ffw_norm"), cfg.norm_eps) if cfg.post_norms else m)
-            h = rms_norm(x[0, :-1], self.w.get("output_norm.weight"), cfg.norm_eps)  # [T - 1, d]: predicts ids[1:]
-            head = self.w.get("token_embd.weight" if cfg.tied_embeddings else "output.weight")
-            for c in range(0, len(h), 64):  # the logits in slices: Gemma's 262k vocabulary
-                z = (h[c : c + 64] @ head.T).astype(np.float64)
-                mx = z.max(1)
-                logz = np.log(np.exp(z - mx[:, None]).sum(1)) + mx
-                total += float((logz - z[np.arange(len(z)), np.asarray(ids[c + 1 : c + 1 + len(z)])]).sum())
+                x = self.layer(x, i, site)
+            for c, lp in self.log_probs(x):
+                total -= float(lp[np.arange(len(lp)), np.asarray(ids[c + 1 : c + 1 + len(lp)])].sum())
             count += len(ids) - 1
         return total, count, zeros
 
-    def thresholds(self, samples: dict[tuple[int, str], list[np.ndarray]], level: float) -> np.ndarray:
-        """[n_layers, 4]: each layer's and site's |input| quantile at level (0: nothing skipped)."""
+    def embed(self, ids: Sequence[int]) -> np.ndarray:
+        """[1, T, d]: the scaled embeddings of a window."""
+        return self.w.get("token_embd.weight")[np.asarray(ids)][None] * np.float32(self.cfg.embed_scale)
+
+    def layer(self, x: np.ndarray, i: int, site: Callable[[np.ndarray, int, int], np.ndarray]) -> np.ndarray:
+        """Layer i on x [1, T, d]; site(input, i, k) may threshold the input of site k."""
+        cfg, w = self.cfg, self.w.layer(i)
+        h = site(rms_norm(x, w("attn_norm"), cfg.norm_eps), i, 0)
+        a = site(attention_heads(cfg, i, h, w), i, 1) @ w("attn_output").T
+        x = x + (rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a)
+        h = site(rms_norm(x, w("ffn_norm"), cfg.norm_eps), i, 2)
+        m = site(activation(h @ w("ffn_gate").T, cfg.activation) * (h @ w("ffn_up").T), i, 3) @ w("ffn_down").T
+        return x + (rms_norm(m, w("post_ffw_norm"), cfg.norm_eps) if cfg.post_norms else m)
+
+    def final(self, x: np.ndarray) -> np.ndarray:
+        """[T - 1, d]: the final-normed hidden states of the positions that predict a next token."""
+        return rms_norm(x[0, :-1], self.w.get("output_norm.weight"), self.cfg.norm_eps)
+
+    def head(self) -> np.ndarray:
+        """[V, d]: the output head (the embeddings when tied)."""
+        return self.w.get("token_embd.weight" if self.cfg.tied_embeddings else "output.weight")
+
+    def log_probs(self, x: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """(first row, log-probabilities [c, V] in float64) of the positions that predict a next
+        token, in slices of 64 rows (Gemma's 262k vocabulary)."""
+        h, head = self.final(x), self.head()
+        for c in range(0, len(h), 64):
+            yield c, log_softmax((h[c : c + 64] @ head.T).astype(np.float64))
+
+    def thresholds(self, samples: dict[tuple[int, str], list[np.ndarray]], level: float | np.ndarray) -> np.ndarray:
+        """[n_layers, 4]: each layer's and site's |input| quantile at level, one for all or
+        [n_layers, 4] of them (0: nothing skipped, not even exact zeros)."""
+        levels = np.broadcast_to(np.asarray(level, dtype=np.float64), (self.cfg.n_layers, len(SITES)))
         out = np.full((self.cfg.n_layers, len(SITES)), -1.0)
-        if level > 0:
-            for (i, s), parts in samples.items():
-                out[i, SITES.index(s)] = float(np.quantile(np.concatenate(parts), level))
+        for (i, s), parts in samples.items():
+            k = SITES.index(s)
+            if levels[i, k] > 0:
+                out[i, k] = float(np.quantile(np.concatenate(parts), levels[i, k]))
         return out
 
 
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax of z [n, V]."""
+    mx = z.max(1, keepdims=True)
+    return z - (np.log(np.exp(z - mx).sum(1, keepdims=True)) + mx)
+
+
 def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[float], n_ctx: int = 512, tokens: int = 2048,
-                max_tokens: int = 1024, progress: Callable[[str], None] = lambda _: None) -> list[InputPoint]:
-    """Profile |inputs| on calib, then score held_out densely and at each level."""
+                max_tokens: int = 1024, progress: Callable[[str], None] = lambda _: None, allocation: str = "uniform",
+                sens_tokens: int = 256) -> list[InputPoint]:
+    """Profile |inputs| on calib, then score held_out densely and at each level. allocation
+    "uniform": every site at the level; "greedy": the level is the target share of layer weight
+    bytes, spread over layers and sites by the damage each showed alone on the first sens_tokens
+    of calib (teal_greedy.py)."""
     if not all(0.0 < v < 1.0 for v in levels):
         raise InvalidArgumentError(f"input sparsity levels must be in (0, 1), got {list(levels)}")
+    if allocation not in ("uniform", "greedy"):
+        raise InvalidArgumentError(f"allocation must be uniform or greedy, got {allocation!r}")
     m = InputSparsity(model)
     samples: dict[tuple[int, str], list[np.ndarray]] = {}
-    m.run(m.windows(calib, n_ctx, tokens), collect=samples)
+    calib_windows = m.windows(calib, n_ctx, tokens)
+    m.run(calib_windows, collect=samples)
+    plan: Callable[[float], float | np.ndarray] = lambda level: level
+    if allocation == "greedy":
+        from powerinfer.sparsity.teal_greedy import LEVELS, allocate, measure
+
+        if max(levels) > LEVELS[-1]:
+            raise InvalidArgumentError(f"greedy targets must be at most {LEVELS[-1]}, got {max(levels)}")
+        sens = measure(m, m.windows(calib, max(2, sens_tokens), sens_tokens)[0], samples, progress=progress)
+        plan = lambda level: allocate(sens, level)  # noqa: E731
     held = m.windows(held_out, n_ctx, max_tokens)
     dense_total, n, _ = m.run(held)
     dense = math.exp(dense_total / n)
@@ -159,11 +202,11 @@ def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[f
     layer_bytes = int(sum(b.sum() for b in m.site_bytes.values()))
     points = []
     for level in levels:
-        total, _, zeros = m.run(held, m.thresholds(samples, level))
+        total, _, zeros = m.run(held, m.thresholds(samples, plan(level)))
         share = zeros / n_tok  # [n_layers, 4]: share of each input's entries that were zero
         skipped = float(sum((share[:, k] * m.site_bytes[s]).sum() for k, s in enumerate(SITES)))
         p = InputPoint(level, math.exp(total / n), dense, {s: float(share[:, k].mean()) for k, s in enumerate(SITES)}, skipped, layer_bytes)
         points.append(p)
-        progress(f"input {level:.2f}: perplexity {p.ppl:.3f} ({100 * p.increase:+.2f}%), layer weight bytes skipped "
+        progress(f"input ({allocation}) {level:.2f}: perplexity {p.ppl:.3f} ({100 * p.increase:+.2f}%), layer weight bytes skipped "
                  f"{100 * p.skipped_share:.1f}% (" + ", ".join(f"{s} {100 * v:.0f}%" for s, v in p.zero_share.items()) + ")")
     return points
