@@ -138,7 +138,7 @@ def _prepare(load: LoadMsg, index: int) -> Loaded:
 
 def worker_main(args: WorkerArgs) -> None:
     """Entry point of a worker process."""
-    run_worker(args, f"worker{args.index}", lambda load: _prepare(load, args.index))
+    run_worker(args, "worker", lambda load: _prepare(load, args.index))
 
 
 if __name__ == "__main__":

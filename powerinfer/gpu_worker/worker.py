@@ -74,7 +74,7 @@ def _prepare(load: LoadMsg, setup_path: str) -> Loaded:
 def worker_main(args: WorkerArgs) -> None:
     if not args.extra:
         raise SystemExit("the GPU worker needs its setup file (written by powerinfer.gpu_worker.client.GpuWorkerProcess)")
-    run_worker(args, "gpu-worker", lambda load: _prepare(load, args.extra[0]))
+    run_worker(args, "GPU worker", lambda load: _prepare(load, args.extra[0]))
 
 
 if __name__ == "__main__":

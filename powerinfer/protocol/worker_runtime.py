@@ -63,9 +63,11 @@ class Loaded:
     close: Callable[[], None] = field(default=lambda: None)
 
 
-def run_worker(args: WorkerArgs, label: str, load: Callable[[LoadMsg], Loaded]) -> None:
-    """The whole life of a worker process (see the module docstring); label names it in logs."""
+def run_worker(args: WorkerArgs, kind: str, load: Callable[[LoadMsg], Loaded]) -> None:
+    """The whole life of a worker process (see the module docstring); kind ("worker", "GPU worker")
+    names it in logs, with its index."""
     die_with_parent()
+    label = f"{kind.lower().replace(' ', '-')}{args.index}"
     logging.basicConfig(level=args.log_level, format=f"%(levelname)s {label} %(name)s: %(message)s", stream=sys.stderr)
     # The coordinator handles Ctrl+C and tells us to stop; a terminal's SIGINT must not kill us mid-reply.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,7 +78,7 @@ def run_worker(args: WorkerArgs, label: str, load: Callable[[LoadMsg], Loaded]) 
     socket_limits(sock)
     sock.connect(args.endpoint)
     busy, stop = threading.Event(), threading.Event()
-    beat = threading.Thread(target=heartbeat, args=(ctx, args.hb_endpoint, args.index, args.coordinator, busy, stop, label), daemon=True)
+    beat = threading.Thread(target=heartbeat, args=(ctx, args.hb_endpoint, args.index, args.coordinator, busy, stop, kind), daemon=True)
     beat.start()
     loaded: Loaded | None = None
     try:
