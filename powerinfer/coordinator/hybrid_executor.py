@@ -128,7 +128,10 @@ class HybridExecutor:
                 out = shard.forward(torch.from_numpy(x)).numpy()
         except BaseException:
             if pending is not None:
-                pending.abandon()  # else every later GPU request would be refused as "one at a time"
+                try:
+                    pending.abandon()  # else every later GPU request would be refused as "one at a time"
+                except Exception:  # noqa: BLE001 - the CPU side's exception is the one to raise
+                    log.warning("layer %d: the abandoned GPU request failed too", layer, exc_info=True)
             raise
         t1 = time.perf_counter()
         if pending is not None:

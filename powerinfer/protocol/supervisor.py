@@ -65,6 +65,20 @@ class Supervisor:
         self.name = name
         self.dir = tempfile.mkdtemp(prefix=prefix)  # mode 0700: only this user can connect
         self._ctx: zmq.Context | None = zmq.Context()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(module, n, log_level, extra_args, files or {})
+        except BaseException:
+            self.close(0.0)
+            raise
+        self.last_beat = [time.monotonic()] * n
+        self._index_of = {worker_identity(i): i for i in range(n)}
+        # While starting, interpreters import libraries and pack weights before their first beat;
+        # only the caller's start timeout applies until serving is set.
+        self.serving = False
+
+    def _start(self, module: str, n: int, log_level: str, extra_args: Callable[[int], list[str]], files: dict[str, str]) -> None:
+        assert self._ctx is not None
         self.router = self._ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a dead worker raises, not drops
@@ -79,29 +93,25 @@ class Supervisor:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.beats, zmq.POLLIN)
-        for fname, text in (files or {}).items():
+        for fname, text in files.items():
             with open(os.path.join(self.dir, fname), "w", encoding="utf-8") as fh:
                 fh.write(text)
-        self.procs: list[subprocess.Popen[bytes]] = []
-        try:
-            for i in range(n):
-                argv = [sys.executable, "-m", module, str(i), endpoint, hb_endpoint, str(os.getpid()), log_level]
-                argv += [a.replace("{dir}", self.dir) for a in extra_args(i)]
-                self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-        except BaseException:
-            self.close(0.0)
-            raise
-        self.last_beat = [time.monotonic()] * n
-        self._index_of = {worker_identity(i): i for i in range(n)}
-        # While starting, interpreters import libraries and pack weights before their first beat;
-        # only the caller's start timeout applies until serving is set.
-        self.serving = False
+        for i in range(n):
+            argv = [sys.executable, "-m", module, str(i), endpoint, hb_endpoint, str(os.getpid()), log_level]
+            argv += [a.replace("{dir}", self.dir) for a in extra_args(i)]
+            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def _running(self) -> None:
+        if self._ctx is None:  # e.g. a restart whose new workers failed to start left this one closed
+            who = f"{self.name(0)} is" if len(self.procs) == 1 else "the workers are"
+            raise WorkerDiedError(f"{who} not running (closed, or a restart failed)")
+
     def send(self, worker: int, msg: Message) -> None:
+        self._running()
         try:
             send_routed(self.router, worker_identity(worker), msg)
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
@@ -126,6 +136,7 @@ class Supervisor:
 
     def check_health(self) -> None:
         """Between requests: raise WorkerDiedError if any worker exited or stopped beating."""
+        self._running()
         self.drain_beats()
         self.check_alive(set(range(len(self.procs))), "idle")
 
@@ -145,6 +156,7 @@ class Supervisor:
                error: Callable[[str, ErrorMsg], Exception] = _layer_error) -> dict[int, Message]:
         """One message from each worker in pending; with req, stale replies are skipped and an
         ERROR raises error(name, msg)."""
+        self._running()
         pending = set(pending)
         out: dict[int, Message] = {}
         deadline = time.monotonic() + timeout
@@ -200,8 +212,9 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.kill()  # SIGKILL also ends a SIGSTOPped worker
                 p.wait(5.0)
-        self.router.close()
-        self.beats.close()
+        for sock in (getattr(self, "router", None), getattr(self, "beats", None)):
+            if sock is not None:
+                sock.close()
         self._ctx.term()
         self._ctx = None
         shutil.rmtree(self.dir, ignore_errors=True)

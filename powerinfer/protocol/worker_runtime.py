@@ -133,10 +133,14 @@ def serve_layers(sock: zmq.Socket, worker: int, busy: threading.Event, kinds: tu
             out = np.ascontiguousarray(compute(msg), dtype=np.float32)
             us = int((time.perf_counter() - t0) * 1e6)
             send(sock, PartialMsg(req=msg.req, step=msg.step, layer=layer, worker=worker, compute_us=us, tensors=(out,)))  # type: ignore[attr-defined]
-            if after is not None:
-                after(msg)
         except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR; the worker keeps serving
             log.exception("worker %d: layer %d failed", worker, layer)
             send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=layer, worker=worker, kind=type(e).__name__, message=str(e)))  # type: ignore[attr-defined]
+            continue
         finally:
             busy.clear()
+        if after is not None:  # the reply is out: a failure here is logged, not a second answer
+            try:
+                after(msg)
+            except Exception:  # noqa: BLE001 - housekeeping only
+                log.exception("worker %d: after layer %d", worker, layer)

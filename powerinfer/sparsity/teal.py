@@ -178,21 +178,25 @@ def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[f
     "uniform": every site at the level; "greedy": the level is the target share of layer weight
     bytes, spread over layers and sites by the damage each showed alone on the first sens_tokens
     of calib (teal_greedy.py)."""
-    if not all(0.0 < v < 1.0 for v in levels):
+    if not levels or not all(0.0 < v < 1.0 for v in levels):
         raise InvalidArgumentError(f"input sparsity levels must be in (0, 1), got {list(levels)}")
     if allocation not in ("uniform", "greedy"):
         raise InvalidArgumentError(f"allocation must be uniform or greedy, got {allocation!r}")
+    if allocation == "greedy":
+        from powerinfer.sparsity.teal_greedy import LEVELS, allocate, measure
+
+        if max(levels) > LEVELS[-1]:  # before minutes of calibration, not after
+            raise InvalidArgumentError(f"greedy targets must be at most {LEVELS[-1]}, got {max(levels)}")
+        if sens_tokens < 2:
+            raise InvalidArgumentError(f"the sensitivity window needs at least 2 tokens, got {sens_tokens}")
     m = InputSparsity(model)
     samples: dict[tuple[int, str], list[np.ndarray]] = {}
     calib_windows = m.windows(calib, n_ctx, tokens)
     m.run(calib_windows, collect=samples)
     plan: Callable[[float], float | np.ndarray] = lambda level: level
     if allocation == "greedy":
-        from powerinfer.sparsity.teal_greedy import LEVELS, allocate, measure
-
-        if max(levels) > LEVELS[-1]:
-            raise InvalidArgumentError(f"greedy targets must be at most {LEVELS[-1]}, got {max(levels)}")
-        sens = measure(m, m.windows(calib, max(2, sens_tokens), sens_tokens)[0], samples, progress=progress)
+        n_sens = min(sens_tokens, tokens)  # the first tokens of the calibration text, within its budget
+        sens = measure(m, m.windows(calib, n_sens, n_sens)[0], samples, progress=progress)
         plan = lambda level: allocate(sens, level)  # noqa: E731
     held = m.windows(held_out, n_ctx, max_tokens)
     dense_total, n, _ = m.run(held)

@@ -73,3 +73,8 @@ def test_a_killed_worker_is_noticed_between_requests() -> None:
         assert e.value.worker == 0 and e.value.pid == sup.pids[0]
     finally:
         sup.close()
+    # closed (e.g. a restart that failed left it so): every use is a WorkerDiedError, which the
+    # engine's and the server's failure paths handle, never a raw ZMQError
+    for use in (sup.check_health, lambda: sup.send(0, ShutdownMsg()), lambda: sup.gather({0}, 1.0, "idle")):
+        with pytest.raises(WorkerDiedError, match="worker 0 is not running"):
+            use()
