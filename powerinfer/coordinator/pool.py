@@ -24,7 +24,6 @@ from powerinfer.protocol import (
     PartialMsg,
     ProtocolError,
     ReadyMsg,
-    WorkerDiedError,
     WorkerError,
 )
 from powerinfer.protocol.supervisor import Supervisor
@@ -57,8 +56,7 @@ class WorkerPool:
         # called after each batch of sends: the native pool rings its doorbell so that ranks
         # serving steps in native code come back to read their socket
         self.after_send: Callable[[], None] | None = None
-        self._sup: Supervisor | None = None
-        self._closed_pids: list[int] = []
+        self._sup: Supervisor  # set by start(); once closed it answers every use with a WorkerDiedError
         self.start()
 
     # -- life cycle ----------------------------------------------------------------------------
@@ -97,31 +95,21 @@ class WorkerPool:
 
     def close(self, timeout: float = 3.0) -> None:
         """Ask workers to stop, then terminate and kill what is left; remove the socket directory."""
-        if self._sup is not None:
-            self._sup.close(timeout, self.after_send)
-            self._closed_pids = self._sup.pids
-            self._sup = None
+        self._sup.close(timeout, self.after_send)
 
     def restart(self) -> None:
         log.warning("restarting the worker pool")
         self.close(timeout=1.0)
         self.start()
 
-    @property
-    def _live(self) -> Supervisor:
-        if self._sup is None:
-            # a WorkerDiedError: the engine's failure path then restarts the pool
-            raise WorkerDiedError("the worker pool is not running (closed, or its last start failed)")
-        return self._sup
-
     def check_health(self) -> None:
         """Between requests: raise WorkerDiedError if any worker exited or stopped beating."""
-        self._live.check_health()
+        self._sup.check_health()
 
     @property
     def pids(self) -> list[int]:
         """The workers' process ids (after close(): the last pool's)."""
-        return self._sup.pids if self._sup is not None else self._closed_pids
+        return self._sup.pids
 
     # -- messaging -----------------------------------------------------------------------------
 
@@ -131,7 +119,7 @@ class WorkerPool:
 
     def call(self, msgs: dict[int, Message], req: int, what: str, timeout: float = 600.0, expect: type = PartialMsg) -> dict[int, Message]:
         """Send one request per worker and return their replies of type expect (raises on any failure)."""
-        sup = self._live
+        sup = self._sup
         for i, msg in msgs.items():
             sup.send(i, msg)
         if self.after_send is not None:

@@ -7,9 +7,9 @@ layer's GPU work and return a pending result, so the hybrid executor computes th
 before it waits. :class:`GpuWorkerProcess` speaks the existing protocol (docs/protocol.md):
 HELLO -> LOAD (model, context, predictor, KV slots) -> READY, then ATTN/FFN -> PARTIAL, started
 and watched by the CPU pool's own supervisor (protocol/supervisor.py: a dead or hung worker is a
-WorkerDiedError). What LOAD
-cannot carry (backend, budget, the hot neurons of each layer) is the :class:`GpuSetup` JSON file
-the worker is started with, written in the private socket directory (mode 0700).
+WorkerDiedError). What LOAD cannot carry (backend, budget, the hot neurons of each layer) is the
+:class:`GpuSetup` JSON file the worker is started with, written in the private socket directory
+(mode 0700).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ engine (achieved: the share of neurons not computed); input: every projection's 
 on the readable model (teal.py; achieved: the share of the layers' weight bytes whose input was
 zero, the bound of what skipping input columns saves); input-greedy: the same with the target as
 that share, spread over layers and sites by measured damage (teal_greedy.py). Prints one table
-row per point and the operating point: the sparsest point whose perplexity stays within --budget (default +2%) of dense.
+row per point and, per mode, the operating point: the sparsest point whose perplexity stays
+within --budget (default +2%) of dense.
 """
 
 from __future__ import annotations

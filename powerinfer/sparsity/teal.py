@@ -15,9 +15,10 @@ weight columns it multiplies need not be read. Four sites a layer, each with its
 A threshold is the layer's and site's quantile of |input| at the target level, taken on the
 calibration text's dense activations: TEAL's uniform allocation (every site at the same level),
 or levels per layer and site allocated greedily by measured damage (teal_greedy.py). The curve
-reports the held-out perplexity and the share of the layers' weight bytes whose input was zero on the held-out text. Those bytes are
-an upper bound of what a kernel saves: the file's row-major blocks mix skipped and kept columns,
-so reading only the kept ones needs the matrices stored column-major (docs/sparsity.md).
+reports the held-out perplexity and the share of the layers' weight bytes whose input was zero on
+the held-out text. Those bytes are an upper bound of what a kernel saves: the file's row-major
+blocks mix skipped and kept columns, so reading only the kept ones needs the matrices stored
+column-major (docs/sparsity.md).
 """
 
 from __future__ import annotations
