@@ -56,6 +56,37 @@ class CLIError(PowerInferError):
     """A bad command-line argument."""
 
 
+def report_paths(json_path: str | None, plot_path: str | None) -> None:
+    """--json / --plot, checked before a run rather than after it (a plot is PNG, SVG or PDF)."""
+    if json_path is not None:
+        output_path(json_path, "--json")
+    if plot_path is not None:
+        output_path(plot_path, "--plot")
+        if Path(plot_path).suffix.lower() not in (".png", ".svg", ".pdf"):
+            raise CLIError(f"--plot {plot_path}: name a .png, .svg or .pdf file")
+
+
+def output_path(path: str, flag: str, inputs: tuple[str, ...] = ()) -> Path:
+    """The file a command will write (checked before any work): not empty, not a directory or
+    other non-regular file, not one of the command's inputs, in a directory that exists and is
+    writable. CLIError otherwise."""
+    if not path:
+        raise CLIError(f"{flag}: give a file name")
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise CLIError(f"{flag} {path}: {'is a directory' if p.is_dir() else 'exists and is not a regular file'}; give a file name")
+    real = os.path.realpath(p)
+    for given in inputs:
+        if given and os.path.exists(given) and os.path.realpath(given) == real:
+            raise CLIError(f"{flag} {path} is the input {given}: writing it would destroy it; give another file name")
+    parent = Path(real).parent
+    if not parent.is_dir():
+        raise CLIError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} {path}: the directory {parent} is not writable")
+    return p
+
+
 def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None:
     """The model flags; default_ctx is the context a run gets without -c (capped by the model's trained context)."""
     p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")

@@ -16,38 +16,47 @@ from powerinfer.flags import progress, read_text
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    from powerinfer.flags import CLIError, Parser, positive_int
+    from powerinfer.flags import CLIError, Parser, output_path, positive_int
 
     p = Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
     p.add_argument("-o", "--output", required=True, help="predictor file to write (e.g. MODEL.predictor)")
     p.add_argument("--text", default=None, help="calibration text file (default: text the model generates itself)")
     p.add_argument("--max-ppl-increase", type=float, default=0.02,
-                   help="quality budget (default 0.02 = +2%%): without --sparsity, the sparsest gate-mode setting (per-layer levels "
-                        "allocated by measured damage) whose perplexity on a held-out fifth of the corpus stays within it")
+                   help="quality budget (default 0.02 = +2%%): without --sparsity, the sparsest setting (per-layer levels allocated "
+                        "by measured damage, each sparse layer at least 75%% sparse, where skipping starts to pay) whose perplexity "
+                        "on a held-out fifth of the corpus stays within it")
     p.add_argument("--sparsity", type=float, default=None,
                    help="force one share of FFN neurons skipped per token in every layer instead of the budget search")
-    p.add_argument("--mode", choices=["predictor", "gate"], default="gate",
-                   help="gate (default): dense gate, threshold on it; predictor: a trained low-rank MLP picks neurons (gate, up, "
-                        "down skipped; needs --sparsity)")
+    p.add_argument("--mode", choices=["auto", "gate", "predictor"], default="auto",
+                   help="gate: dense gate, threshold on it; predictor: a trained low-rank MLP per sparse layer picks neurons (gate, "
+                        "up, down skipped); auto (default): with the budget, predictor mode where it stays within the budget and "
+                        "reads fewer bytes, else gate; with --sparsity, gate")
     p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--recall", type=float, default=0.97, help="share of activation mass the predicted set keeps (default 0.97)")
     p.add_argument("--rank", type=positive_int, default=None,
-                   help="predictor mode: the predictor's hidden width (default d_model / 4, at least 32); it is read every token, "
+                   help="predictor mode: the predictor's hidden width (default d_model / 4 within [32, 128]); it is read every token, "
                         "so a smaller one costs fewer bytes and may choose less well")
     p.add_argument("--steps", type=positive_int, default=300, help="predictor mode: training steps per layer (default 300)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from powerinfer.errors import PowerInferError
     from powerinfer.fetch import resolve_model
-    from powerinfer.predictors.predictor_file import write_predictor
+    from powerinfer.predictors.predictor_file import read_predictor, write_predictor
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 
-    if args.sparsity is None and args.mode == "predictor":
-        raise CLIError("--mode predictor needs --sparsity (the quality-budget search chooses gate-mode levels)")
+    if args.seed < 0:
+        raise CLIError(f"--seed must be >= 0, got {args.seed}")
     settings = CalibrationSettings(mode=args.mode, sparsity=0.5 if args.sparsity is None else args.sparsity, tokens=args.tokens,
                                    recall=args.recall, seed=args.seed, rank=args.rank or 0, steps=args.steps)
     text = read_text(args.text) if args.text else None
     model = resolve_model(args.model, progress=sys.stderr.isatty())
+    out = output_path(args.output, "-o", (str(model), args.text or ""))  # checked before minutes of work, not after
+    if out.exists():
+        try:
+            read_predictor(out)
+        except (PowerInferError, ValueError, OSError):
+            raise CLIError(f"-o {args.output} exists and is not a .predictor file: not overwritten; remove it or give another name") from None
     if args.sparsity is None:
         from powerinfer.sparsity.budget import calibrate_within_budget
 
@@ -95,7 +104,7 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from powerinfer.flags import CLIError, Parser, positive_int
+    from powerinfer.flags import CLIError, Parser, positive_int, report_paths
     from powerinfer.fetch import resolve_model
     from powerinfer.sparsity.curve import INPUT_MODES, operating_point, plot, sweep
 
@@ -119,6 +128,9 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
         raise CLIError(f"--targets must be comma-separated numbers, got {args.targets!r}") from None
     if any(not 0 < t < 1 for t in targets):
         raise CLIError("--targets must be in (0, 1)")
+    report_paths(args.json, args.plot)
+    if not 0.0 < args.budget < 1.0:  # also NaN
+        raise CLIError(f"--budget must be in (0, 1), got {args.budget}")
     modes = args.modes.split(",")
     if any(m not in ("gate", "predictor", "input", "input-greedy") for m in modes):
         raise CLIError("--modes: any of gate, predictor, input, input-greedy")

@@ -1,4 +1,4 @@
-"""Calibration under a quality budget: the sparsest gate-mode setting whose held-out perplexity stays within it.
+"""Calibration under a quality budget: the sparsest setting (gate or predictor mode) whose held-out perplexity stays within it.
 
 Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-process executors.
 
@@ -7,12 +7,23 @@ Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-proc
 2. Damage, measured per layer and level (TEAL's block-wise view): the share of the layer's
    activation mass (|act(gate) * up| times the norm of the neuron's down column) that a gate
    threshold at that level of the profile drops.
-3. For a target mean sparsity S a greedy allocation raises one layer at a time by one step (0.05),
-   always the layer whose next step drops the least mass, until the mean reaches S: sensitive
-   layers stay dense, tolerant ones go far.
+3. For a target mean sparsity S a greedy allocation raises one layer at a time, always the move
+   that drops the least mass per unit of sparsity gained, until the mean reaches S: sensitive
+   layers stay dense, tolerant ones go far. A layer's first move jumps straight to the lowest
+   level at which the native decoder skips anything (``min_level``: it runs a layer dense above
+   MAX_SPARSE_SHARE active, where skipping rows stops paying on this CPU), later moves are one step
+   (0.05): a level below that would spend the budget on perplexity and skip nothing.
 4. S itself is bisected: the largest allocation whose held-out perplexity stays within half the
-   budget of dense (a margin for text unlike the corpus: see MARGIN), each candidate scored by one sparse pass over the held-out tokens with the thresholds
-   set in place on one executor (nothing is reloaded between candidates).
+   budget of dense (a margin for text unlike the corpus: see MARGIN), each candidate scored by one
+   sparse pass over the held-out tokens with the thresholds set in place on one executor (nothing
+   is reloaded between candidates).
+5. Mode: unless told 'gate', predictors are then trained for the layers that allocation leaves
+   sparse (at their levels; the dense layers get one that fires every neuron) and scored the same
+   way, raising the recall (RECALLS: only the decision biases move) until they keep the aim.
+   'predictor' keeps them when they stay within it; 'auto' (the default) only when they also
+   read faster than gate mode, which streams every gate row (bytes by the native decoder's rule,
+   ffn_read_bytes; a chosen row's bytes counted SCATTER_COST streamed ones: read_cost). SmolLM2
+   and Gemma-3 have no layer sparse within +2%, so nothing is trained for them.
 """
 
 from __future__ import annotations
@@ -21,51 +32,70 @@ import heapq
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.cpu_workers.native_sparse import DOWN_MAX_SHARE, MAX_SPARSE_SHARE, SCATTER_COST
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
-from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, build_predictor, profile
+from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallShift, at_recall, build_predictor, profile
 from powerinfer.sparsity.perplexity import nll
 from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.sparsity.profile import windows_of
 
 STEP = 0.05  # allocation granularity per layer
 MAX_LEVEL = 0.95
+MIN_LEVEL = round(1.0 - MAX_SPARSE_SHARE, 4)  # the lowest level at which the native decoder runs a layer sparse
 HOLD_OUT = 0.2  # share of the corpus scored, not profiled
 BISECTIONS = 7  # ~0.007 resolution on the mean sparsity
 # The search aims at this share of the budget on its own held-out tokens: text of another kind can
 # be more sensitive than the calibration corpus (measured: Gemma-3-270M calibrated on its own text at
 # +1.81% on the held-out fifth scored +2.40% on the GPL-3 text).
 MARGIN = 0.5
+# Recalls tried in turn (above the settings' own) when predictors at that one break the aim: a deep
+# model loses the missed mass in every layer (the 1.1B file: +94% at 0.97 over 22 layers).
+RECALLS = (0.99, 0.995, 0.999)
 
 
 @dataclass(frozen=True)
 class BudgetPoint:
-    """What the search chose: mean and per-layer gate sparsity, held-out perplexities, bytes skipped."""
+    """What the search chose: the mode, mean and per-layer sparsity, held-out perplexities, FFN bytes."""
 
+    mode: str  # "gate" | "predictor"
     sparsity: float
     levels: tuple[float, ...]
     dense_ppl: float
     sparse_ppl: float
     held_out_tokens: int
-    skipped_bytes: int  # per token: up and down rows of the neurons left out (gate mode reads every gate row)
+    skipped_bytes: int  # per token, what the native decoder leaves unread (ffn_read_bytes)
     ffn_bytes: int  # per token: gate, up and down of every layer
+    min_level: float = MIN_LEVEL  # a layer below this level runs dense
+    note: str = ""  # how the other mode fared
 
     @property
     def increase(self) -> float:
         return self.sparse_ppl / self.dense_ppl - 1.0
 
+    @property
+    def sparse_layers(self) -> int:
+        return sum(v >= self.min_level - 1e-9 for v in self.levels)
+
     def report(self) -> str:
         lv = ", ".join(f"{v:.2f}" for v in self.levels)
-        return (f"chose gate mode, mean sparsity {100 * self.sparsity:.1f}%: held-out perplexity {self.dense_ppl:.3f} -> "
-                f"{self.sparse_ppl:.3f} ({100 * self.increase:+.2f}%, {self.held_out_tokens} tokens); FFN weight bytes skipped per "
-                f"token {self.skipped_bytes / 2**20:.1f} of {self.ffn_bytes / 2**20:.1f} MiB ({100 * self.skipped_bytes / self.ffn_bytes:.1f}%)\n"
-                f"per-layer sparsity: {lv}")
+        text = (f"chose {self.mode} mode, mean sparsity {100 * self.sparsity:.1f}%, {self.sparse_layers} of {len(self.levels)} layers "
+                f"sparse: held-out perplexity {self.dense_ppl:.3f} -> {self.sparse_ppl:.3f} ({100 * self.increase:+.2f}%, "
+                f"{self.held_out_tokens} tokens); FFN weight bytes skipped per token {self.skipped_bytes / 2**20:.1f} of "
+                f"{self.ffn_bytes / 2**20:.1f} MiB ({100 * self.skipped_bytes / self.ffn_bytes:.1f}%)\nper-layer sparsity: {lv}")
+        if self.note:
+            text += "\n" + self.note
+        if self.sparse_layers == 0:
+            text += (f"\nno layer of this model stays within the budget at {100 * self.min_level:.0f}% sparsity or more, the least at "
+                     f"which the native decoder skips rows (below it a layer runs dense: skipping does not pay on this CPU), so "
+                     f"this predictor changes nothing; --sparsity forces a level")
+        return text
 
 
 def damage_table(p: Profile) -> tuple[np.ndarray, np.ndarray]:
@@ -82,38 +112,114 @@ def damage_table(p: Profile) -> tuple[np.ndarray, np.ndarray]:
     return levels, out
 
 
-def allocate(levels: np.ndarray, damage: np.ndarray, target: float) -> np.ndarray:
-    """Per-layer levels whose mean reaches target, raising the least-damaging layer step by step."""
+def allocate(levels: np.ndarray, damage: np.ndarray, target: float, min_level: float = 0.0) -> np.ndarray:
+    """Per-layer levels [n_layers] whose mean reaches target: each move is the one that drops the
+    least mass per unit of level gained; a dense layer's first move goes straight to the first level
+    >= min_level (levels [L] ascending from 0, damage [n_layers, L]), so no layer ends between 0 and it."""
     n_layers = damage.shape[0]
+    first = int(np.searchsorted(levels, min_level - 1e-9)) if min_level > 0 else 1
     idx = np.zeros(n_layers, dtype=int)
-    heap = [(damage[l, 1] - damage[l, 0], l) for l in range(n_layers)]
+
+    def move(l: int) -> tuple[float, int, int] | None:
+        to = first if idx[l] == 0 else idx[l] + 1
+        if to >= len(levels):
+            return None
+        return ((damage[l, to] - damage[l, idx[l]]) / (levels[to] - levels[idx[l]]), l, to)
+
+    heap = [m for m in (move(l) for l in range(n_layers)) if m is not None]
     heapq.heapify(heap)
     while heap and levels[idx].mean() < target - 1e-9:
-        _, l = heapq.heappop(heap)
-        idx[l] += 1
-        if idx[l] + 1 < len(levels):
-            heapq.heappush(heap, (damage[l, idx[l] + 1] - damage[l, idx[l]], l))
+        _, l, to = heapq.heappop(heap)
+        idx[l] = to
+        m = move(l)
+        if m is not None:
+            heapq.heappush(heap, m)
     return levels[idx]
 
 
-def _row_bytes(p: Profile, part: str) -> int:
-    return sum(p.f.tensor(layer_tensor(i, part)).nbytes for i in range(p.cfg.n_layers))
+def _q8_bytes(cols: int) -> int:
+    """Bytes of one Q8_0 row of cols values padded to whole blocks of 32 (34 bytes a block)."""
+    return -(-cols // 32) * 34
+
+
+def predictor_bytes(rank: int, d: int, n_ff: int) -> int:
+    """Bytes a layer's predictor takes in the native decoder: Q8_0 fc1 [r, d] and fc2 [n_ff, r], r padded to 32."""
+    rp = -(-rank // 32) * 32
+    return rp * _q8_bytes(d) + n_ff * _q8_bytes(rp)
+
+
+def ffn_read_bytes(mode: str, levels: Sequence[float], shares: Sequence[float], n_ff: int, d: int,
+                   rows: Sequence[tuple[int, int, int]], pred_bytes: Sequence[int] = (),
+                   min_level: float = MIN_LEVEL) -> tuple[int, int]:
+    """(streamed, scattered): FFN weight bytes per token the native decoder reads whole matrices at
+    a time, and as chosen rows (NativeSparseFFNs.bytes_per_token's rule, from calibrated shares). A
+    layer below min_level is streamed in full (it runs dense); else the gate rows (all of them
+    streamed in gate mode; the chosen ones plus the predictor's own streamed bytes in predictor
+    mode), the chosen up rows, and the down projection: the chosen neurons' rows of its Q8_0
+    neuron-major copy at most DOWN_MAX_SHARE active, else all of it streamed. shares[i]: the share
+    of layer i's neurons computed (gate mode 1 - level, predictor mode what it predicts); rows[i]:
+    bytes of one row of its gate [n_ff, d], up [n_ff, d] and down [d, n_ff]; pred_bytes[i]: its
+    predictor's (predictor mode)."""
+    streamed = scattered = 0.0
+    for i, (lv, share, (g, u, dn)) in enumerate(zip(levels, shares, rows)):
+        if lv < min_level - 1e-9:
+            streamed += n_ff * (g + u) + d * dn
+            continue
+        if share <= DOWN_MAX_SHARE + 1e-9:
+            scattered += share * n_ff * _q8_bytes(d)
+        else:
+            streamed += d * dn
+        if mode == "predictor":
+            streamed += pred_bytes[i]
+            scattered += share * n_ff * (g + u)
+        else:
+            streamed += n_ff * g
+            scattered += share * n_ff * u
+    return int(streamed), int(scattered)
+
+
+def read_cost(reads: tuple[int, int]) -> float:
+    """A (streamed, scattered) read's time in streamed bytes: a chosen row costs SCATTER_COST times more."""
+    return reads[0] + SCATTER_COST * reads[1]
+
+
+def _layer_rows(p: Profile) -> list[tuple[int, int, int]]:
+    """Per layer: bytes of one row of its gate, up and down matrices in the file."""
+    return [tuple(p.f.tensor(layer_tensor(i, part)).row_bytes for part in ("ffn_gate", "ffn_up", "ffn_down"))  # type: ignore[misc]
+            for i in range(p.cfg.n_layers)]
+
+
+def _score_file(p: Profile, pf: PredictorFile, windows: list[list[int]], n_ctx: int) -> float:
+    """Held-out perplexity with a predictor file's own rule (a fresh in-process executor)."""
+    ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=pf)
+    try:
+        total, count = nll(Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
+    finally:
+        ex.close()
+    return math.exp(total / count)
 
 
 def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, budget: float = 0.02, text: str | None = None,
-                            progress: Callable[[str], None] = lambda _: None) -> tuple[PredictorFile, BudgetPoint]:
-    """The sparsest gate-mode predictor within budget (relative perplexity increase on held-out tokens)."""
+                            progress: Callable[[str], None] = lambda _: None,
+                            min_level: float = MIN_LEVEL) -> tuple[PredictorFile, BudgetPoint]:
+    """The sparsest predictor within budget (relative perplexity increase on held-out tokens) whose
+    sparse layers are each at least min_level sparse (0: any level). The levels come from the gate
+    search; settings.mode 'gate' stops there, 'predictor' then trains predictors for the sparse
+    layers and keeps them if they stay within the budget, 'auto' keeps them only if they also read
+    fewer bytes a token than gate mode."""
     if not 0.0 < budget < 1.0:
         raise InvalidArgumentError(f"the perplexity budget must be in (0, 1), got {budget}")
-    settings = replace(settings, mode="gate")
-    p = profile(model, settings, text, hold_out=HOLD_OUT, progress=progress)
+    if not 0.0 <= min_level <= MAX_LEVEL:
+        raise InvalidArgumentError(f"the least sparsity of a sparse layer must be in [0, {MAX_LEVEL}], got {min_level}")
+    gate_settings = replace(settings, mode="gate")
+    p = profile(model, gate_settings, text, hold_out=HOLD_OUT, progress=progress)
     windows = windows_of(p.held_out, settings.window + 1, p.tok.bos_id if p.tok.add_bos else None)
     if not windows or sum(len(w) - 1 for w in windows) < 32:
         raise InvalidArgumentError(f"{len(p.held_out)} held-out tokens are too few to score; give more (--tokens, or a longer --text)")
+    n_ctx = settings.window + 1
     levels, damage = damage_table(p)
-    pf = build_predictor(p, settings, [0.0] * p.cfg.n_layers)
-    ex = InProcessExecutor(p.f, p.cfg, settings.window + 1, predictor=pf)
-    engine = Engine(p.f, p.cfg, ex, n_ctx=settings.window + 1, n_batch=settings.window + 1)
+    ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=build_predictor(p, gate_settings, [0.0] * p.cfg.n_layers))
+    engine = Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx)
 
     def score(per_layer: np.ndarray | None) -> float:
         ex.set_sparse(dense=per_layer is None)
@@ -126,26 +232,66 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
         total, count = nll(engine, windows)
         return math.exp(total / count)
 
-    dense = score(None)
-    progress(f"dense held-out perplexity {dense:.3f} over {sum(len(w) - 1 for w in windows)} tokens; budget +{100 * budget:.1f}% "
-             f"(aiming at +{100 * MARGIN * budget:.1f}% here)")
-    lo, hi = 0.0, MAX_LEVEL
-    best = (np.zeros(p.cfg.n_layers), dense)
-    for _ in range(BISECTIONS):
-        mid = (lo + hi) / 2
-        alloc = allocate(levels, damage, mid)
-        ppl = score(alloc)
-        progress(f"mean sparsity {100 * alloc.mean():.1f}%: perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}%)")
-        if ppl <= dense * (1 + MARGIN * budget):
-            lo, best = mid, (alloc, ppl)
-        else:
-            hi = mid
-    ex.close()
+    try:
+        dense = score(None)
+        limit = dense * (1 + MARGIN * budget)
+        progress(f"dense held-out perplexity {dense:.3f} over {sum(len(w) - 1 for w in windows)} tokens; budget +{100 * budget:.1f}% "
+                 f"(aiming at +{100 * MARGIN * budget:.1f}% here)")
+        lo, hi = 0.0, MAX_LEVEL
+        best = (np.zeros(p.cfg.n_layers), dense)
+        scored: dict[tuple[float, ...], float] = {}  # with a least level the mean moves a whole layer at a time: targets repeat
+        for _ in range(BISECTIONS):
+            mid = (lo + hi) / 2
+            alloc = allocate(levels, damage, mid, min_level)
+            key = tuple(float(v) for v in alloc)
+            if key not in scored:
+                scored[key] = score(alloc)
+                progress(f"mean sparsity {100 * alloc.mean():.1f}%: perplexity {scored[key]:.3f} ({100 * (scored[key] / dense - 1):+.2f}%)")
+            if scored[key] <= limit:
+                lo, best = mid, (alloc, scored[key])
+            else:
+                hi = mid
+    finally:
+        ex.close()
     alloc, ppl = best
-    out = build_predictor(p, settings, list(alloc), progress)
-    per_neuron = (_row_bytes(p, "ffn_up") + _row_bytes(p, "ffn_down")) / (p.cfg.n_layers * p.cfg.n_ff)
-    skipped = int(sum(alloc) * p.cfg.n_ff * per_neuron)
-    ffn = _row_bytes(p, "ffn_gate") + _row_bytes(p, "ffn_up") + _row_bytes(p, "ffn_down")
-    point = BudgetPoint(float(alloc.mean()), tuple(float(v) for v in alloc), dense, ppl, sum(len(w) - 1 for w in windows), skipped, ffn)
-    out = replace(out, calibration={**out.calibration, "budget": budget, "held_out_ppl_dense": dense, "held_out_ppl_sparse": ppl})
+    n_ff, d, rows = p.cfg.n_ff, p.cfg.d_model, _layer_rows(p)
+    ffn = sum(n_ff * (g + u) + d * dn for g, u, dn in rows)
+    gate_reads = ffn_read_bytes("gate", alloc, 1.0 - alloc, n_ff, d, rows, (), min_level)
+    point = BudgetPoint("gate", float(alloc.mean()), tuple(float(v) for v in alloc), dense, ppl, sum(len(w) - 1 for w in windows),
+                        ffn - sum(gate_reads), ffn, min_level)
+    out = build_predictor(p, gate_settings, list(alloc), progress)
+    if settings.mode != "gate":
+        if point.sparse_layers == 0:
+            point = replace(point, note="predictor mode not tried: the levels leave no layer sparse")
+        else:
+            trained: list[RecallShift | None] = []
+            first = build_predictor(p, replace(settings, mode="predictor"), list(alloc), progress, trained)
+            xs = [p.ex.samples[i].arrays()[0].astype(np.float32) if alloc[i] >= min_level else None for i in range(p.cfg.n_layers)]
+            pred_bytes = [predictor_bytes(lp.rank, d, n_ff) for lp in first.layers]
+            # the least recall (the fewest neurons chosen) whose predictors keep the aim; each step only moves the biases
+            for recall in [settings.recall, *(r for r in RECALLS if r > settings.recall)]:
+                pred = at_recall(first, trained, recall)
+                pred_ppl = _score_file(p, pred, windows, n_ctx)
+                # the share each predictor chooses, on the profiled rows it was trained from
+                shares = [1.0 if x is None else float(pred.layers[i].predict(x).mean()) for i, x in enumerate(xs)]
+                progress(f"predictor mode at recall {recall}: {100 * float(np.mean(shares)):.1f}% of the neurons chosen, held-out "
+                         f"perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%)")
+                if pred_ppl <= limit:
+                    break
+            reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, pred_bytes, min_level)
+            skipped = ffn - sum(reads)
+            how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%), "
+                   f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * skipped / ffn:.1f}% of the FFN bytes skipped")
+            if pred_ppl > limit:
+                point = replace(point, note=f"{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%, so gate mode")
+            elif settings.mode == "auto" and read_cost(reads) >= read_cost(gate_reads):
+                point = replace(point, note=f"{how}: its reads would take no less time than gate mode's (chosen rows counted "
+                                            f"{SCATTER_COST:g}x a streamed byte), so gate mode")
+            else:
+                point = replace(point, mode="predictor", sparse_ppl=pred_ppl, skipped_bytes=skipped,
+                                note=f"recall {recall}; gate mode at these levels: held-out perplexity {ppl:.3f} "
+                                     f"({100 * (ppl / dense - 1):+.2f}%), {100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped")
+                out = pred
+    out = replace(out, calibration={**out.calibration, "budget": budget, "held_out_ppl_dense": dense,
+                                    "held_out_ppl_sparse": point.sparse_ppl})
     return out, point

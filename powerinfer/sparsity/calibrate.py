@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -42,21 +42,34 @@ class CalibrationSettings:
     sparsity: float = 0.5  # target share of inactive (token, neuron) pairs per layer
     tokens: int = 4096  # calibration tokens (generated when no text is given)
     window: int = 256  # tokens per forward window
-    rank: int = 0  # predictor width; 0: d_model // 4, at least 32
+    rank: int = 0  # predictor width; 0: default_rank(d_model)
     recall: float = 0.97  # share of activation mass the predicted set must keep
     steps: int = 300  # training steps per layer (full batch)
     max_rows: int = 2048  # profiled token rows kept per layer
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("predictor", "gate"):
-            raise InvalidArgumentError(f"mode must be 'predictor' or 'gate', got {self.mode!r}")
+        if self.mode not in ("predictor", "gate", "auto"):
+            raise InvalidArgumentError(f"mode must be 'predictor', 'gate' or 'auto' (the budget search's choice), got {self.mode!r}")
         if not 0.0 < self.sparsity < 1.0:
             raise InvalidArgumentError(f"sparsity must be in (0, 1), got {self.sparsity}")
         if not 0.5 <= self.recall <= 1.0:
             raise InvalidArgumentError(f"recall must be in [0.5, 1], got {self.recall}")
         if self.tokens < 16 or self.window < 8:
             raise InvalidArgumentError("need at least 16 calibration tokens and windows of at least 8")
+
+
+def default_rank(d_model: int) -> int:
+    """The predictor's hidden width when none is given: d_model / 4, within [32, 128]. Every sparse
+    layer reads its predictor each token: on the 1.1B file (d 2048) rank 512 read 4 MB a layer and
+    took ~2 min a layer to train, where rank 128 chose as well (docs/sparsity.md)."""
+    return max(32, min(128, d_model // 4))
+
+
+# A layer the budget leaves dense still needs a predictor in a predictor-mode file: rank 1, zero
+# weights and this bias, so every neuron is predicted active (the native decoder runs such a layer
+# dense and never reads it).
+FIRE_ALL_BIAS = 30.0
 
 
 def generate_corpus(engine: Engine, tok: GGUFTokenizer, n_tokens: int, window: int, seed: int) -> list[int]:
@@ -80,9 +93,30 @@ def generate_corpus(engine: Engine, tok: GGUFTokenizer, n_tokens: int, window: i
     return out[:n_tokens]
 
 
+@dataclass(frozen=True)
+class RecallShift:
+    """What sets a trained predictor's decision bias for a recall, without retraining: its logits
+    [V, n_ff] on the held-back validation rows (with the unshifted fc2 bias) and each neuron's mass
+    [V, n_ff] there (|act| times its down column's norm)."""
+
+    logits: np.ndarray
+    mass: np.ndarray
+
+    def shift(self, recall: float) -> float:
+        """The amount added to every fc2 bias so that the predicted set keeps recall of the active mass."""
+        total = max(float(self.mass.sum(dtype=np.float64)), 1e-12)
+        lo, hi = -50.0, 50.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            kept = float(self.mass[self.logits + mid > 0].sum(dtype=np.float64)) / total
+            lo, hi = (lo, mid) if kept >= recall else (mid, hi)
+        return hi
+
+
 def _train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndarray, rank: int, steps: int,
-                     recall: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """MLP x [N, d] -> logits [N, n_ff] for act > thr; returns fc1_w, fc1_b, fc2_w, fc2_b."""
+                     seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, RecallShift]:
+    """MLP x [N, d] -> logits [N, n_ff] for act > thr; returns fc1_w, fc1_b, fc2_w, fc2_b (unshifted)
+    and the validation data that sets the bias shift for a recall."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -94,8 +128,10 @@ def _train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndar
     Y = torch.from_numpy(act.astype(np.float32) > thr).float()
     mass = torch.from_numpy(act.astype(np.float32) * weight[None, :])  # contribution to the output
     d, n_ff = X.shape[1], Y.shape[1]
-    fc1 = torch.nn.Linear(d, rank)
-    fc2 = torch.nn.Linear(rank, n_ff)
+    with torch.random.fork_rng(devices=[]):  # initial weights from the seed, not the process's generator state
+        torch.manual_seed(seed)
+        fc1 = torch.nn.Linear(d, rank)
+        fc2 = torch.nn.Linear(rank, n_ff)
     with torch.no_grad():
         fc2.bias.fill_(float(torch.logit(Y[trn].mean().clamp(1e-4, 1 - 1e-4))))
     p = float(Y[trn].mean().clamp(1e-3, 1 - 1e-3))
@@ -108,16 +144,18 @@ def _train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndar
         opt.step()
     with torch.no_grad():
         logits = fc2(torch.relu(fc1(X[val])))  # [V, n_ff]
-        m = mass[val]
-        # shift all logits by -b so that the predicted set keeps `recall` of the active mass
-        lo, hi = -50.0, 50.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            kept = (m * (logits + mid > 0)).sum() / m.sum().clamp_min(1e-12)
-            lo, hi = (lo, mid) if kept >= recall else (mid, hi)
-        fc2.bias += hi
-    return (fc1.weight.detach().numpy().copy(), fc1.bias.detach().numpy().copy(),
-            fc2.weight.detach().numpy().copy(), fc2.bias.detach().numpy().copy())
+    return (fc1.weight.detach().numpy().copy(), fc1.bias.detach().numpy().copy(), fc2.weight.detach().numpy().copy(),
+            fc2.bias.detach().numpy().copy(), RecallShift(logits.numpy().copy(), mass[val].numpy().copy()))
+
+
+def at_recall(pf: PredictorFile, shifts: Sequence[RecallShift | None], recall: float) -> PredictorFile:
+    """pf (as build_predictor made it, with its shifts) with each trained layer's bias set for recall."""
+    if pf.mode != "predictor" or len(shifts) != pf.n_layers:
+        raise InvalidArgumentError("at_recall needs a predictor-mode file and one shift (or None) per layer")
+    old = float(pf.calibration.get("recall", 0.0))
+    layers = tuple(lp if sh is None else replace(lp, fc2_b=(lp.fc2_b - np.float32(sh.shift(old)) + np.float32(sh.shift(recall))))
+                   for lp, sh in zip(pf.layers, shifts))
+    return replace(pf, layers=layers, calibration={**pf.calibration, "recall": recall})
 
 
 @dataclass
@@ -177,11 +215,16 @@ def profile(model: str | Path, settings: CalibrationSettings, text: str | None =
 
 
 def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[float],
-                    progress: Callable[[str], None] = lambda _: None) -> PredictorFile:
+                    progress: Callable[[str], None] = lambda _: None,
+                    shifts: list[RecallShift | None] | None = None) -> PredictorFile:
     """The predictor file for per-layer sparsity levels (thresholds at those quantiles; in
-    predictor mode each layer's MLP trained for its level)."""
+    predictor mode each layer's MLP trained for its level, a layer at level 0 given one that fires
+    every neuron; shifts, when given, receives each layer's RecallShift, None where nothing was
+    trained: at_recall then moves the file to another recall without retraining)."""
     cfg = p.cfg
-    rank = settings.rank or max(32, cfg.d_model // 4)
+    if settings.mode not in ("gate", "predictor"):
+        raise InvalidArgumentError(f"a predictor file is 'gate' or 'predictor' mode, not {settings.mode!r}")
+    rank = settings.rank or default_rank(cfg.d_model)
     layers = []
     for layer in range(cfg.n_layers):
         x, gate, act = p.ex.samples[layer].arrays()
@@ -191,18 +234,25 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
         active = act.astype(np.float32) > float(np.quantile(act.astype(np.float32), level))
         norms = p.ex.down_norms(layer)
         mass = (act.astype(np.float32) * norms[None, :]).sum(0)
-        if settings.mode == "predictor":
-            w1, b1, w2, b2 = _train_predictor(x, act, thr, norms, rank, settings.steps, settings.recall, settings.seed + layer)
+        shift = None
+        if settings.mode == "predictor" and level <= 0:
+            w1, b1 = np.zeros((1, cfg.d_model), np.float32), np.zeros(1, np.float32)
+            w2, b2 = np.zeros((cfg.n_ff, 1), np.float32), np.full(cfg.n_ff, FIRE_ALL_BIAS, np.float32)
+        elif settings.mode == "predictor":
+            w1, b1, w2, b2, shift = _train_predictor(x, act, thr, norms, rank, settings.steps, settings.seed + layer)
+            b2 = b2 + np.float32(shift.shift(settings.recall))
         else:
             w1, b1 = np.zeros((0, cfg.d_model), np.float32), np.zeros(0, np.float32)
             w2, b2 = np.zeros((cfg.n_ff, 0), np.float32), np.zeros(cfg.n_ff, np.float32)
         layers.append(LayerPredictor(fc1_w=w1, fc1_b=b1, fc2_w=w2, fc2_b=b2, threshold=thr,
                                      act_freq=active.mean(0).astype(np.float32),
                                      act_mass=(mass / max(float(mass.sum()), 1e-12)).astype(np.float32)))
+        if shifts is not None:
+            shifts.append(shift)
         progress(f"layer {layer + 1}/{cfg.n_layers}: sparsity {level:.2f}, threshold {thr:.4g}")
     return PredictorFile(
         mode=settings.mode, model_name=cfg.name, fingerprint=model_fingerprint(p.f), n_layers=cfg.n_layers,
-        d_model=cfg.d_model, n_ff=cfg.n_ff, rank=rank if settings.mode == "predictor" else 0,
+        d_model=cfg.d_model, n_ff=cfg.n_ff, rank=max((lp.rank for lp in layers), default=0) if settings.mode == "predictor" else 0,
         target_sparsity=float(np.mean(levels)),
         calibration={"source": p.source, "tokens": p.tokens, "window": settings.window, "seed": settings.seed,
                      "recall": settings.recall, "steps": settings.steps},
@@ -212,8 +262,10 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
 
 def calibrate(model: str | Path, settings: CalibrationSettings, text: str | None = None,
               progress: Callable[[str], None] = lambda _: None) -> PredictorFile:
-    """One sparsity level for every layer (settings.sparsity)."""
+    """One sparsity level for every layer (settings.sparsity); mode 'auto' is gate mode here."""
     t0 = time.perf_counter()
+    if settings.mode == "auto":
+        settings = replace(settings, mode="gate")
     p = profile(model, settings, text, progress=progress)
     pf = build_predictor(p, settings, [settings.sparsity] * p.cfg.n_layers, progress)
     log.info("calibrated %d layers in %.1fs", p.cfg.n_layers, time.perf_counter() - t0)

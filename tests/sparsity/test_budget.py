@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -13,8 +14,11 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.sparsity.budget import MARGIN, MAX_LEVEL, STEP, allocate, calibrate_within_budget
-from powerinfer.sparsity.calibrate import CalibrationSettings
+from powerinfer.cpu_workers.native_sparse import SCATTER_COST
+from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, BudgetPoint, allocate, calibrate_within_budget, ffn_read_bytes,
+                                        predictor_bytes, read_cost)
+from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
+from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 from powerinfer.sparsity.perplexity import perplexity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,10 +38,45 @@ def test_allocate_reaches_the_target_cheapest_layers_first() -> None:
     assert allocate(levels, damage, 1.0).max() <= MAX_LEVEL
 
 
+def test_allocate_with_a_least_level_jumps_there_and_never_stops_below_it() -> None:
+    levels = np.round(np.arange(0.0, MAX_LEVEL + 1e-9, STEP), 4)
+    # layer 0 is cheap until 0.5 and then expensive, layer 1 grows evenly, layer 2 is fragile
+    damage = np.stack([np.where(levels <= 0.5, levels * 0.01, 0.005 + (levels - 0.5) * 10.0), levels * 0.2, levels * 5.0])
+    assert list(allocate(levels, damage, 0.1)) == [0.3, 0.0, 0.0]  # without a least level the cheap start of layer 0 is taken
+    for target in (0.05, 0.3, 0.6, 0.9):
+        alloc = allocate(levels, damage, target, MIN_LEVEL)
+        assert alloc.mean() >= target - 1e-9
+        assert all(v == 0 or v >= MIN_LEVEL - 1e-9 for v in alloc), alloc
+    # with the jump counted per unit of sparsity, the evenly growing layer goes first, the fragile one last
+    first = allocate(levels, damage, 0.05, MIN_LEVEL)
+    assert first[1] >= MIN_LEVEL and first[0] == first[2] == 0
+    assert allocate(levels, damage, 0.9, MIN_LEVEL)[2] <= allocate(levels, damage, 0.9, MIN_LEVEL)[1]
+
+
+def test_ffn_read_bytes_counts_what_the_native_decoder_reads() -> None:
+    n_ff, d = 1024, 256
+    rows = [(144, 144, 576)]  # Q4_0 rows: gate and up [n_ff, d] 8 blocks, down [d, n_ff] 32 blocks
+    full = n_ff * (144 + 144) + d * 576
+    q8_down_row = d // 32 * 34
+    for mode in ("gate", "predictor"):  # below 0.75 a layer runs dense whatever it chooses
+        assert ffn_read_bytes(mode, [0.7], [0.3], n_ff, d, rows, [10_000]) == (full, 0)
+    # gate mode: every gate row and the dense down streamed (above 10% active), the chosen up rows
+    assert ffn_read_bytes("gate", [0.8], [0.2], n_ff, d, rows) == (n_ff * 144 + d * 576, int(0.2 * n_ff * 144))
+    # at 5% active the down projection comes from the Q8_0 neuron-major copy: 5% of n_ff rows of d outputs
+    assert ffn_read_bytes("gate", [0.95], [0.05], n_ff, d, rows) == (n_ff * 144, int(0.05 * n_ff * 144 + 0.05 * n_ff * q8_down_row))
+    # predictor mode: only the chosen gate rows, plus the predictor's own Q8_0 bytes streamed
+    pb = predictor_bytes(40, d, n_ff)
+    assert pb == 64 * q8_down_row + n_ff * 2 * 34  # rank 40 padded to 64
+    assert ffn_read_bytes("predictor", [0.95], [0.05], n_ff, d, rows, [pb]) == (pb, int(0.05 * n_ff * 288 + 0.05 * n_ff * q8_down_row))
+    assert read_cost((100, 10)) == 100 + SCATTER_COST * 10
+    point = BudgetPoint("gate", 0.0, (0.0, 0.0), 10.0, 10.0, 100, 0, 1000)
+    assert point.sparse_layers == 0 and "changes nothing" in point.report()
+
+
 @pytest.mark.parametrize("arch,budget", [("llama", 0.02), ("gemma3", 0.10)])  # gemma3: the native sparse kernel's tanh GELU
 def test_budget_search_stays_within_budget_on_held_out_tokens(make_model: Callable[..., Path], arch: str, budget: float) -> None:
     model = make_model(arch=arch, n_layers=2, qtype=QT.Q4_0)  # a quantized file: the native sparse kernel runs
-    pf, point = calibrate_within_budget(model, CalibrationSettings(tokens=400, window=32), budget, TEXT)
+    pf, point = calibrate_within_budget(model, CalibrationSettings(mode="gate", tokens=400, window=32), budget, TEXT, min_level=0.0)
     assert pf.mode == "gate" and len(point.levels) == 2 and all(0 <= v <= MAX_LEVEL for v in point.levels)
     assert point.sparse_ppl <= point.dense_ppl * (1 + MARGIN * budget) + 1e-9
     assert math.isclose(pf.target_sparsity, point.sparsity) and 0 <= point.skipped_bytes < point.ffn_bytes
@@ -65,5 +104,54 @@ def test_cli_calibrate_defaults_to_the_budget_and_checks_flags(make_model: Calla
     proc = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "chose gate mode" in proc.stderr and "skipped per token" in proc.stderr and out.exists()
-    bad = subprocess.run([*run, "--mode", "predictor"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0 and "needs --sparsity" in bad.stderr and "Traceback" not in bad.stderr
+    for flags, says in ((["--mode", "bogus"], "invalid choice"), (["--sparsity", "1.5"], "sparsity must be in (0, 1)")):
+        bad = subprocess.run([*run, *flags], capture_output=True, text=True, timeout=300)
+        assert bad.returncode != 0 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+@pytest.fixture(scope="module")
+def relu3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny planted ReLU-sparse llama (~89% of the neurons inactive per token), 3 layers."""
+    return write_relu_sparse_gguf(tmp_path_factory.mktemp("relu") / "tiny3.gguf", ReluSparseSpec.shape("tiny", n_layers=3))
+
+
+RELU_TEXT = " ".join(f"The cat {i} of the moon went over hill number {i * 7}." for i in range(80))
+
+
+def test_budget_in_predictor_mode_trains_the_sparse_layers_and_keeps_the_budget(relu3: Path) -> None:
+    settings = CalibrationSettings(mode="predictor", tokens=600, window=32, steps=60)
+    pf, point = calibrate_within_budget(relu3, settings, 0.1, RELU_TEXT)
+    assert point.sparse_layers == 3 and all(v >= MIN_LEVEL for v in point.levels)
+    assert point.mode == pf.mode == "predictor" and "gate mode at these levels" in point.note
+    assert point.sparse_ppl <= point.dense_ppl * (1 + MARGIN * 0.1) + 1e-9
+    assert all(lp.rank == default_rank(128) for lp in pf.layers) and "chose predictor mode" in point.report()
+    again, _ = calibrate_within_budget(relu3, settings, 0.1, RELU_TEXT)  # the same seed trains the same predictors
+    assert all(np.array_equal(a.fc2_w, b.fc2_w) for a, b in zip(pf.layers, again.layers))
+    # gate mode stops at the same levels and trains nothing
+    gpf, gpoint = calibrate_within_budget(relu3, replace(settings, mode="gate"), 0.1, RELU_TEXT)
+    assert gpf.mode == gpoint.mode == "gate" and gpoint.note == "" and gpoint.levels == point.levels
+    # auto weighs the two modes' reads: on this tiny model the rank-32 predictor (a quarter of d) costs more than it saves
+    apf, apoint = calibrate_within_budget(relu3, replace(settings, mode="auto"), 0.1, RELU_TEXT)
+    assert apf.mode == apoint.mode == "gate" and "no less time than gate mode" in apoint.note
+
+
+def test_a_dense_layer_of_a_predictor_mode_file_fires_every_neuron(relu3: Path) -> None:
+    settings = CalibrationSettings(mode="predictor", tokens=200, window=32, steps=20)
+    p = profile(relu3, settings, RELU_TEXT)
+    pf = build_predictor(p, settings, [0.0, 0.9, 0.0])
+    x = p.ex.samples[0].arrays()[0].astype(np.float32)
+    assert pf.layers[0].rank == 1 and pf.layers[0].predict(x).all() and float(pf.layers[0].fc2_b[0]) == FIRE_ALL_BIAS
+    assert pf.layers[1].rank == default_rank(128) and pf.rank == pf.layers[1].rank
+    assert not pf.layers[1].predict(p.ex.samples[1].arrays()[0].astype(np.float32)).all()
+    with pytest.raises(InvalidArgumentError, match="'gate' or 'predictor'"):
+        build_predictor(p, replace(settings, mode="auto"), [0.0] * 3)
+    # a higher recall only moves the trained layers' biases: more neurons chosen, the same weights
+    shifts: list[RecallShift | None] = []
+    low = build_predictor(p, replace(settings, recall=0.9), [0.0, 0.9, 0.0], shifts=shifts)
+    assert shifts[0] is None and shifts[2] is None and shifts[1] is not None
+    high = at_recall(low, shifts, 0.999)
+    x1 = p.ex.samples[1].arrays()[0].astype(np.float32)
+    assert high.layers[1].predict(x1).mean() > low.layers[1].predict(x1).mean() and high.calibration["recall"] == 0.999
+    assert np.array_equal(high.layers[1].fc2_w, low.layers[1].fc2_w) and high.layers[0] is low.layers[0]
+    back = at_recall(high, shifts, 0.9)
+    assert np.allclose(back.layers[1].fc2_b, low.layers[1].fc2_b, atol=1e-5)
