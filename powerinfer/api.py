@@ -17,7 +17,7 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -260,6 +260,7 @@ class LLM:
 
     def restart_workers(self) -> None:
         """Start fresh workers (their KV caches are empty, so every slot is forgotten)."""
+        self._check_open()
         self.core.recover()
 
     def _restart_pool(self) -> None:
@@ -279,6 +280,7 @@ class LLM:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Float32 logits [len(token_ids), vocab] at every position, computed from an empty cache."""
+        self._check_open()
         self.engine.rewind(0)
         return self._eval(token_ids, all_logits=True)
 
@@ -302,11 +304,20 @@ class LLM:
         ``grammar``: a compiled grammar (powerinfer.constrained.grammar_for) the output follows.
         ``overrides`` are SamplingParams fields (temperature=0, top_k=..., seed=...).
         """
+        self._check_open()
+        unknown = sorted(set(overrides) - {f.name for f in fields(SamplingParams)})
+        if unknown:
+            raise InvalidArgumentError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: "
+                                       f"{', '.join(f.name for f in fields(SamplingParams))}")
         params = replace(sampling or SamplingParams(), **overrides)
-        if max_tokens == 0 or max_tokens < -1:
-            raise InvalidArgumentError(f"max_tokens must be positive or -1, got {max_tokens}")
-        if any(not isinstance(s, str) or not s for s in stop):
+        if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens == 0 or max_tokens < -1:
+            raise InvalidArgumentError(f"max_tokens must be a positive integer or -1, got {max_tokens!r}")
+        if isinstance(stop, str):  # one stop string, as the OpenAI API takes it (not its characters)
+            stop = (stop,)
+        if stop is None or any(not isinstance(s, str) or not s for s in stop):
             raise InvalidArgumentError("stop sequences must be non-empty strings")
+        if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool) or logprobs < 0):
+            raise InvalidArgumentError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=True, special=special)
         constraint = None
         if grammar is not None:
@@ -379,7 +390,14 @@ class LLM:
         return bos is not None and text.startswith(self.tokenizer.decode([bos], skip_special=False))
 
     def close(self) -> None:
+        """Stop the workers and free the caches; every later use raises InvalidArgumentError."""
+        self._closed = True
         self.engine.executor.close()
+
+    def _check_open(self) -> None:
+        # a closed executor's caches are freed: the native decoder would write into freed memory
+        if getattr(self, "_closed", False):
+            raise InvalidArgumentError("this LLM is closed; load the model again")
 
     def __enter__(self) -> "LLM":
         return self

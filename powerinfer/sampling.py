@@ -14,7 +14,7 @@ import math
 import random
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -35,6 +35,28 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf bans the token
 
     def __post_init__(self) -> None:
+        def real(v: object) -> bool:
+            return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+        def whole(v: object) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+        # types first: a float top_k or a string temperature would otherwise fail inside numpy at the first sample
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "frequency_penalty", "presence_penalty"):
+            if not real(getattr(self, name)):
+                raise InvalidArgumentError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("top_k", "repeat_last_n", "seed"):
+            if not whole(getattr(self, name)):
+                raise InvalidArgumentError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if isinstance(self.logit_bias, Mapping):  # {token id: bias}, as the OpenAI API and llama-cpp-python take it
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        try:
+            pairs = tuple((t, b) for t, b in self.logit_bias)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("logit_bias takes (token id, bias) pairs or a {token id: bias} mapping") from None
+        if any(not whole(t) or not real(b) for t, b in pairs):
+            raise InvalidArgumentError("logit_bias takes integer token ids and numeric biases")
+        object.__setattr__(self, "logit_bias", pairs)
         checks = [
             (math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),

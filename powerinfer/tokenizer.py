@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,8 @@ from tokenizers import Tokenizer
 
 from powerinfer.errors import TokenizerError, quoted
 from powerinfer.tokenizer_models import LLAMA3_FAMILY, bpe_tokenizer, spm_tokenizer
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +246,8 @@ class GGUFTokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"can only tokenize str, not {type(text).__name__}")
+        if _SURROGATE.search(text):  # a lone UTF-16 half (JSON "\ud800"): not text; U+FFFD, as a UTF-8 decoder would
+            text = _SURROGATE.sub("\ufffd", text)
         out: list[int] = []
         if add_bos and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)

@@ -68,8 +68,32 @@ def test_context_overflow_and_bad_args(llm: LLM) -> None:
         llm.complete("x", max_tokens=2, temperature=-1)
     with pytest.raises(InvalidArgumentError):
         llm.complete("x", max_tokens=2, stop=[""])
-    # the engine is still usable afterwards
+    # wrong types are refused by name, not left to fail inside numpy at the first sample
+    for kwargs, says in ((dict(top_k=1.5), "top_k must be an integer"), (dict(seed=1.5), "seed must be an integer"),
+                         (dict(temperature="0.5"), "temperature must be a number"), (dict(top_k=None), "top_k must be an integer"),
+                         (dict(bogus=1), "unknown sampling parameter"), (dict(logprobs=-1), "logprobs must be an integer >= 0"),
+                         (dict(stop=None), "stop sequences"), (dict(logit_bias=[(1.5, 1.0)]), "integer token ids")):
+        with pytest.raises(InvalidArgumentError, match=says):
+            llm.complete("x", max_tokens=2, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        llm.complete("x", max_tokens=2.5)  # type: ignore[arg-type]
+    # the engine is still usable afterwards; a {token id: bias} mapping is taken as the OpenAI API gives it
     assert llm.complete("x", max_tokens=2, temperature=0)[1] in ("length", "stop")
+    banned = llm.complete("x", max_tokens=1, temperature=0)[0]
+    first = llm.tokenize(banned, add_bos=False)[0]
+    assert llm.complete("x", max_tokens=1, temperature=0, logit_bias={first: float("-inf")})[0] != banned
+
+
+def test_a_stop_string_is_one_string_and_a_closed_llm_refuses_use(make_model: Callable[..., Path]) -> None:
+    for executor in ("inprocess", "process"):
+        llm = LLM(make_model(arch="llama", n_layers=2), n_ctx=64, executor=executor, n_threads=1)
+        text, _ = llm.complete("abc", max_tokens=8, temperature=0)
+        cut = text[len(text) // 2:] or text
+        assert llm.complete("abc", max_tokens=8, temperature=0, stop=cut)[0] == llm.complete("abc", max_tokens=8, temperature=0, stop=[cut])[0]
+        llm.close()
+        for use in (lambda: llm.complete("abc", max_tokens=2), lambda: llm.logits([1, 2])):
+            with pytest.raises(InvalidArgumentError, match="closed"):  # the native caches are freed: not a crash
+                use()
 
 
 def test_generation_stops_at_context_end(make_model: Callable[..., Path]) -> None:

@@ -361,3 +361,13 @@ def test_real_round_trip_and_stream(real: tuple[str, GGUFTokenizer]) -> None:
     assert tok.decode(ids) == text
     dec = StreamDecoder(tok)
     assert "".join(dec.push(i) for i in ids) + dec.flush() == text
+
+
+def test_a_lone_surrogate_is_encoded_as_the_replacement_character(smollm2_path: Path) -> None:
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_metadata(GGUFFile(smollm2_path).metadata)
+    assert tok.encode("\ud800 hi", add_bos=False) == tok.encode("\ufffd hi", add_bos=False)
+    assert tok.encode("\ud83d\ude00", add_bos=False) == tok.encode("\ufffd\ufffd", add_bos=False)  # two lone halves
+    assert tok.encode("\U0001f600", add_bos=False) != tok.encode("\ufffd", add_bos=False)  # a real emoji stays itself

@@ -193,7 +193,10 @@ def _plot(rows: list[dict[str, Any]], ceiling_tps: float, path: str) -> None:
 
 
 def run_bench(argv: Sequence[str]) -> int:
+    from powerinfer.flags import report_paths
+
     args = build_parser().parse_args(argv)
+    report_paths(args.json, args.plot)
     if args.merge:
         from powerinfer.cli.bench_merge import bench_merge
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from typing import Callable, Sequence
@@ -27,7 +28,7 @@ from powerinfer.flags import (
     configure_logging,
     load_llm,
 )
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import ContextOverflowError, PowerInferError
 
 log = logging.getLogger("powerinfer")
 
@@ -152,20 +153,25 @@ def run_generate(argv: Sequence[str]) -> int:
             print(report.load_summary(llm), file=sys.stderr)
         if args.interactive:
             return run_chat(llm, params, args.system, args.n_predict, first=prompt or None)
+        ids = llm.tokenize(prompt, add_bos=True)
+        if len(ids) > llm.n_ctx:  # said before the prompt is echoed, so stdout holds nothing of a failed run
+            raise ContextOverflowError(f"{len(ids)} tokens do not fit the context of {llm.n_ctx} (raise -c/--ctx-size)")
         out = sys.stdout
         out.write(prompt)
         out.flush()
+        interrupted = False
         try:
-            for chunk in llm.generate(prompt, args.n_predict, sampling=params):
+            for chunk in llm.generate(ids, args.n_predict, sampling=params):
                 if chunk.text:
                     out.write(chunk.text)
                     out.flush()
         except KeyboardInterrupt:
-            out.write("\n[interrupted]")
+            interrupted = True
         out.write("\n")
-        print(file=sys.stderr)
+        out.flush()
+        print("[interrupted]" if interrupted else "", file=sys.stderr)  # stdout carries only the text
         report.print_report(llm, sys.stderr, verbose=args.verbose or args.log_level == "DEBUG")
-        return 0
+        return 130 if interrupted else 0
     finally:
         llm.close()
 
@@ -180,9 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         command = COMMANDS.get(argv[0]) if argv else None
-        if command is not None:
-            return command(argv[1:])
-        return run_generate(argv)
+        rc = command(argv[1:]) if command is not None else run_generate(argv)
+        sys.stdout.flush()  # here, not at exit: a full disk behind stdout is then reported below
+        return rc
     except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -190,7 +196,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    except OSError as e:  # writing the output failed (ENOSPC, EIO), or a file the command named: no traceback
+        print(f"error: {e.strerror or e}" + (f": {e.filename}" if e.filename else " (writing the output)"), file=sys.stderr)
+        _drop_stdout()
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: what could not be written must not be retried (and fail) at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

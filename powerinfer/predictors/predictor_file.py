@@ -202,6 +202,16 @@ def validate_predictor(pf: PredictorFile) -> None:
 # -- writing ----------------------------------------------------------------------------------
 
 
+def _file_mode(path: Path) -> int:
+    """The permissions a new file gets from the umask (0666 & ~umask), or those of the file it replaces."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
 def write_predictor(path: str | Path, pf: PredictorFile) -> None:
     """Validate ``pf`` (ValueError) and write it atomically: a temp file in the same directory,
     fsynced, then renamed over ``path``, so readers never see a half-written file.
@@ -209,7 +219,7 @@ def write_predictor(path: str | Path, pf: PredictorFile) -> None:
     A failed write (disk full, no permission) removes the temp file, leaves an existing ``path``
     as it was and raises DiskWriteError ("no space left on device" when that is the cause)."""
     validate_predictor(pf)
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # through a symlink: the link stays, its target gets the file
     try:
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as e:
@@ -252,6 +262,7 @@ def write_predictor(path: str | Path, pf: PredictorFile) -> None:
         w = None
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, _file_mode(path))  # mkstemp makes it 0600: readable by no other user, such as a server's
         os.replace(tmp, path)
     except BaseException as e:
         if w is not None:  # release the temp file; its flush fails again on a full disk

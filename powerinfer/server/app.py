@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from powerinfer import constrained
@@ -134,12 +135,23 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
 
+        started = False
+
         async def counting(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.state.metrics.http.labels(str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting)
+        try:
+            await self.app(scope, receive, counting)
+        except Exception:
+            # Starlette's outermost error middleware answers an unhandled error with a 500 outside
+            # this one (and re-raises it), so that answer is counted here
+            if not started:
+                self.state.metrics.http.labels("500").inc()
+            raise
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -167,7 +179,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         msg = f"unknown route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error_response(APIError(e.status_code, msg, code=kind))
+        return error_response(APIError(e.status_code, msg, code=kind, headers=e.headers))  # 405: Allow
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> JSONResponse:
@@ -190,18 +202,23 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}", code="body_too_large")
         chunks, size = [], 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-            chunks.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+                chunks.append(part)
+        except ClientDisconnect:
+            # the client left while sending its body: nobody reads an answer, and it is not a server error
+            log.info("client left while sending the body of %s %s", request.method, request.url.path)
+            raise APIError(400, "the client disconnected before its request body arrived", code="client_disconnected") from None
         return parse_json(b"".join(chunks))
 
     def check_model(name: str | None) -> None:
         if name is not None and name != config.model_id:
             raise APIError(404, f"model {name!r} not found; this server serves {config.model_id!r}", param="model", code="model_not_found")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # uptime checkers send HEAD
     async def health() -> JSONResponse:
         try:
             _, sched = state.ready()
@@ -219,7 +236,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     def model_card() -> dict[str, Any]:
         return {"id": config.model_id, "object": "model", "created": state.created, "owned_by": "powerinfer"}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> dict[str, Any]:
         check_key(request)
         return {"object": "list", "data": [model_card()]}
@@ -260,7 +277,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     add_routes(app, state, config, check_key, read_body)
     for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
-    app.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/models", models, methods=["GET", "HEAD"], include_in_schema=False)
     return app
 
 

@@ -25,6 +25,8 @@ from typing import Sequence
 import httpx
 import psutil
 
+from powerinfer.flags import CLIError, report_paths
+
 PROMPTS = ("Write a sentence about the sea.", "What is the capital of France?", "Name three fruits.", "Tell me about trains.",
            "Describe winter in one sentence.", "Why is the sky blue?", "Give me a name for a cat.", "What is 12 times 7?")
 
@@ -175,6 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--plot", default=None, help="PNG of RSS and tokens/s over time")
     p.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = p.parse_args(argv)
+    try:
+        report_paths(None, args.plot)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         counts = [int(c) for c in args.clients.split(",")]
         if any(c < 1 for c in counts) or args.max_tokens < 1 or args.requests < 1 or args.duration < 0:

@@ -100,7 +100,8 @@ class Shapes:
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
-              role: bool = False) -> dict[str, Any]:
+              role: bool = False, offset: int = 0) -> dict[str, Any]:
+        """One streamed event; offset: completions' text_offset of its first logprob (text streamed before it)."""
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
             delta: dict[str, Any] = {}
@@ -111,7 +112,7 @@ class Shapes:
             lp = chat_logprobs(logprobs) if logprobs else None
             body["choices"] = [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}]
         else:
-            lp = completion_logprobs(logprobs) if logprobs else None
+            lp = completion_logprobs(logprobs, offset) if logprobs else None
             body["choices"] = [{"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}]
         return body
 

@@ -70,6 +70,8 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
         for j in jobs:
             yield sse(shapes.chunk(j.index, "" if shapes.chat else echo[j.index], role=True))
         open_, tokens = len(jobs), 0
+        # completions' text_offset continues across chunks from the echoed prompt, as in one answer
+        offset = {j.index: 0 if shapes.chat else len(echo[j.index]) for j in jobs}
         while open_:
             idx, ev = await queue.get()
             if isinstance(ev, BaseException):
@@ -80,7 +82,8 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
             lps = [chunk.logprob] if chunk.logprob is not None else None
             text = held[idx].push(chunk.text) if held and chunk.text else chunk.text
             if text or lps:
-                yield sse(shapes.chunk(idx, text, logprobs=lps))
+                yield sse(shapes.chunk(idx, text, logprobs=lps, offset=offset[idx]))
+                offset[idx] += sum(len(lp.text) for lp in lps or ())
             if chunk.finish_reason is not None:
                 reason = chunk.finish_reason
                 if held:

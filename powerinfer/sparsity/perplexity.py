@@ -62,6 +62,10 @@ def nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
 def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = None, n_ctx: int = 512,
                max_tokens: int = 0, progress: Callable[[str], None] = lambda _: None, dense: bool = True) -> PerplexityReport:
     """Dense (unless dense=False: reported as nan) and, with a predictor, sparse perplexity of text."""
+    if n_ctx < 2:
+        raise InvalidArgumentError(f"the window (-c) must be at least 2 tokens, got {n_ctx}")
+    if max_tokens < 0:
+        raise InvalidArgumentError(f"max_tokens must be >= 0 (0: all), got {max_tokens}")
     f = GGUFFile(model)
     cfg = config_from_gguf(f)
     tok = GGUFTokenizer.from_metadata(f.metadata)
@@ -71,6 +75,7 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
     windows = windows_of(ids, n_ctx, tok.bos_id if tok.add_bos else None)
     if not windows:
         raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
+    n_ctx = max(len(w) for w in windows)  # the KV cache for the longest window, not for a -c far beyond the text
     count = sum(len(w) - 1 for w in windows)
     d_nll = math.nan
     if dense:

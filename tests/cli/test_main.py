@@ -238,3 +238,44 @@ def test_predictor_flags(make_model: Callable[..., Path], tmp_path: Path) -> Non
     truncated.write_bytes(pred.read_bytes()[:300])
     bad = run("-m", str(model), "-p", "abc", "-c", "64", "--predictor", str(truncated))
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    model = make_model(arch="llama", n_layers=2)
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat. " * 40)
+    before = model.read_bytes()
+    cal = ("calibrate", "-m", str(model), "--text", str(text), "--sparsity", "0.5", "--mode", "gate", "--tokens", "64")
+    for out, says in ((str(model), "is the input"), (str(text), "is the input"), (str(tmp_path), "is a directory"),
+                      (str(tmp_path / "no" / "p.predictor"), "does not exist"), ("", "give a file name")):
+        proc = run(*cal, "-o", out)
+        assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    other = tmp_path / "notes.predictor"
+    other.write_text("my notes")
+    proc = run(*cal, "-o", str(other))
+    assert proc.returncode == 1 and "not a .predictor file" in proc.stderr and other.read_text() == "my notes"
+    assert model.read_bytes() == before and text.read_text().startswith("The cat")
+    # a predictor is overwritten in place, through a symlink, with the permissions a new file gets
+    good = tmp_path / "p.predictor"
+    assert run(*cal, "-o", str(good)).returncode == 0 and good.stat().st_mode & 0o044  # not mkstemp's 0600
+    link = tmp_path / "link.predictor"
+    link.symlink_to(good)
+    assert run(*cal, "-o", str(link)).returncode == 0 and link.is_symlink()
+    assert run(*cal, "-o", str(good), "--seed", "-1").stderr.strip() == "error: --seed must be >= 0, got -1"
+    for args, says in ((("bench", "-m", str(model), "--json", str(tmp_path)), "is a directory"),
+                       (("bench", "-m", str(model), "--plot", str(tmp_path / "x.txt")), ".png, .svg or .pdf"),
+                       (("perplexity", "-m", str(model), "--text", str(text), "-c", "1"), "at least 2 tokens"),
+                       (("perplexity", "-m", str(model), "--text", str(text), "--max-tokens", "-3"), "max_tokens must be >= 0")):
+        proc = run(*args)
+        assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_prompt_too_long_prints_nothing_and_a_full_disk_is_an_error(make_model: Callable[..., Path]) -> None:
+    model = make_model(arch="llama", n_layers=2)
+    proc = run("-m", str(model), "-p", "abc " * 100, "-n", "2", "-t", "1", "-c", "32")
+    assert proc.returncode == 1 and proc.stdout == "" and "do not fit the context of 32" in proc.stderr
+    if Path("/dev/full").exists():
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, str(REPO / "launch.py"), "-m", str(model), "-p", "abc", "-n", "2", "-t", "1", "-c", "32"],
+                                  stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert done.returncode == 1 and "No space left on device" in done.stderr and "Traceback" not in done.stderr, done.stderr

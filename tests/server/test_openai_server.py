@@ -5,6 +5,7 @@ Runs in: the pytest process; the server is a subprocess (tests/server/conftest.p
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -279,3 +280,28 @@ def test_dead_worker_turns_health_503_until_restarted(smollm2_server: RunningSer
     assert 503 in codes and codes[-1] == 200, codes
     r = client(smollm2_server).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
     assert r.choices[0].text.startswith(" Paris")
+
+
+def test_surrogates_head_allow_streamed_offsets_and_a_client_leaving_mid_body(smollm2_server: RunningServer) -> None:
+    url = smollm2_server.url
+    # a lone UTF-16 half is valid JSON; it becomes U+FFFD, as a UTF-8 decoder would make it, not a 500
+    r = httpx.post(url + "/v1/chat/completions", content=b'{"messages":[{"role":"user","content":"\\ud800 hi"}],"max_tokens":2}',
+                   headers={"content-type": "application/json"}, timeout=120)
+    assert r.status_code == 200, r.text
+    # uptime checkers send HEAD; a 405 names the allowed methods
+    assert httpx.head(url + "/health").status_code == 200 and httpx.head(url + "/v1/models").status_code == 200
+    r = httpx.delete(url + "/health")
+    assert r.status_code == 405 and "GET" in r.headers.get("allow", "")
+    # streamed completions' text_offset runs on across chunks, as in the whole answer
+    req = dict(model=MODEL, prompt="1, 2, 3,", max_tokens=6, temperature=0, logprobs=1)
+    whole = client(smollm2_server).completions.create(**req)  # type: ignore[call-overload]
+    offsets = [o for ch in completion_stream(smollm2_server, **req) for c in ch.choices if c.logprobs for o in c.logprobs.text_offset or ()]
+    assert whole.choices[0].logprobs is not None and offsets == whole.choices[0].logprobs.text_offset and offsets[-1] > 0
+    # a client that leaves while sending its body is logged quietly, not as an internal error
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                  b'{"messages":')
+    time.sleep(1.0)
+    assert httpx.get(url + "/health").status_code == 200
+    assert "internal error" not in smollm2_server.log.read_text() and "Exception in ASGI" not in smollm2_server.log.read_text()
