@@ -122,9 +122,12 @@ class LLM:
         if n_ctx < 0:
             raise InvalidArgumentError(f"context size must be positive, got {n_ctx}")
         if n_ctx > MAX_CTX:  # -c 0 takes the file's context_length, which a hostile file sets to anything
-            raise InvalidArgumentError(f"context size {n_ctx} exceeds the supported maximum of {MAX_CTX} tokens (give -c)")
+            raise InvalidArgumentError(f"context size {n_ctx} exceeds the supported maximum of {MAX_CTX} tokens (give a smaller -c)")
         if n_ctx > self.config.context_length:
             log.warning("context %d exceeds the %d the model was trained with", n_ctx, self.config.context_length)
+        if n_batch < 1:
+            raise InvalidArgumentError(f"batch size must be positive, got {n_batch}")
+        n_batch = min(n_batch, n_ctx)  # a pass never holds more tokens than the context (llama.cpp clamps it too)
         self.tokenizer = GGUFTokenizer.from_metadata(self.file.metadata)
         # A template that does not compile (hostile or just broken) must not stop plain completion:
         # the error is kept and raised by chat, which is the only thing that needs the template.

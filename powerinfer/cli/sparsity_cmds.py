@@ -52,6 +52,13 @@ def run_calibrate(argv: Sequence[str]) -> int:
     text = read_text(args.text) if args.text else None
     model = resolve_model(args.model, progress=sys.stderr.isatty())
     out = output_path(args.output, "-o", (str(model), args.text or ""))  # checked before minutes of work, not after
+    if args.rank:
+        from powerinfer.config import config_from_gguf
+        from powerinfer.gguf_file import GGUFFile
+
+        d_model = config_from_gguf(GGUFFile(model)).d_model
+        if args.rank > d_model:  # wider than its input: more bytes a token than it can save, and slow to train
+            raise CLIError(f"--rank {args.rank} exceeds the model's width {d_model}; the predictor is read every token (default d/4)")
     if out.exists():
         try:
             read_predictor(out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import threading
@@ -132,12 +133,14 @@ def run_clients(url: str, model: str | None, clients: int, requests: int, durati
 def summarize(clients: int, run: Run) -> dict[str, float]:
     ok = [s for s in run.samples if s.ok]
     tokens = sum(s.tokens for s in ok)
-    per_stream = [s.tokens / (s.seconds - s.ttft) for s in ok if s.seconds > s.ttft > 0 and s.tokens > 1]
+    # decode speed of a stream: the tokens after the first over the time after it (the first arrives at ttft)
+    per_stream = [(s.tokens - 1) / (s.seconds - s.ttft) for s in ok if s.seconds > s.ttft > 0 and s.tokens > 1]
+    ttfts = sorted(s.ttft for s in ok)
     return {
         "clients": clients, "requests": len(run.samples), "errors": len(run.samples) - len(ok), "tokens": tokens,
         "wall_s": run.wall, "aggregate_tok_s": tokens / run.wall if run.wall else 0.0,
         "ttft_median_s": statistics.median([s.ttft for s in ok]) if ok else 0.0,
-        "ttft_p90_s": sorted(s.ttft for s in ok)[int(0.9 * (len(ok) - 1))] if ok else 0.0,
+        "ttft_p90_s": ttfts[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else 0.0,  # nearest rank: never below the median
         "stream_tok_s_median": statistics.median(per_stream) if per_stream else 0.0,
         "rss_start_mib": run.rss[0][1] if run.rss else 0.0, "rss_end_mib": run.rss[-1][1] if run.rss else 0.0,
     }
