@@ -61,6 +61,10 @@ def run_chat(llm: LLM, params: SamplingParams, system: str | None, n_predict: in
              stdin: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """The chat loop; ``first`` (from -p/-f) is sent as the first user message."""
     session = ChatSession(llm, system, n_predict)
+    if system:  # refused now, not blamed on every message later
+        need = len(session.prompt_ids())
+        if need + 1 > llm.n_ctx:
+            raise PowerInferError(f"the system prompt needs {need} tokens, more than the context of {llm.n_ctx} (raise -c or shorten --system)")
     print(f"chatting with {llm.config.name}. {HELP}", file=err)
     while True:
         if first is not None:

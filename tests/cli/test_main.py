@@ -169,6 +169,8 @@ def test_interactive_drops_old_turns_when_context_fills(make_model: Callable[...
     proc = run_input(turns, "-m", model, "-i", "--system", "sys", "-n", "4", "--temp", "0", "-c", "160", "--executor", "inprocess")
     assert proc.returncode == 0, proc.stderr
     assert "context full: dropped" in proc.stderr and "system prompt is kept" in proc.stderr
+    long = run_input("hi\n", "-m", model, "-i", "--system", "word " * 300, "-n", "4", "-c", "64", "--executor", "inprocess")
+    assert long.returncode == 1 and "the system prompt needs" in long.stderr and "Traceback" not in long.stderr, long.stderr
 
 
 def test_verbose_prints_summary_timings_and_layer_figures(make_model: Callable[..., Path]) -> None:
