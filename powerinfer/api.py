@@ -17,7 +17,7 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
@@ -31,7 +31,7 @@ from powerinfer.coordinator.executor import Executor, InProcessExecutor
 from powerinfer.errors import ChatTemplateError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
-from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.generation import GenerationChunk, SequenceState, checked_request
 from powerinfer.sampling import SamplingParams
 from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.tokenizer import GGUFTokenizer
@@ -308,19 +308,7 @@ class LLM:
         ``overrides`` are SamplingParams fields (temperature=0, top_k=..., seed=...).
         """
         self._check_open()
-        unknown = sorted(set(overrides) - {f.name for f in fields(SamplingParams)})
-        if unknown:
-            raise InvalidArgumentError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: "
-                                       f"{', '.join(f.name for f in fields(SamplingParams))}")
-        params = replace(sampling or SamplingParams(), **overrides)
-        if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens == 0 or max_tokens < -1:
-            raise InvalidArgumentError(f"max_tokens must be a positive integer or -1, got {max_tokens!r}")
-        if isinstance(stop, str):  # one stop string, as the OpenAI API takes it (not its characters)
-            stop = (stop,)
-        if stop is None or any(not isinstance(s, str) or not s for s in stop):
-            raise InvalidArgumentError("stop sequences must be non-empty strings")
-        if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool) or logprobs < 0):
-            raise InvalidArgumentError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
+        params, stop = checked_request(sampling, overrides, max_tokens, stop, logprobs)
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenize(prompt, add_bos=True, special=special)
         constraint = None
         if grammar is not None:

@@ -7,6 +7,7 @@ Runs in: any process. Each error's message is one line meant for the user; the C
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 
@@ -70,6 +71,17 @@ def quoted(value: object, limit: int = 80) -> str:
         return text
     size = f" ({len(value)} characters)" if isinstance(value, (str, bytes)) else ""
     return f"{text[: limit - 3]}...{size}"
+
+
+def file_mode(path: Path) -> int:
+    """The permissions for a file written atomically over path: those of the file it replaces, else
+    what a new file gets from the umask (0666 & ~umask; mkstemp's own 0600 would hide it from others)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def write_failure(e: OSError, folder: str | Path) -> str:

@@ -9,11 +9,12 @@ one batched decode step while each keeps exactly the behaviour of a lone ``LLM.g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from powerinfer.errors import InvalidArgumentError
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
 
@@ -147,3 +148,22 @@ def _held_back(text: str, stop: tuple[str, ...]) -> int:
                 best = n
                 break
     return best
+
+
+def checked_request(sampling: SamplingParams | None, overrides: Mapping[str, Any], max_tokens: object, stop: object,
+                    logprobs: object) -> tuple[SamplingParams, tuple[str, ...]]:
+    """LLM.generate's arguments checked (InvalidArgumentError names the bad one): the sampling
+    parameters with overrides applied, and the stop strings (one string is one stop, not its characters)."""
+    known = [f.name for f in fields(SamplingParams)]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise InvalidArgumentError(f"unknown sampling parameter(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    params = replace(sampling or SamplingParams(), **overrides)
+    if not isinstance(max_tokens, (int, np.integer)) or isinstance(max_tokens, bool) or max_tokens == 0 or max_tokens < -1:
+        raise InvalidArgumentError(f"max_tokens must be a positive integer or -1, got {max_tokens!r}")
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidArgumentError("stop sequences must be non-empty strings")
+    if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool) or logprobs < 0):
+        raise InvalidArgumentError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
+    return params, tuple(stops)

@@ -53,7 +53,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from powerinfer.config import config_from_gguf
-from powerinfer.errors import DiskWriteError, ModelFileError, quoted, write_failure
+from powerinfer.errors import DiskWriteError, ModelFileError, file_mode, quoted, write_failure
 from powerinfer.gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
@@ -202,16 +202,6 @@ def validate_predictor(pf: PredictorFile) -> None:
 # -- writing ----------------------------------------------------------------------------------
 
 
-def _file_mode(path: Path) -> int:
-    """The permissions a new file gets from the umask (0666 & ~umask), or those of the file it replaces."""
-    try:
-        return path.stat().st_mode & 0o777
-    except OSError:
-        mask = os.umask(0)
-        os.umask(mask)
-        return 0o666 & ~mask
-
-
 def write_predictor(path: str | Path, pf: PredictorFile) -> None:
     """Validate ``pf`` (ValueError) and write it atomically: a temp file in the same directory,
     fsynced, then renamed over ``path``, so readers never see a half-written file.
@@ -262,7 +252,7 @@ def write_predictor(path: str | Path, pf: PredictorFile) -> None:
         w = None
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
-        os.chmod(tmp, _file_mode(path))  # mkstemp makes it 0600: readable by no other user, such as a server's
+        os.chmod(tmp, file_mode(path))  # mkstemp makes it 0600: readable by no other user, such as a server's
         os.replace(tmp, path)
     except BaseException as e:
         if w is not None:  # release the temp file; its flush fails again on a full disk

@@ -167,7 +167,8 @@ def test_calibrate_command_on_a_full_disk(bases: dict[str, Base], tmp_path: Path
     pf = read_predictor(bases["predictor"].path)
     monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: pf)  # the profiling is not the point
     out = tmp_path / "out.predictor"
-    out.write_bytes(b"previous")
+    previous = bases["predictor"].path.read_bytes()  # an older predictor: calibrate refuses to overwrite anything else
+    out.write_bytes(previous)
     (tmp_path / "calib.txt").write_text("some calibration text " * 20)
     _fill_disk(monkeypatch, ".tmp", room=1000)
     argv = ["calibrate", "-m", str(bases["synthetic-llama"].path), "-o", str(out), "--text", str(tmp_path / "calib.txt"), "--sparsity", "0.5"]
@@ -175,7 +176,7 @@ def test_calibrate_command_on_a_full_disk(bases: dict[str, Base], tmp_path: Path
     captured = capsys.readouterr()
     assert captured.err == f"error: could not write the predictor file {out}: no space left on device\n"
     assert "Traceback" not in captured.err and captured.out == ""
-    assert out.read_bytes() == b"previous" and _others(tmp_path, out) == ["calib.txt"]
+    assert out.read_bytes() == previous and _others(tmp_path, out) == ["calib.txt"]
 
 
 def test_pip_running_out_of_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
