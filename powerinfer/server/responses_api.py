@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from powerinfer.server.requests import ChatRequest, bad, parse_chat
+from powerinfer.server.requests import APIError, ChatRequest, bad, parse_chat
 from powerinfer.server.scheduler import Event, Job, Scheduler
 from powerinfer.server.streaming import collect, failure, watch_disconnect
 
@@ -75,7 +75,13 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
     elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
         chat["response_format"] = {"type": "json_object"}
+    elif fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text.format.type")
     return chat
+
+
+# the chat parameters a Responses body's fields became, back to the names the client sent
+_RENAMED = (("max_tokens", "max_output_tokens"), ("messages", "input"))
 
 
 class Shape:
@@ -166,5 +172,14 @@ async def _events(shape: Shape, sched: Scheduler, jobs: list[Job], queue: "async
 
 
 def parse(body: dict[str, Any]) -> tuple[dict[str, Any], ChatRequest]:
+    """The chat body a Responses body becomes and its parsed request; an error names the Responses
+    parameter (max_output_tokens, input[i]), not the chat one it was checked as."""
     chat = to_chat_body(body)
-    return chat, parse_chat(chat)
+    try:
+        return chat, parse_chat(chat)
+    except APIError as e:
+        for old, new in _RENAMED:
+            if e.param is not None and (e.param == old or e.param.startswith(old + "[")):
+                e.param = new + e.param[len(old):]
+            e.message = e.message.replace(f"'{old}'", f"'{new}'").replace(f"{old}[", f"{new}[")
+        raise

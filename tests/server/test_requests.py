@@ -104,3 +104,17 @@ def test_completion_prompts() -> None:
         with pytest.raises(APIError) as e:
             parse_completion(body)
         assert e.value.status == 400
+
+
+def test_responses_errors_name_the_responses_parameters() -> None:
+    from powerinfer.server.responses_api import parse
+
+    cases = (({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens' must be at least 1"),
+             ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "input[0].content"),
+             ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "'text', 'json_object' or 'json_schema'"))
+    for body, param, says in cases:
+        with pytest.raises(APIError) as e:
+            parse(body)
+        assert e.value.status == 400 and e.value.param == param and says in e.value.message, (e.value.param, e.value.message)
+        assert "max_tokens" not in e.value.message and "messages" not in e.value.message
+    assert parse({"input": "hi", "text": {"format": {"type": "text"}}})[1].messages  # plain text output is the default
