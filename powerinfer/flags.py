@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # imported when used: `fetch` and `--help` stay light
     from powerinfer.api import LLM
     from powerinfer.coordinator.hybrid_executor import GpuOptions
 
+log = logging.getLogger(__name__)
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, with its usage errors as one line like our other errors (status 2 as argparse's)."""
@@ -154,6 +156,8 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
 
     if args.ctx_size is not None and args.ctx_size < 0:
         raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
+    if args.executor == "inprocess" and args.transport != "auto":
+        log.warning("--transport %s applies to the worker processes; --executor inprocess has none, so it is ignored", args.transport)
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
         raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")

@@ -193,14 +193,16 @@ def _plot(rows: list[dict[str, Any]], ceiling_tps: float, path: str) -> None:
 
 
 def run_bench(argv: Sequence[str]) -> int:
-    from powerinfer.flags import report_paths
+    from powerinfer.flags import CLIError, report_paths
 
     args = build_parser().parse_args(argv)
     report_paths(args.json, args.plot)
     if args.merge:
         from powerinfer.cli.bench_merge import bench_merge
 
-        mb = bench_merge(ranks=max(2, args.workers[0]))
+        if args.workers[0] < 2:
+            raise CLIError(f"--merge measures a merge between ranks: give --workers 2 or more, got {args.workers[0]}")
+        mb = bench_merge(ranks=args.workers[0])
         print(mb.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

@@ -128,6 +128,8 @@ def run_generate(argv: Sequence[str]) -> int:
     configure_logging(args.log_level, args.verbose)
     if args.n_predict == 0 or args.n_predict < -1:
         raise CLIError(f"--n-predict must be positive or -1, got {args.n_predict}")
+    if args.system and not args.interactive:
+        log.warning("--system is the chat's system prompt (-i); without -i it is ignored")
     prompt = args.prompt
     if args.file is not None:
         try:

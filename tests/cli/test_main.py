@@ -269,7 +269,8 @@ def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(ma
                        (("perplexity", "-m", str(model), "--text", str(text), "-c", "1"), "at least 2 tokens"),
                        (("perplexity", "-m", str(model), "--text", str(text), "--max-tokens", "-3"), "max_tokens must be >= 0"),
                        (("calibrate", "-m", str(model), "-o", str(tmp_path / "r.predictor"), "--mode", "predictor", "--sparsity", "0.5",
-                         "--rank", "100000"), "exceeds the model's width")):
+                         "--rank", "100000"), "exceeds the model's width"),
+                       (("bench", "--merge", "--workers", "1"), "give --workers 2 or more")):
         proc = run(*args)
         assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -279,6 +280,9 @@ def test_a_prompt_too_long_prints_nothing_and_a_full_disk_is_an_error(make_model
     proc = run("-m", str(model), "-p", "abc " * 100, "-n", "2", "-t", "1", "-c", "32")
     assert proc.returncode == 1 and proc.stdout == "" and "do not fit the context of 32" in proc.stderr
     assert run("-m", str(model), "-p", "abc", "-n", "2", "-t", "1", "-c", "32", "-b", "100000000").returncode == 0  # clamped to -c
+    ignored = run("-m", str(model), "-p", "abc", "-n", "2", "-t", "1", "-c", "32", "--system", "s", "--executor", "inprocess",
+                  "--transport", "zmq")
+    assert ignored.returncode == 0 and "without -i it is ignored" in ignored.stderr and "--transport zmq applies" in ignored.stderr
     if Path("/dev/full").exists():
         with open("/dev/full", "w") as full:
             done = subprocess.run([sys.executable, str(REPO / "launch.py"), "-m", str(model), "-p", "abc", "-n", "2", "-t", "1", "-c", "32"],
