@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from powerinfer.errors import ModelFileError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 
 _LONG = 8  # array values longer than this are summarised
@@ -50,8 +51,12 @@ def inspect_text(path: str, tensors: bool) -> str:
     if tensors:
         lines += ["", "tensors:"]
         lines += [f"  {shown_name(t.name):<32} {t.qtype.name:<6} {str(list(t.shape)):<16} {t.nbytes / 2**10:>10.1f} KiB" for t in f]
-    cfg = config_from_gguf(f)
-    lines += ["", f"architecture: {cfg.arch} (supported); config: {cfg}"]
+    try:
+        cfg = config_from_gguf(f)
+    except (UnsupportedModelError, ModelFileError) as e:  # the file read: show what it holds, then why it cannot run
+        lines += ["", f"not runnable here: {e}"]
+    else:
+        lines += ["", f"architecture: {cfg.arch} (supported); config: {cfg}"]
     return "\n".join(lines)
 
 

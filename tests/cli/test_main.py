@@ -215,6 +215,17 @@ def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path
     assert bad.returncode != 0 and "no such file" in bad.stderr
 
 
+def test_inspect_shows_a_gguf_it_cannot_run(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    from powerinfer.predictors.predictor_file import write_predictor
+    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+
+    pred = tmp_path / "p.predictor"
+    write_predictor(pred, calibrate(make_model(arch="llama", n_layers=2), CalibrationSettings(mode="gate", tokens=32, window=32)))
+    proc = run("inspect", str(pred))
+    assert proc.returncode == 0 and "general.architecture = 'powerinfer-predictor'" in proc.stdout, proc.stderr
+    assert "not runnable here" in proc.stdout and "is not supported" in proc.stdout
+
+
 @pytest.mark.parametrize("sub", ["fetch", "bench", "inspect", "calibrate", "perplexity", "serve", "loadtest"])
 def test_subcommand_help(sub: str) -> None:
     proc = run(sub, "--help")
