@@ -104,6 +104,7 @@ class LLM:
         transport: str = "auto",
     ) -> None:
         t0 = time.perf_counter()
+        self._closed = False
         if n_threads is not None and n_threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
         if executor not in ("process", "inprocess"):
@@ -315,7 +316,7 @@ class LLM:
             from powerinfer.constrained import TokenConstraint
 
             constraint = TokenConstraint(self.tokenizer, self.config.vocab_size, grammar)
-        return self._generate(ids, max_tokens, params, tuple(stop), logprobs, constraint)
+        return self._generate(ids, max_tokens, params, stop, logprobs, constraint)
 
     def _generate(self, ids: list[int], max_tokens: int, params: SamplingParams, stop: tuple[str, ...],
                   logprobs: int | None = None, constraint: "TokenConstraint | None" = None) -> Iterator[GenerationChunk]:
@@ -387,7 +388,7 @@ class LLM:
 
     def _check_open(self) -> None:
         # a closed executor's caches are freed: the native decoder would write into freed memory
-        if getattr(self, "_closed", False):
+        if self._closed:
             raise InvalidArgumentError("this LLM is closed; load the model again")
 
     def __enter__(self) -> "LLM":

@@ -43,6 +43,23 @@ SCATTER_COST = 4.0  # a chosen row's bytes cost about this many streamed bytes (
 DOWN_MAX_SHARE = 0.10  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
 
 
+def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, int, int], q8_down_row: int,
+                pred_bytes: int = 0) -> tuple[float, float]:
+    """(streamed, scattered) FFN weight bytes a decode step reads in one sparse layer of n neurons
+    with share of them computed: the gate rows (every one streamed in gate mode; the chosen ones,
+    plus the predictor's pred_bytes streamed, in predictor mode), the chosen up rows, and the down
+    projection (the chosen neurons' rows of the neuron-major Q8_0 copy, q8_down_row bytes each, at
+    most DOWN_MAX_SHARE active; else the file's d rows streamed). rows: bytes of one gate, up and
+    down row in the file."""
+    g, u, dn = rows
+    streamed, scattered = (pred_bytes, share * n * (g + u)) if predictor else (n * g, share * n * u)
+    if share <= DOWN_MAX_SHARE + 1e-9:
+        scattered += share * n * q8_down_row
+    else:
+        streamed += d * dn
+    return streamed, scattered
+
+
 def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
     """float32 [rows, cols] (cols % 32 == 0) -> Q8_0 blocks and a PiWt over them."""
     codes = np.ascontiguousarray(quantize(np.ascontiguousarray(w, dtype=np.float32), QT.Q8_0))
@@ -201,17 +218,14 @@ class NativeSparseFFNs:
             raise InvalidArgumentError("bytes per token need at least one token")
         d = self.cfg.d_model
         total = dense = 0.0
-        for i, (act, (g, u, dn)) in enumerate(zip(self.active, self.row_bytes)):
-            full = self.n * (g + u) + d * dn
+        for i, (act, rows) in enumerate(zip(self.active, self.row_bytes)):
+            full = self.n * (rows[0] + rows[1]) + d * rows[2]
             dense += full
             if not self.sparse_layers[i]:
                 total += full
                 continue
-            share = act / (tokens * self.n)
-            down = self.n * self._down_t[i].shape[1] * share if share <= DOWN_MAX_SHARE else d * dn
-            total += self.n * (g * (share if self.uses_predictor else 1.0) + u * share) + down
-            if self.uses_predictor:
-                total += sum(a.nbytes for a in self._pred_keep[i][:2])
+            pred = sum(a.nbytes for a in self._pred_keep[i][:2]) if self.uses_predictor else 0
+            total += sum(layer_reads(self.uses_predictor, act / (tokens * self.n), self.n, d, rows, self._down_t[i].shape[1], pred))
         return total, dense
 
     def share(self, tokens: int) -> float:

@@ -38,7 +38,7 @@ import numpy as np
 
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
-from powerinfer.cpu_workers.native_sparse import DOWN_MAX_SHARE, MAX_SPARSE_SHARE, SCATTER_COST
+from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, SCATTER_COST, layer_reads
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
 from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallShift, at_recall, build_predictor, profile
@@ -159,22 +159,14 @@ def ffn_read_bytes(mode: str, levels: Sequence[float], shares: Sequence[float], 
     neuron-major copy at most DOWN_MAX_SHARE active, else all of it streamed. shares[i]: the share
     of layer i's neurons computed (gate mode 1 - level, predictor mode what it predicts); rows[i]:
     bytes of one row of its gate [n_ff, d], up [n_ff, d] and down [d, n_ff]; pred_bytes[i]: its
-    predictor's (predictor mode)."""
+    predictor's (predictor mode). Each sparse layer by the decoder's own rule, layer_reads."""
     streamed = scattered = 0.0
     for i, (lv, share, (g, u, dn)) in enumerate(zip(levels, shares, rows)):
         if lv < min_level - 1e-9:
             streamed += n_ff * (g + u) + d * dn
             continue
-        if share <= DOWN_MAX_SHARE + 1e-9:
-            scattered += share * n_ff * _q8_bytes(d)
-        else:
-            streamed += d * dn
-        if mode == "predictor":
-            streamed += pred_bytes[i]
-            scattered += share * n_ff * (g + u)
-        else:
-            streamed += n_ff * g
-            scattered += share * n_ff * u
+        s, c = layer_reads(mode == "predictor", share, n_ff, d, (g, u, dn), _q8_bytes(d), pred_bytes[i] if mode == "predictor" else 0)
+        streamed, scattered = streamed + s, scattered + c
     return int(streamed), int(scattered)
 
 
