@@ -34,6 +34,8 @@ class TokenLogprob:
     top: tuple[tuple[int, str, float], ...] = ()  # (token, text, logprob), most likely first
     raw: bytes = b""  # the token's own bytes: the pieces of a split character reassemble it
     top_raw: tuple[bytes, ...] = ()  # the same for each entry of top
+    offset: int = 0  # where the token's text starts in the generated text, in characters (the
+    # pieces of a split character all start where that character does)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,10 @@ class GenerationChunk:
     token: int  # -1 for the final chunk that only carries finish_reason
     text: str  # text completed by this token (may be "" while a UTF-8 sequence or stop string is pending)
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
-    logprob: TokenLogprob | None = None  # when logprobs were asked for
+    # When logprobs were asked for: those of the tokens whose text this chunk releases. A token's
+    # logprob waits with its text (a possible stop string's start, half a character), and the
+    # tokens a stop string cuts away never get one, so the logprobs spell the returned text.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class SequenceState:
@@ -60,6 +65,8 @@ class SequenceState:
         self.n_prompt = len(self.history)
         self.decoder = StreamDecoder(tokenizer)
         self.pending = ""  # text held back because it could be the start of a stop string
+        self.released = 0  # characters of text emitted so far
+        self.held: list[TokenLogprob] = []  # logprobs of tokens whose text has not all been emitted
         self.generated = 0  # tokens sampled, the end-of-generation token included
         self.finish_reason: str | None = None
         self.next_token: int | None = None  # to evaluate before the next step; None once finished
@@ -86,7 +93,8 @@ class SequenceState:
         self.next_token = None
         if token in self.tokenizer.eog_ids:
             return [self._finish("stop")]
-        lp = self._logprob(logits, token) if self.logprobs is not None else None
+        if self.logprobs is not None:
+            self.held.append(self._logprob(logits, token, self.released + len(self.pending)))
         if self.constraint is not None:
             self.constraint.advance(token)
         self.history.append(token)
@@ -94,9 +102,9 @@ class SequenceState:
         cut = _find_stop(self.pending, self.stop)
         if cut is not None:
             self.pending = self.pending[:cut]
-            return [self._finish("stop")]
+            return [self._finish("stop", cut_by_stop=True)]
         safe = len(self.pending) - _held_back(self.pending, self.stop)
-        chunk = GenerationChunk(token, self.pending[:safe], logprob=lp)
+        chunk = GenerationChunk(token, self.pending[:safe], logprobs=self._release(safe))
         self.pending = self.pending[safe:]
         if self.generated >= self.max_tokens > 0 or context_full:
             return [chunk, self._finish("length")]
@@ -105,14 +113,29 @@ class SequenceState:
         self.next_token = token
         return [chunk]
 
-    def _finish(self, reason: str) -> GenerationChunk:
+    def _finish(self, reason: str, cut_by_stop: bool = False) -> GenerationChunk:
+        """The last chunk: the text still pending, and the logprobs of the tokens that wrote it
+        (all those held, unless a stop string cut some away)."""
         self.finish_reason = reason
         if reason == "length":
             self.pending += self.decoder.flush()
         text, self.pending = self.pending, ""
-        return GenerationChunk(-1, text, reason)
+        lps = self._release(len(text))
+        if not cut_by_stop:
+            lps, self.held = lps + tuple(self.held), []
+        self.held = []
+        return GenerationChunk(-1, text, reason, lps)
 
-    def _logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+    def _release(self, n: int) -> tuple[TokenLogprob, ...]:
+        """n more characters go out: the held logprobs of tokens whose text starts before their end."""
+        self.released += n
+        if not self.held:
+            return ()
+        out = tuple(lp for lp in self.held if lp.offset < self.released)
+        self.held = self.held[len(out):]  # held in order of offset, so those released are a prefix
+        return out
+
+    def _logprob(self, logits: np.ndarray, token: int, offset: int) -> TokenLogprob:
         row = np.asarray(logits, dtype=np.float64)
         lse = float(np.log(np.exp(row - row.max()).sum()) + row.max())  # log-sum-exp over the vocabulary
         k = min(self.logprobs or 0, MAX_TOP_LOGPROBS, row.size)
@@ -122,7 +145,7 @@ class SequenceState:
             idx = idx[np.argsort(-row[idx], kind="stable")]
             top = tuple((int(i), self._piece(int(i)), float(row[i] - lse)) for i in idx)
         return TokenLogprob(token, self._piece(token), float(row[token] - lse), top, self._raw(token),
-                            tuple(self._raw(t) for t, _, _ in top))
+                            tuple(self._raw(t) for t, _, _ in top), offset)
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special=False)

@@ -56,15 +56,13 @@ def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> dict[str, Any]:
-    offsets, pos = [], start_offset
-    for lp in items:
-        offsets.append(pos)
-        pos += len(lp.text)
+    """start_offset: the echoed prompt's length; each token's text_offset is where its text starts
+    in the returned text (the pieces of a split character all point at that character)."""
     return {
         "tokens": [lp.text for lp in items],
         "token_logprobs": [lp.logprob for lp in items],
         "top_logprobs": [{t: v for _, t, v in lp.top} for lp in items],
-        "text_offset": offsets,
+        "text_offset": [start_offset + lp.offset for lp in items],
     }
 
 
@@ -101,7 +99,7 @@ class Shapes:
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
               role: bool = False, offset: int = 0) -> dict[str, Any]:
-        """One streamed event; offset: completions' text_offset of its first logprob (text streamed before it)."""
+        """One streamed event; offset: the echoed prompt's length (completions' text_offset counts from it)."""
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
             delta: dict[str, Any] = {}

@@ -53,8 +53,7 @@ async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[Cho
         r.text.append(ev.text)
         if ev.token >= 0:
             r.tokens += 1
-        if ev.logprob is not None:
-            r.logprobs.append(ev.logprob)
+        r.logprobs.extend(ev.logprobs)
         if ev.finish_reason is not None:
             r.finish_reason = ev.finish_reason
             open_ -= 1
@@ -70,7 +69,7 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
         for j in jobs:
             yield sse(shapes.chunk(j.index, "" if shapes.chat else echo[j.index], role=True))
         open_, tokens = len(jobs), 0
-        # completions' text_offset continues across chunks from the echoed prompt, as in one answer
+        # completions' text_offset counts from the echoed prompt, as in one answer
         offset = {j.index: 0 if shapes.chat else len(echo[j.index]) for j in jobs}
         while open_:
             idx, ev = await queue.get()
@@ -79,11 +78,10 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
                 return
             chunk: GenerationChunk = ev
             tokens += chunk.token >= 0
-            lps = [chunk.logprob] if chunk.logprob is not None else None
+            lps = list(chunk.logprobs) or None
             text = held[idx].push(chunk.text) if held and chunk.text else chunk.text
             if text or lps:
                 yield sse(shapes.chunk(idx, text, logprobs=lps, offset=offset[idx]))
-                offset[idx] += sum(len(lp.text) for lp in lps or ())
             if chunk.finish_reason is not None:
                 reason = chunk.finish_reason
                 if held:
