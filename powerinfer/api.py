@@ -346,8 +346,8 @@ class LLM:
                 for out in outs:
                     if out.seq is seq:
                         t.generated_tokens = seq.state.generated
-                        if seq.state.done:
-                            t.generate_s = time.perf_counter() - t_start
+                        # kept current, so a generation stopped early (Ctrl+C, a closed iterator) reports its time too
+                        t.generate_s = time.perf_counter() - t_start
                         yield from out.chunks
                 if seq.state.done:
                     return

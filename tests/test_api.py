@@ -32,6 +32,12 @@ def test_generate_respects_max_tokens_and_streams_text(llm: LLM) -> None:
     assert len([c for c in chunks if c.token >= 0]) == 5
     text, finish = llm.complete("abc", max_tokens=5, temperature=0)
     assert text == "".join(c.text for c in chunks) and finish == chunks[-1].finish_reason
+    # a generation left early (Ctrl+C in the CLI) still reports its time and tokens
+    it = llm.generate("abc", max_tokens=20, temperature=0)
+    for _ in zip(range(3), it):
+        pass
+    it.close()
+    assert llm.timings.generated_tokens == 3 and llm.timings.generate_s > 0
 
 
 def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
