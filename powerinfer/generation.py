@@ -40,12 +40,13 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class GenerationChunk:
-    token: int  # -1 for the final chunk that only carries finish_reason
+    token: int  # the token generated; -1 for a final chunk that only carries finish_reason
     text: str  # text completed by this token (may be "" while a UTF-8 sequence or stop string is pending)
     finish_reason: str | None = None  # "stop" | "length" on the last chunk
     # When logprobs were asked for: those of the tokens whose text this chunk releases. A token's
-    # logprob waits with its text (a possible stop string's start, half a character), and the
-    # tokens a stop string cuts away never get one, so the logprobs spell the returned text.
+    # logprob waits with its text (a possible stop string's start, half a character); a token
+    # that wrote any of the returned text has one (a token that straddles a stop string too,
+    # whole), those wholly cut away by a stop string have none.
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -102,7 +103,7 @@ class SequenceState:
         cut = _find_stop(self.pending, self.stop)
         if cut is not None:
             self.pending = self.pending[:cut]
-            return [self._finish("stop", cut_by_stop=True)]
+            return [self._finish("stop", token)]
         safe = len(self.pending) - _held_back(self.pending, self.stop)
         chunk = GenerationChunk(token, self.pending[:safe], logprobs=self._release(safe))
         self.pending = self.pending[safe:]
@@ -113,18 +114,19 @@ class SequenceState:
         self.next_token = token
         return [chunk]
 
-    def _finish(self, reason: str, cut_by_stop: bool = False) -> GenerationChunk:
+    def _finish(self, reason: str, stop_token: int = -1) -> GenerationChunk:
         """The last chunk: the text still pending, and the logprobs of the tokens that wrote it
-        (all those held, unless a stop string cut some away)."""
+        (all those held, unless a stop string cut some away). stop_token: the token that completed
+        a stop string (it was generated, and counts as such), else -1."""
         self.finish_reason = reason
         if reason == "length":
             self.pending += self.decoder.flush()
         text, self.pending = self.pending, ""
         lps = self._release(len(text))
-        if not cut_by_stop:
-            lps, self.held = lps + tuple(self.held), []
+        if stop_token < 0:
+            lps += tuple(self.held)
         self.held = []
-        return GenerationChunk(-1, text, reason, lps)
+        return GenerationChunk(stop_token, text, reason, lps)
 
     def _release(self, n: int) -> tuple[TokenLogprob, ...]:
         """n more characters go out: the held logprobs of tokens whose text starts before their end."""

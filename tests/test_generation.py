@@ -1,5 +1,5 @@
-"""SequenceState on forced tokens: the text it emits, and that the logprobs it returns spell that
-text (held back with a possible stop string, dropped where a stop cuts, offsets of split characters).
+"""SequenceState on forced tokens: the text it emits, and the logprobs of the tokens that wrote it
+(held back with a possible stop string, dropped where a stop cuts, offsets of split characters).
 
 Runs in: the test process (no model: a byte-level vocabulary and one-hot logits).
 """
@@ -51,11 +51,13 @@ def test_tokens_cut_by_a_stop_string_have_no_logprobs() -> None:
     assert text_and_logprobs(chunks) == ("Hi", ["H", "i"], [0, 1])
     # the first newline's logprob waited with its text: it was no chunk's until the stop decided
     assert [c.logprobs for c in chunks][2] == () and chunks[-1].finish_reason == "stop"
+    # the token that completed the stop string was generated: the last chunk carries it (usage counts it)
+    assert [c.token for c in chunks] == b("Hi\n\n")
 
 
 def test_a_token_partly_before_the_stop_keeps_its_logprob() -> None:
     chunks = run([*b("x"), AB, *b("c")], stop=("b",))
-    assert text_and_logprobs(chunks) == ("xa", ["x", "ab"], [0, 1])
+    assert text_and_logprobs(chunks) == ("xa", ["x", "ab"], [0, 1])  # whole: its "a" is in the text
 
 
 def test_held_text_that_was_no_stop_goes_out_with_its_logprobs() -> None:

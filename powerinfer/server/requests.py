@@ -300,7 +300,7 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
 
 
 def _tool_calls(v: Any, i: int) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls -> [{"name", "arguments" (parsed JSON, or the text)}]."""
+    """An assistant message's tool_calls -> [{"name", "arguments" (parsed JSON, or the text), "id" (or None)}]."""
     if not isinstance(v, list):
         raise bad(f"messages[{i}].tool_calls must be a list", f"messages[{i}].tool_calls", "invalid_type")
     calls = []
@@ -313,7 +313,7 @@ def _tool_calls(v: Any, i: int) -> list[dict[str, Any]]:
             args: Any = json.loads(fn.get("arguments") or "{}")
         except json.JSONDecodeError:
             args = fn.get("arguments")
-        calls.append({"name": fn["name"], "arguments": args})
+        calls.append({"name": fn["name"], "arguments": args, "id": c.get("id") if isinstance(c.get("id"), str) else None})
     return calls
 
 
@@ -338,6 +338,12 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
         raise bad("'prompt' must be a string, a list of token ids, or a list of those", "prompt", "invalid_type")
     lp = _int(body, "logprobs", None, 0, 5)
     common = _common(body, 16, lp)
+    # OpenAI's parameters that we do not implement are refused, not silently ignored
+    if body.get("suffix") not in (None, ""):
+        raise bad("'suffix' (fill-in-the-middle) is not supported", "suffix")
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of not in (1, common.n):
+        raise bad("'best_of' is not supported (ask for n choices with logprobs and rank them instead)", "best_of")
     if len(prompts) * common.n > MAX_N:
         raise bad(f"{len(prompts)} prompts x n={common.n} choices exceed {MAX_N} per request", "prompt")
     return CompletionRequest(common, prompts, _bool(body, "echo", False))

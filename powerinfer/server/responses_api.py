@@ -81,7 +81,8 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 # the chat parameters a Responses body's fields became, back to the names the client sent
-_RENAMED = (("max_tokens", "max_output_tokens"), ("messages", "input"))
+_RENAMED = (("max_tokens", "max_output_tokens"), ("messages", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+            ("response_format.json_schema.name", "text.format.name"), ("response_format", "text.format"))
 
 
 class Shape:
@@ -178,8 +179,9 @@ def parse(body: dict[str, Any]) -> tuple[dict[str, Any], ChatRequest]:
     try:
         return chat, parse_chat(chat)
     except APIError as e:
-        for old, new in _RENAMED:
-            if e.param is not None and (e.param == old or e.param.startswith(old + "[")):
-                e.param = new + e.param[len(old):]
-            e.message = e.message.replace(f"'{old}'", f"'{new}'").replace(f"{old}[", f"{new}[")
+        renamed = False
+        for old, new in _RENAMED:  # the most specific first: the first that matches renames the parameter
+            if not renamed and e.param is not None and (e.param == old or e.param.startswith((old + "[", old + "."))):
+                e.param, renamed = new + e.param[len(old):], True
+            e.message = e.message.replace(f"'{old}", f"'{new}").replace(f"{old}[", f"{new}[")
         raise

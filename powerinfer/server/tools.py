@@ -27,7 +27,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from powerinfer import constrained
 from powerinfer.server.requests import bad
+from powerinfer.server.structured import compile_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
@@ -75,8 +77,15 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSpec | None:
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}} with a name of "
                       "letters, digits, _ . - (at most 64)", f"tools[{i}]")
         params = fn.get("parameters", {"type": "object", "properties": {}})
+        where = f"tools[{i}].function.parameters"
         if not isinstance(params, dict):
-            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters", "invalid_type")
+            raise bad(f"{where} must be a JSON schema object", where, "invalid_type")
+        if params.get("type", "object") != "object":
+            raise bad(f"{where} must describe an object (the call's named arguments), not {params.get('type')!r}", where)
+        if constrained.available():  # checked whatever tool_choice, not only when a call is forced
+            compile_grammar("json_schema", _closed(params), where)
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad(f"tools[{i}].function.strict must be a boolean", f"tools[{i}].function.strict", "invalid_type")
         desc = fn.get("description", "")
         if not isinstance(desc, str):
             raise bad(f"tools[{i}].function.description must be a string", f"tools[{i}].function.description", "invalid_type")
@@ -107,14 +116,18 @@ def render(messages: list[dict[str, Any]], spec: ToolSpec | None) -> list[dict[s
     chat template renders: see the module docstring. Input messages are parse_chat's (role,
     content, and tool_calls / tool_call_id / name where given)."""
     out: list[dict[str, str]] = []
+    called: dict[str, str] = {}  # call id -> function name, from the assistant turns so far
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
             lines = [m["content"]] if m["content"] else []
             lines += [_call_line(c["name"], c["arguments"]) for c in m["tool_calls"]]
+            called.update((c["id"], c["name"]) for c in m["tool_calls"] if c.get("id"))
             out.append({"role": "assistant", "content": "\n".join(lines)})
         elif m["role"] == "tool":
-            line = "<tool_response>" + json.dumps({"name": m.get("name") or m.get("tool_call_id") or "", "content": m["content"]},
-                                                  ensure_ascii=False) + "</tool_response>"
+            # OpenAI's tool messages name their call by id only: the model is shown the function's name
+            call_id = m.get("tool_call_id") or ""
+            name = m.get("name") or called.get(call_id) or call_id
+            line = "<tool_response>" + json.dumps({"name": name, "content": m["content"]}, ensure_ascii=False) + "</tool_response>"
             if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
                 out[-1] = {"role": "user", "content": out[-1]["content"] + "\n" + line}
             else:
@@ -139,9 +152,7 @@ def grammar(spec: ToolSpec) -> str | None:
     schemas = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _closed(f["parameters"])},
                 "required": ["name", "arguments"], "additionalProperties": False} for f in fns]
     body: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    # compact JSON: with free whitespace a small model that wants a character the schema forbids
-    # writes spaces instead, until max_tokens
-    body = {**body, "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    body = {**body, **constrained.COMPACT_JSON}
     repeat = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if spec.parallel and spec.choice == "required" else ""
     return (f'start: call{repeat}\ncall: "{OPEN}" obj "{CLOSE}"\n'
             f"obj: %json {json.dumps(body, ensure_ascii=False)}\n")
@@ -173,13 +184,11 @@ def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in spec.names:
             continue
         args = obj.get("arguments", {})
+        spans.append(m.span())
+        if calls and not spec.parallel:  # one call allowed: a second is dropped, not left as markup
+            continue
         calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                       "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
-        spans.append(m.span())
-        if not spec.parallel:
-            break
-    if not calls:
-        return text, calls
     content, pos = [], 0
     for a, b in spans:
         content.append(text[pos:a])
@@ -189,7 +198,7 @@ def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
     if cut >= 0 and CLOSE not in rest[cut:]:  # a last call cut off by max_tokens: not content
         rest = rest[:cut]
     content.append(rest)
-    return "".join(content).strip(), calls
+    return ("".join(content).strip() if spans or cut >= 0 else text), calls
 
 
 class ToolStream:
@@ -228,6 +237,8 @@ def apply_to_final(body: dict[str, Any], spec: ToolSpec) -> None:
             msg["content"] = content or None
             msg["tool_calls"] = calls
             choice["finish_reason"] = "tool_calls"
+        elif msg["content"]:
+            msg["content"] = content  # without a call that max_tokens cut off
 
 
 def calls_delta(chunk: dict[str, Any], calls: list[dict[str, Any]]) -> dict[str, Any]:

@@ -297,11 +297,13 @@ def test_surrogates_head_allow_streamed_offsets_and_a_client_leaving_mid_body(sm
     whole = client(smollm2_server).completions.create(**req)  # type: ignore[call-overload]
     offsets = [o for ch in completion_stream(smollm2_server, **req) for c in ch.choices if c.logprobs for o in c.logprobs.text_offset or ()]
     assert whole.choices[0].logprobs is not None and offsets == whole.choices[0].logprobs.text_offset and offsets[-1] > 0
-    # the tokens a stop string cut away have no logprobs: the tokens spell the text, streamed or not
+    # the tokens a stop string cut away have no logprobs: the tokens spell the text, streamed or not;
+    # but they were generated: usage counts them, the one that completed the stop string too
     req = dict(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0, logprobs=1, stop=[", 7"])
     whole = client(smollm2_server).completions.create(**req)  # type: ignore[call-overload]
     lps = whole.choices[0].logprobs
     assert whole.choices[0].finish_reason == "stop" and lps is not None and "".join(lps.tokens or ()) == whole.choices[0].text
+    assert whole.usage is not None and whole.usage.completion_tokens == len(lps.tokens or ()) + len(", 7")  # 1 char a token here
     chunks = [c for ch in completion_stream(smollm2_server, **req) for c in ch.choices]
     streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens or ()]
     assert "".join(streamed) == "".join(c.text for c in chunks) == whole.choices[0].text

@@ -100,10 +100,13 @@ def test_completion_prompts() -> None:
     assert parse_completion({"prompt": "x"}).common.max_tokens == 16  # OpenAI's default for completions
     assert parse_completion({"prompt": "x", "logprobs": 3}).common.logprobs == 3
     for body in ({}, {"prompt": 5}, {"prompt": [True]}, {"prompt": []}, {"prompt": ["a", 5]}, {"prompt": [[]]},
-                 {"prompt": ["a"] * 9, "n": 2}, {"prompt": "x", "logprobs": 6}, {"prompt": "x", "echo": 1}):
+                 {"prompt": ["a"] * 9, "n": 2}, {"prompt": "x", "logprobs": 6}, {"prompt": "x", "echo": 1},
+                 {"prompt": "x", "suffix": " end."}, {"prompt": "x", "best_of": 3}, {"prompt": "x", "best_of": 2, "n": 3}):
         with pytest.raises(APIError) as e:
             parse_completion(body)
         assert e.value.status == 400
+    # what changes nothing is accepted: no suffix, best_of equal to n
+    assert parse_completion({"prompt": "x", "suffix": None, "best_of": 2, "n": 2}).common.n == 2
 
 
 def test_responses_errors_name_the_responses_parameters() -> None:
@@ -111,10 +114,12 @@ def test_responses_errors_name_the_responses_parameters() -> None:
 
     cases = (({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens' must be at least 1"),
              ({"input": [{"role": "user", "content": 5}]}, "input[0].content", "input[0].content"),
-             ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "'text', 'json_object' or 'json_schema'"))
+             ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "'text', 'json_object' or 'json_schema'"),
+             ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "'text.format.schema'"),
+             ({"input": "hi", "text": {"format": {"type": "json_schema", "name": 5, "schema": {}}}}, "text.format.name", "'text.format.name'"))
     for body, param, says in cases:
         with pytest.raises(APIError) as e:
             parse(body)
         assert e.value.status == 400 and e.value.param == param and says in e.value.message, (e.value.param, e.value.message)
-        assert "max_tokens" not in e.value.message and "messages" not in e.value.message
+        assert "max_tokens" not in e.value.message and "messages" not in e.value.message and "response_format" not in e.value.message
     assert parse({"input": "hi", "text": {"format": {"type": "text"}}})[1].messages  # plain text output is the default

@@ -63,6 +63,14 @@ def test_json_object_and_llama_cpp_fields(server: RunningServer) -> None:
     body = {"model": MODEL, "prompt": "A number:", "max_tokens": 8, "temperature": 0, "json_schema": {"type": "integer", "maximum": 99}}
     out = httpx.post(server.base_url + "/completions", json=body, timeout=120).json()
     assert 0 <= int(out["choices"][0]["text"]) <= 99  # type: ignore[call-overload]
+    # no free whitespace: given it, the model padded this object with newlines until max_tokens
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    body = {"model": MODEL, "prompt": "JSON:", "max_tokens": 30, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    out = httpx.post(server.base_url + "/completions", json=body, timeout=120).json()
+    assert out["choices"][0]["finish_reason"] == "stop", out
+    jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
 
 
 def test_grammar_and_bans_that_leave_nothing_end_the_reply(server: RunningServer) -> None:

@@ -8,6 +8,7 @@ Runs in: the pytest process, against `powerinfer-server` subprocesses.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -15,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from powerinfer.server import tools
 from tests.server.conftest import RunningServer, start_server
 
 WEATHER = {"type": "function", "function": {
@@ -121,9 +123,45 @@ def test_auto_and_none_answer_in_text_or_calls(server: tuple[RunningServer, str]
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}}, "tool_choice"),
+    # a tool's schema is checked whatever tool_choice, and the error names it
+    ({"tools": [TIME, {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "foo"}}}}}]},
+     "tools[1].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/nope"}}}], "tool_choice": "required"},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
 ])
 def test_invalid_tool_requests(server: tuple[RunningServer, str], extra: dict[str, Any], param: str) -> None:
     srv, model = server
     with pytest.raises(openai.BadRequestError) as e:
         client(srv).chat.completions.create(model=model, messages=ASK, max_tokens=4, **extra)  # type: ignore[arg-type]
     assert e.value.body["param"] == param  # type: ignore[index]
+
+
+SPEC = tools.ToolSpec(({"name": "get_time", "description": "", "parameters": {}},), "auto", None, True)
+
+
+def test_calls_split_from_the_reply() -> None:
+    call = '<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}</tool_call>'
+    content, calls = tools.split_calls(f"Sure.\n{call}\n{call}", SPEC)
+    assert content == "Sure." and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}] * 2
+    # one call allowed: the second is dropped, not left in the content as markup
+    content, calls = tools.split_calls(f"{call}\n{call}", replace(SPEC, parallel=False))
+    assert content == "" and len(calls) == 1
+    # a call cut off by max_tokens is never content, even when no call came whole
+    assert tools.split_calls('Let me see.\n<tool_call>{"name": "get', SPEC) == ("Let me see.", [])
+    # an unknown function or bad JSON stays text; plain text is untouched
+    bad_call = '<tool_call>{"name": "nope"}</tool_call>'
+    assert tools.split_calls(bad_call, SPEC) == (bad_call, [])
+    assert tools.split_calls(" hi \n", SPEC) == (" hi \n", [])
+
+
+def test_tool_results_name_their_function_by_the_call_id() -> None:
+    msgs = [{"role": "user", "content": "time?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "get_time", "arguments": {}, "id": "call_1"}]},
+            {"role": "tool", "content": "noon", "tool_call_id": "call_1", "name": None},
+            {"role": "tool", "content": "?", "tool_call_id": "call_unknown", "name": None}]
+    out = tools.render(msgs, None)
+    assert json.loads(out[2]["content"].split("\n")[0].removeprefix("<tool_response>").removesuffix("</tool_response>")) == \
+        {"name": "get_time", "content": "noon"}
+    assert '"name": "call_unknown"' in out[2]["content"]  # no such call: the id is all there is
