@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from typing import Callable
 
 import zmq
@@ -64,6 +65,9 @@ class Supervisor:
                  extra_args: Callable[[int], list[str]] = lambda i: [], files: dict[str, str] | None = None) -> None:
         self.name = name
         self.dir = tempfile.mkdtemp(prefix=prefix)  # mode 0700: only this user can connect
+        # removed by close(), or else when this object is collected or the interpreter exits (an
+        # owner that never closed its pool left one directory per pool in /tmp)
+        weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         self._ctx: zmq.Context | None = zmq.Context()
         self.procs: list[subprocess.Popen[bytes]] = []
         try:

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+
 import pytest
 
 from powerinfer.protocol import HelloMsg, ShutdownMsg, WorkerDiedError
@@ -78,3 +83,17 @@ def test_a_killed_worker_is_noticed_between_requests() -> None:
     for use in (sup.check_health, lambda: sup.send(0, ShutdownMsg()), lambda: sup.gather({0}, 1.0, "idle")):
         with pytest.raises(WorkerDiedError, match="worker 0 is not running"):
             use()
+
+
+def test_an_unclosed_pool_leaves_no_socket_directory() -> None:
+    # An owner that never calls close(): the directory goes when the interpreter exits (it used to
+    # stay in /tmp, one per pool); the worker, its coordinator gone, exits by itself.
+    code = ("import sys\nfrom powerinfer.protocol.supervisor import Supervisor\n"
+            "s = Supervisor('powerinfer.cpu_workers.worker', 1, 'WARNING', lambda i: 'worker')\n"
+            "s.gather({0}, 60.0, 'starting')\nprint(s.dir, s.pids[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert len(out) == 2 and out[0].startswith(tempfile.gettempdir()) and not Path(out[0]).exists()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{out[1]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{out[1]}").exists(), "the orphaned worker kept running"
