@@ -41,6 +41,7 @@ from powerinfer.protocol import LogitsMsg, Message, ResultMsg, StepMsg, WorkerDi
 log = logging.getLogger(__name__)
 
 WAIT_SLICE_MS = 50  # the coordinator checks the ranks' health this often while a step runs
+STEP = "running a step"  # the phase a rank that fails inside a step is said to have failed in
 
 
 @dataclass
@@ -241,7 +242,7 @@ class NativePoolExecutor:
                         if rc != 1:  # a rank aborted the pool (its peer died): name the dead one if any
                             _name_the_dead(pool)
                             raise WorkerError(f"the step was aborted ({comm_error(rc)})")
-                        pool.check_health()  # a slow step, or a dead / stopped rank: WorkerDiedError
+                        pool.check_health(STEP)  # a slow step, or a dead / stopped rank: WorkerDiedError
                     break
                 except KeyboardInterrupt as e:
                     # Ctrl+C mid-step: the ranks are inside the pass; let it finish (milliseconds)
@@ -297,7 +298,7 @@ def _name_the_dead(pool: WorkerPool, grace_s: float = 0.5) -> None:
     the exit can reach this process's waitpid a moment later, so look for up to grace_s."""
     deadline = time.monotonic() + grace_s
     while True:
-        pool.check_health()
+        pool.check_health(STEP)
         if time.monotonic() >= deadline:
             return
         time.sleep(0.01)

@@ -102,9 +102,9 @@ class WorkerPool:
         self.close(timeout=1.0)
         self.start()
 
-    def check_health(self) -> None:
-        """Between requests: raise WorkerDiedError if any worker exited or stopped beating."""
-        self._sup.check_health()
+    def check_health(self, what: str = "idle") -> None:
+        """Raise WorkerDiedError if any worker exited or stopped beating (what: the phase named)."""
+        self._sup.check_health(what)
 
     @property
     def pids(self) -> list[int]:

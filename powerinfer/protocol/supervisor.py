@@ -138,11 +138,12 @@ class Supervisor:
                 raise WorkerDiedError(f"{self.name(i)} (pid {p.pid}) stopped answering for {now - self.last_beat[i]:.1f}s while {what}",
                                       worker=i, pid=p.pid)
 
-    def check_health(self) -> None:
-        """Between requests: raise WorkerDiedError if any worker exited or stopped beating."""
+    def check_health(self, what: str = "idle") -> None:
+        """Raise WorkerDiedError if any worker exited or stopped beating; what: the phase the
+        error names ("idle" between requests, "running a step" inside one)."""
         self._running()
         self.drain_beats()
-        self.check_alive(set(range(len(self.procs))), "idle")
+        self.check_alive(set(range(len(self.procs))), what)
 
     def drain_beats(self) -> None:
         while True:
