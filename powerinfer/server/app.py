@@ -107,6 +107,18 @@ class ServerState:
         finally:
             llm.close()
 
+    def drain(self) -> None:
+        """Shutdown begins: no new requests, the queued ones answered 503 shutting_down now."""
+        self.closing = True
+        if self.scheduler is not None:
+            self.scheduler.drain()
+
+    def abort(self) -> None:
+        """The shutdown deadline is near: end the running requests with 503 shutting_down (an
+        error event when streamed) while their handlers can still answer (without blocking)."""
+        if self.scheduler is not None:
+            self.scheduler.stop(timeout=0.0)
+
     def close(self, timeout: float = 10.0) -> None:
         """Abort what is left, stop the workers (the model thread closes the model it loaded)."""
         self.closing = True
@@ -278,6 +290,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET", "HEAD"], include_in_schema=False)
+    app.state.server_state = state  # the shutdown (server/graceful.py) drains its scheduler
     return app
 
 

@@ -7,8 +7,9 @@ Runs in: the server process (it becomes the coordinator; CPU workers are its chi
          -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 
 The socket is bound before the model loads (so a busy port is a one-line error at once and
-``/health`` answers 503 while loading). SIGTERM or Ctrl+C: stop accepting, let in-flight
-requests finish for ``--shutdown-timeout`` seconds, abort the rest, stop the workers, exit 0.
+``/health`` answers 503 while loading). SIGTERM or Ctrl+C: stop accepting, answer the queued
+requests 503 shutting_down, let running ones finish for ``--shutdown-timeout`` seconds, end the
+rest with the same error just before it (server/graceful.py), stop the workers, exit 0.
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     import uvicorn
 
     from powerinfer.server.app import ServerConfig, create_app
+    from powerinfer.server.graceful import GracefulServer
 
     args = build_parser(prog).parse_args(argv)
     configure_logging(args.log_level, args.verbose)
@@ -127,11 +129,11 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     host, port = sock.getsockname()[:2]
     print(f"powerinfer-server: serving {cfg.model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 until ready)",
           file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
+    server = GracefulServer(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
                                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose,
                                            # longer than clients' pooled-connection idle time, so a reused
                                            # connection is not closed under a request (a reset POST is not retried)
-                                           timeout_keep_alive=75, lifespan="on"))
+                                           timeout_keep_alive=75, lifespan="on"), app.state.server_state)
     # uvicorn handles SIGTERM (graceful shutdown), then restores the previous handler and raises
     # the signal again; with this no-op handler in place that last step is harmless and the
     # daemon exits 0 after a clean stop instead of dying of its own SIGTERM.

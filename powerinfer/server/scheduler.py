@@ -85,6 +85,7 @@ class Scheduler:
         self.active: list[Job] = []
         self.cond = threading.Condition()
         self.stopping = False
+        self.draining = False  # shutting down: no new jobs; those running may finish
         self.healthy = True
         self.thread: threading.Thread | None = None
 
@@ -99,7 +100,7 @@ class Scheduler:
     def submit(self, jobs: list[Job]) -> None:
         """Queue all jobs of one request, or none (QueueFullError / ShuttingDownError)."""
         with self.cond:
-            if self.stopping:
+            if self.stopping or self.draining:
                 raise ShuttingDownError("the server is shutting down")
             # room = free slots + the queue beyond them
             if len(self.active) + len(self.waiting) + len(jobs) > self.n_slots + self.max_queue:
@@ -114,6 +115,17 @@ class Scheduler:
             job.cancelled.set()
         with self.cond:
             self.cond.notify()
+
+    def drain(self) -> None:
+        """Shutdown begins: refuse new jobs and fail the queued ones now (ShuttingDownError, so
+        their clients hear it at once instead of at the deadline); running jobs go on."""
+        with self.cond:
+            self.draining = True
+            jobs, self.waiting = list(self.waiting), collections.deque()
+            self.metrics.waiting.set(0)
+        err = ShuttingDownError("the server is shutting down")
+        for job in jobs:
+            self._end(job, err)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Abort every job and end the thread."""
@@ -158,6 +170,10 @@ class Scheduler:
 
     def _step(self) -> None:
         self._drop_cancelled()
+        if not self.active:
+            # the pool was idle: a worker that died since the last idle check (every
+            # HEALTH_CHECK_S) is replaced now, not discovered by the new request's first step
+            self._check_workers()
         self._admit()
         outs = self.core.step()
         if self.core.last_batch:

@@ -129,3 +129,64 @@ def test_killed_server_leaves_no_workers(smollm2_path: Path, tmp_path: Path) -> 
     s.proc.wait()
     _, alive = psutil.wait_procs(kids, timeout=10)
     assert not alive, [p.pid for p in alive]
+
+
+def metric_value(server: RunningServer, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_sigterm_answers_queued_and_unfinished_requests(smollm2_path: Path, tmp_path: Path) -> None:
+    """SIGTERM with 2 requests running (one streamed) and 1 queued, --shutdown-timeout 3: the
+    queued one hears 503 shutting_down at once, the running ones just before the deadline (an
+    error event when streamed), nothing is cut off bare, no traceback, exit 0, no worker left."""
+    s = start_server(smollm2_path, tmp_path, "-c", "4096", "--parallel", "2", "--queue", "4", "-t", "2", "--shutdown-timeout", "3")
+    kids = psutil.Process(s.proc.pid).children(recursive=True)
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "temperature": 0}
+    results: dict[str, tuple[float, int, str]] = {}
+
+    def post(name: str, stream: bool) -> None:
+        with httpx.stream("POST", s.base_url + "/completions", json={**body, "stream": stream}, timeout=60) as r:
+            text = "".join(r.iter_text())
+            results[name] = (time.monotonic(), r.status_code, text)
+
+    threads = [threading.Thread(target=post, args=(n, n == "streamed")) for n in ("streamed", "whole")]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while metric_value(s, "powerinfer_requests_running") < 2:  # both running before the third queues
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    queued = threading.Thread(target=post, args=("queued", False))
+    queued.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    for t in [*threads, queued]:
+        t.join(30)
+    assert s.proc.wait(30) == 0 and time.monotonic() - t0 < 6
+    end, status, text = results["queued"]
+    assert status == 503 and json.loads(text)["error"]["code"] == "shutting_down" and end - t0 < 1.5
+    end, status, text = results["whole"]
+    assert status == 503 and json.loads(text)["error"]["code"] == "shutting_down" and 1.0 < end - t0 < 3.5
+    end, status, text = results["streamed"]
+    assert status == 200 and '"code":"shutting_down"' in text.replace(" ", ""), text[-300:]
+    log = s.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-2000:]
+    _, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive
+
+
+def test_a_request_just_after_an_idle_worker_died_is_served(server: RunningServer) -> None:
+    """A worker killed while the pool is idle: the next request was in no step when it died, so
+    it waits for the restart instead of failing (the idle check runs only every 0.5 s)."""
+    served_normally(server)
+    for _ in range(3):
+        os.kill(workers(server)[0].pid, signal.SIGKILL)
+        time.sleep(0.05)
+        r = httpx.post(server.base_url + "/completions", json={"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        wait_healthy(server)
