@@ -30,12 +30,12 @@ class TokenLogprob:
 
     token: int
     text: str  # may hold U+FFFD where the token is part of a UTF-8 character
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing before it predicts
     top: tuple[tuple[int, str, float], ...] = ()  # (token, text, logprob), most likely first
     raw: bytes = b""  # the token's own bytes: the pieces of a split character reassemble it
     top_raw: tuple[bytes, ...] = ()  # the same for each entry of top
-    offset: int = 0  # where the token's text starts in the generated text, in characters (the
-    # pieces of a split character all start where that character does)
+    offset: int = 0  # where the token's text starts in the generated text (a prompt token's: in
+    # the prompt's text), in characters; the pieces of a split character all start where it does
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,12 @@ class SequenceState:
     """Generation of one sequence after its prompt: feed each logits row to ``step``."""
 
     def __init__(self, tokenizer: GGUFTokenizer, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
-                 stop: tuple[str, ...] = (), logprobs: int | None = None, constraint: "TokenConstraint | None" = None) -> None:
+                 stop: tuple[str, ...] = (), logprobs: int | None = None, constraint: "TokenConstraint | None" = None,
+                 score_prompt: bool = False) -> None:
         """constraint: a grammar the output must follow (powerinfer.constrained); the sequence ends
-        when the grammar is complete."""
+        when the grammar is complete. score_prompt: the engine computes the prompt's logits too and
+        hands them to :meth:`score` (prompt_logprobs, with logprobs alternatives each); max_tokens
+        0 then scores the prompt and generates nothing."""
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens  # -1: until end-of-generation or the context is full
         self.sampler = Sampler(params)
@@ -72,6 +75,9 @@ class SequenceState:
         self.finish_reason: str | None = None
         self.next_token: int | None = None  # to evaluate before the next step; None once finished
         self.constraint = constraint
+        self.score_prompt = score_prompt
+        self.prompt_logprobs: list[TokenLogprob] = []  # with score_prompt: one per prompt token, in order
+        self._prompt_offsets: list[int] = []
 
     @property
     def done(self) -> bool:
@@ -84,6 +90,8 @@ class SequenceState:
         """
         if self.done:
             raise RuntimeError("step() after the sequence finished")
+        if self.max_tokens == 0:  # the prompt was only to be scored
+            return [self._finish("length")]
         if self.constraint is not None:
             logits = self.constraint.masked(logits)  # the tokens the grammar forbids at -inf
             if not self.sampler.allows_any(logits):  # the grammar and the request's bans leave nothing
@@ -127,6 +135,19 @@ class SequenceState:
             lps += tuple(self.held)
         self.held = []
         return GenerationChunk(stop_token, text, reason, lps)
+
+    def score(self, start: int, logits: np.ndarray) -> None:
+        """logits [n, vocab] at prompt positions start .. start + n - 1: the logprobs of the prompt
+        tokens they predict (the first prompt token gets None)."""
+        prompt = self.history[: self.n_prompt]
+        if not self._prompt_offsets:
+            self._prompt_offsets = self.tokenizer.text_offsets(prompt)
+            t = prompt[0]
+            self.prompt_logprobs.append(TokenLogprob(t, self._piece(t), None, (), self._raw(t), (), 0))
+        for r in range(logits.shape[0]):
+            p = start + r + 1  # the prompt token row r predicts
+            if p < self.n_prompt and p == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(self._logprob(logits[r], prompt[p], self._prompt_offsets[p]))
 
     def _release(self, n: int) -> tuple[TokenLogprob, ...]:
         """n more characters go out: the held logprobs of tokens whose text starts before their end."""
@@ -189,6 +210,7 @@ def checked_request(sampling: SamplingParams | None, overrides: Mapping[str, Any
     stops = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stops, (list, tuple)) or any(not isinstance(s, str) or not s for s in stops):
         raise InvalidArgumentError("stop sequences must be non-empty strings")
-    if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool) or logprobs < 0):
-        raise InvalidArgumentError(f"logprobs must be an integer >= 0 (alternatives per token), got {logprobs!r}")
+    if logprobs is not None and (not isinstance(logprobs, (int, np.integer)) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidArgumentError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {logprobs!r}")
     return params, tuple(stops)

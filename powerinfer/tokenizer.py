@@ -313,6 +313,26 @@ class GGUFTokenizer:
             parts[0] = parts[0][1:]
         return b"".join(parts).decode("utf-8", "replace")
 
+    def text_offsets(self, ids: Sequence[int]) -> list[int]:
+        """Where each token's text starts in decode(ids), in characters, by decode's own rules (a
+        token without text, and each piece of a split character, starts where the next text does)."""
+        ids = [self._check(i) for i in ids]
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        offsets, pos = [], 0
+        skip = 1 if ids and self.add_bos and ids[0] == self.bos_id else 0
+        for i, t in enumerate(ids):
+            offsets.append(pos)
+            if i < skip:
+                continue
+            piece = self.token_bytes(t)
+            if i == skip and self.add_space_prefix and piece.startswith(b" "):
+                piece = piece[1:]
+            text = utf8.decode(piece)
+            # the characters a token completes start where its first byte went in: pieces of one
+            # character all point at it (its earlier pieces added nothing, so pos has not moved)
+            pos += len(text)
+        return offsets
+
     def __repr__(self) -> str:
         return f"GGUFTokenizer(model={self.model!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
 

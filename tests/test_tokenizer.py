@@ -371,3 +371,18 @@ def test_a_lone_surrogate_is_encoded_as_the_replacement_character(smollm2_path: 
     assert tok.encode("\ud800 hi", add_bos=False) == tok.encode("\ufffd hi", add_bos=False)
     assert tok.encode("\ud83d\ude00", add_bos=False) == tok.encode("\ufffd\ufffd", add_bos=False)  # two lone halves
     assert tok.encode("\U0001f600", add_bos=False) != tok.encode("\ufffd", add_bos=False)  # a real emoji stays itself
+
+
+def test_text_offsets_follow_decode() -> None:
+    """Each token's offset is len(decode(ids[:i])) where that is whole characters; the pieces of a
+    split character share its offset; a BOS and SentencePiece's space prefix take no room."""
+    for tok in (GGUFTokenizer.from_metadata(spm_meta({"▁a": -1, "b": -2})), GGUFTokenizer.from_metadata(bpe_meta(MERGES))):
+        for text in ("a€b🎉 a", " hello world", "€"):
+            ids = tok.encode(text, add_bos=True)
+            offsets = tok.text_offsets(ids)
+            assert len(offsets) == len(ids) and offsets == sorted(offsets)
+            for i, off in enumerate(offsets):
+                prefix = tok.decode(ids[:i])
+                if "\ufffd" not in prefix:
+                    assert off == len(prefix), (text, i)
+            assert offsets[-1] < len(tok.decode(ids))

@@ -34,6 +34,9 @@ from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.protocol import WorkerDiedError, WorkerError
 
 
+SCORE_CHUNK = 64  # prompt tokens a step computes for a prompt being scored (Gemma-3: 64 MiB of logits)
+
+
 @dataclass(eq=False)
 class Seq:
     """One sequence: its prompt, sampling state, KV slot and how much of the prompt is cached."""
@@ -87,7 +90,8 @@ class EngineCore:
         busy = {s.slot for s in self.active}
         free = [s for s in range(self.engine.n_slots) if s not in busy]
         seq.slot = max(free, key=lambda s: (self.engine.common_prefix(seq.prompt, s), -self.slot_used[s]))
-        keep = self.engine.reusable_prefix(seq.prompt, seq.slot)
+        # a prompt to score is computed whole: the cached positions' logits are gone
+        keep = 0 if seq.state.score_prompt else self.engine.reusable_prefix(seq.prompt, seq.slot)
         self.engine.rewind(keep, seq.slot)
         seq.prefilled = seq.cached = keep
         self.active.append(seq)
@@ -126,10 +130,15 @@ class EngineCore:
             decoding = [s for s in self.active if not s.in_prefill and s.state.next_token is not None]
             if prefilling:
                 seq = prefilling[0]
-                chunk = seq.prompt[seq.prefilled : seq.prefilled + self.engine.n_batch]
+                score = seq.state.score_prompt
+                # scored: every row's logits come back, [chunk, vocab], so the chunk is kept small
+                n = min(self.engine.n_batch, SCORE_CHUNK) if score else self.engine.n_batch
+                chunk = seq.prompt[seq.prefilled : seq.prefilled + n]
                 t0 = time.perf_counter()
-                logits = self.engine.eval(chunk, slot=seq.slot)
+                logits = self.engine.eval(chunk, all_logits=score, slot=seq.slot)
                 self.prefill_s = time.perf_counter() - t0
+                if score:
+                    seq.state.score(seq.prefilled, logits)
                 seq.prefilled += len(chunk)
                 out = StepOutput(seq, prompt_tokens=len(chunk))
                 if not seq.in_prefill:

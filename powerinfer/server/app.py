@@ -324,9 +324,10 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
 
 
 def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: list[list[int]],
-                config: ServerConfig) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
+                config: ServerConfig, score_prompt: bool = False) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
     """Queue a request's sequences (choice i answers prompt i // n, sampled as choice i % n); their
-    events arrive on the returned queue (on this event loop) as (choice index, chunk or error)."""
+    events arrive on the returned queue (on this event loop) as (choice index, chunk or error).
+    score_prompt: the prompts' logprobs too (completions with echo and logprobs)."""
     max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -346,7 +347,7 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
             raise bad(str(e), "grammar") from None
 
     jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
-                                         common.logprobs, constraint()), sink, index=p * common.n + j)
+                                         common.logprobs, constraint(), score_prompt), sink, index=p * common.n + j)
             for p, ids in enumerate(prompts) for j in range(common.n)]
     try:
         sched.submit(jobs)
@@ -360,7 +361,8 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
 async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, prompts: list[list[int]],
                    config: ServerConfig) -> Response:
     common: GenerationRequest = req.common
-    jobs, queue = submit_jobs(llm, sched, common, prompts, config)
+    scored = isinstance(req, CompletionRequest) and req.echo and common.logprobs is not None
+    jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored)
     shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
     echo = [llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else "" for ids in prompts for _ in range(common.n)]
     n_prompt = sum(len(ids) for ids in prompts)
@@ -377,6 +379,8 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     finally:
         watcher.cancel()
         sched.cancel([j for j in jobs if not j.finished])
+    for job in jobs:
+        results[job.index].prompt_logprobs = job.state.prompt_logprobs
     body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs, common.n))
     if isinstance(req, ChatRequest) and req.tools is not None:
         tools.apply_to_final(body, req.tools)

@@ -139,7 +139,7 @@ class GenerationRequest:
     """What both endpoints share once parsed."""
 
     model: str | None
-    max_tokens: int  # -1: until end-of-generation or the context is full
+    max_tokens: int  # -1: until end-of-generation or the context is full; 0: the prompt only scored (echo)
     sampling: SamplingParams
     stop: tuple[str, ...]
     n: int
@@ -204,14 +204,15 @@ def check_logit_bias(params: SamplingParams, vocab: int) -> None:
             raise bad(f"'logit_bias' names token {tok}; the vocabulary has {vocab} tokens", "logit_bias")
 
 
-def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | None) -> GenerationRequest:
+def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | None, zero_ok: bool = False) -> GenerationRequest:
+    """zero_ok: max_tokens 0 is allowed (completions with echo: the prompt scored, nothing generated)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model", "invalid_type")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, key, default_max_tokens, -1, MAX_TOKENS_CAP)
-    if max_tokens == 0:
-        raise bad(f"'{key}' must be at least 1", key)
+    if max_tokens == 0 and not zero_ok:
+        raise bad(f"'{key}' must be at least 1 (0 only on /v1/completions with echo: the prompt is scored, nothing generated)", key)
     seed = _int(body, "seed", -1, -(2**63), 2**64 - 1)
     stream = _bool(body, "stream", False)
     opts = body.get("stream_options")
@@ -238,7 +239,7 @@ def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | No
         raise bad(str(e)) from None
     from powerinfer.server.structured import parse_grammar  # it imports bad() from here
 
-    return GenerationRequest(model, int(max_tokens or -1), sampling, _stop(body), int(_int(body, "n", 1, 1, MAX_N) or 1),
+    return GenerationRequest(model, -1 if max_tokens is None else int(max_tokens), sampling, _stop(body), int(_int(body, "n", 1, 1, MAX_N) or 1),
                              stream, include_usage, logprobs, parse_grammar(body))
 
 
@@ -337,7 +338,8 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
     else:
         raise bad("'prompt' must be a string, a list of token ids, or a list of those", "prompt", "invalid_type")
     lp = _int(body, "logprobs", None, 0, 5)
-    common = _common(body, 16, lp)
+    echo = _bool(body, "echo", False)
+    common = _common(body, 16, lp, zero_ok=echo)
     # OpenAI's parameters that we do not implement are refused, not silently ignored
     if body.get("suffix") not in (None, ""):
         raise bad("'suffix' (fill-in-the-middle) is not supported", "suffix")
@@ -346,4 +348,4 @@ def parse_completion(body: Mapping[str, Any]) -> CompletionRequest:
         raise bad("'best_of' is not supported (ask for n choices with logprobs and rank them instead)", "best_of")
     if len(prompts) * common.n > MAX_N:
         raise bad(f"{len(prompts)} prompts x n={common.n} choices exceed {MAX_N} per request", "prompt")
-    return CompletionRequest(common, prompts, _bool(body, "echo", False))
+    return CompletionRequest(common, prompts, echo)

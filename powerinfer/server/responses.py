@@ -22,6 +22,7 @@ class ChoiceResult:
     index: int
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # completions with echo and logprobs
     finish_reason: str | None = None
     tokens: int = 0
 
@@ -55,14 +56,16 @@ def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(items: list[TokenLogprob], start_offset: int = 0, prompt: list[TokenLogprob] | None = None) -> dict[str, Any]:
     """start_offset: the echoed prompt's length; each token's text_offset is where its text starts
-    in the returned text (the pieces of a split character all point at that character)."""
+    in the returned text (the pieces of a split character all point at that character). prompt:
+    the echoed prompt's tokens, first (the first one's logprob and alternatives are null)."""
+    both = [*(prompt or ()), *items]
     return {
-        "tokens": [lp.text for lp in items],
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{t: v for _, t, v in lp.top} for lp in items],
-        "text_offset": [start_offset + lp.offset for lp in items],
+        "tokens": [lp.text for lp in both],
+        "token_logprobs": [lp.logprob for lp in both],
+        "top_logprobs": [{t: v for _, t, v in lp.top} if lp.logprob is not None else None for lp in both],
+        "text_offset": [lp.offset for lp in prompt or ()] + [start_offset + lp.offset for lp in items],
     }
 
 
@@ -91,7 +94,7 @@ class Shapes:
                             "logprobs": lp, "finish_reason": c.finish_reason})
             else:
                 e = echo[c.index] if echo else ""
-                lp = completion_logprobs(c.logprobs, len(e)) if want_logprobs else None
+                lp = completion_logprobs(c.logprobs, len(e), c.prompt_logprobs) if want_logprobs else None
                 out.append({"index": c.index, "text": e + text, "logprobs": lp, "finish_reason": c.finish_reason})
         body["choices"] = out
         body["usage"] = usage(prompt_tokens, sum(c.tokens for c in choices), cached)

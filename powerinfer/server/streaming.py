@@ -71,12 +71,18 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
         open_, tokens = len(jobs), 0
         # completions' text_offset counts from the echoed prompt, as in one answer
         offset = {j.index: 0 if shapes.chat else len(echo[j.index]) for j in jobs}
+        # echo with logprobs: the prompt's logprobs, known once its prefill is done (before the
+        # choice's first event), go out as one event of their own
+        scored = {j.index: j.state for j in jobs if j.state.score_prompt}
         while open_:
             idx, ev = await queue.get()
             if isinstance(ev, BaseException):
                 yield sse(failure(ev).body())
                 return
             chunk: GenerationChunk = ev
+            state = scored.pop(idx, None)
+            if state is not None and state.prompt_logprobs:
+                yield sse(shapes.chunk(idx, "", logprobs=list(state.prompt_logprobs)))
             tokens += chunk.token >= 0
             lps = list(chunk.logprobs) or None
             text = held[idx].push(chunk.text) if held and chunk.text else chunk.text

@@ -118,6 +118,42 @@ def test_logprobs_n_and_seed(smollm2_server: RunningServer) -> None:
     assert len({ch.text for ch in many.choices}) > 1  # ... yet the choices differ
 
 
+def test_echo_with_logprobs_scores_the_prompt(smollm2_server: RunningServer) -> None:
+    """lm-eval-harness's loglikelihood request: echo, logprobs, max_tokens 0 (prompt as token ids
+    or text): one logprob per prompt token, the first null; a token the model generated has the
+    same logprob when it is scored as part of a prompt. (The SDK types token_logprobs as floats,
+    though OpenAI's own API sends that null too: these answers are read non-strictly.)"""
+    c = client(smollm2_server, strict=False)
+    gen = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=1)
+    assert gen.choices[0].logprobs is not None and gen.choices[0].text == " Paris"
+    prompt = "The capital of France is Paris"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert lp is not None and r.choices[0].text == prompt and r.usage is not None and r.usage.completion_tokens == 0
+    assert lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None and lp.text_offset is not None
+    assert len(lp.tokens) == r.usage.prompt_tokens and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens).endswith(prompt) and lp.text_offset[-1] == prompt.index(" Paris") and lp.tokens[-1] == " Paris"
+    # within the head's rounding: the 8-bit head's logits are exact only for the candidates it
+    # refines (decode: those within 1.0 of the best; a scored prompt: each row's best 32)
+    assert abs(lp.token_logprobs[-1] - gen.choices[0].logprobs.token_logprobs[0]) < 1e-2  # type: ignore[index,operator]
+    assert all(v is not None and v <= 0 and len(t) == 2 for v, t in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    # the same prompt as token ids, generating two tokens after it; streamed, the same numbers
+    ids = httpx.post(smollm2_server.url + "/tokenize", json={"content": prompt}).json()["tokens"]
+    req = dict(model=MODEL, prompt=ids, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    whole = c.completions.create(**req)  # type: ignore[call-overload]
+    wl = whole.choices[0].logprobs
+    assert wl is not None and wl.token_logprobs is not None and len(wl.token_logprobs) == len(ids) + 2
+    assert wl.token_logprobs[0] is None and abs(wl.token_logprobs[len(ids) - 1] - lp.token_logprobs[-1]) < 1e-4  # type: ignore[operator]
+    chunks = [ch for part in completion_stream(smollm2_server, **req) for ch in part.choices]
+    streamed = [v for ch in chunks if ch.logprobs for v in ch.logprobs.token_logprobs or ()]
+    offsets = [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset or ()]
+    assert streamed == wl.token_logprobs and offsets == wl.text_offset
+    assert "".join(ch.text for ch in chunks) == whole.choices[0].text
+    # max_tokens 0 without echo has nothing to do
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+
+
 def test_logprob_bytes_reassemble_split_characters(smollm2_server: RunningServer) -> None:
     """SmolLM2 writes 🤗 as three tokens (F0 9F | A4 | 97): each token's own bytes, not U+FFFD's."""
     r = client(smollm2_server).chat.completions.create(

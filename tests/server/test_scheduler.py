@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
@@ -70,6 +71,31 @@ def test_batched_jobs_equal_lone_generation(llm: LLM) -> None:
         reg = sched.metrics.registry
         assert reg.get_sample_value("powerinfer_decode_batch_size_sum") > reg.get_sample_value("powerinfer_decode_batch_size_count")
         assert not sched.active and not sched.waiting
+    finally:
+        sched.stop()
+
+
+def test_scored_prompts_match_the_full_logits(llm: LLM) -> None:
+    """Prompt logprobs (completions' echo with logprobs) equal log-softmax of LLM.logits, over
+    chunked prefill and with the prompt already in a slot's cache; max_tokens 0 generates nothing."""
+    prompt = PROMPTS[3]  # 10 tokens: three prefill chunks of n_batch 4
+    full = llm.logits(prompt).astype(np.float64)
+    want = full - np.log(np.exp(full - full.max(1, keepdims=True)).sum(1, keepdims=True)) - full.max(1, keepdims=True)
+    col = Collector()
+    sched = run(llm)
+    try:
+        for max_tokens in (0, 2, 0):  # the second and third find the prompt cached: it is computed again
+            col.expected += 1
+            job = Job(prompt, SequenceState(llm.tokenizer, prompt, max_tokens, GREEDY, logprobs=2, score_prompt=True), col.sink)
+            sched.submit([job])
+            assert col.done.wait(60)
+            col.done.clear()
+            lps = job.state.prompt_logprobs
+            assert [lp.token for lp in lps] == prompt and lps[0].logprob is None
+            got = np.array([lp.logprob for lp in lps[1:]])
+            assert np.abs(got - want[np.arange(len(prompt) - 1), prompt[1:]]).max() < 1e-4
+            assert all(len(lp.top) == 2 and lp.top[0][2] >= lp.top[1][2] for lp in lps[1:])
+            assert len(col.tokens(job)) == max_tokens and job.state.finish_reason == "length"
     finally:
         sched.stop()
 
