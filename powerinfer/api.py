@@ -297,7 +297,7 @@ class LLM:
         *,
         sampling: SamplingParams | None = None,
         stop: Sequence[str] = (),
-        special: bool = False,
+        special: bool = True,
         logprobs: int | None = None,
         grammar: str | None = None,
         **overrides: Any,
@@ -305,6 +305,8 @@ class LLM:
         """Stream the continuation of prompt (text, or token ids used as they are).
 
         max_tokens = -1 generates until an end-of-generation token or the context is full.
+        ``special``: a special token's text in a string prompt ("<|im_start|>") is that token, as
+        in llama.cpp's completions; False reads it as plain text (untrusted text, say).
         ``grammar``: a compiled grammar (powerinfer.constrained.grammar_for) the output follows.
         ``overrides`` are SamplingParams fields (temperature=0, top_k=..., seed=...).
         """

@@ -8,7 +8,9 @@ llama-cpp-python. It therefore runs in jinja2's immutable sandbox, where any uns
 access fails at once, with limits on the time and memory a render may take (see
 :mod:`powerinfer.chat_sandbox`), and every failure (syntax, sandbox, undefined value, ``raise_exception``)
 becomes a one-line ChatTemplateError. Files without a template get a built-in one chosen by
-architecture, like llama.cpp's fallbacks: Gemma turns for gemma*, ChatML for everything else.
+architecture: Gemma turns for gemma* (the format of llama.cpp's built-in "gemma" template), ChatML
+for everything else. llama.cpp itself falls back to ChatML for every file without a template (and
+llama-cpp-python to llama-2's format), which gives a Gemma model a format it was not trained on.
 """
 
 from __future__ import annotations

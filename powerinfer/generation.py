@@ -141,7 +141,7 @@ class SequenceState:
         tokens they predict (the first prompt token gets None)."""
         prompt = self.history[: self.n_prompt]
         if not self._prompt_offsets:
-            self._prompt_offsets = self.tokenizer.text_offsets(prompt)
+            self._prompt_offsets = self.tokenizer.text_offsets(prompt, skip_special=False, strip_bos=True)  # as the echo
             t = prompt[0]
             self.prompt_logprobs.append(TokenLogprob(t, self._piece(t), None, (), self._raw(t), (), 0))
         for r in range(logits.shape[0]):

@@ -301,36 +301,35 @@ class GGUFTokenizer:
             self._pieces[token_id] = piece
         return piece
 
-    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        """Text of ids. skip_special=False also renders CONTROL/UNKNOWN token texts."""
-        ids = [self._check(i) for i in ids]
-        if skip_special and ids and self.add_bos and ids[0] == self.bos_id:
-            ids = ids[1:]
+    def decode(self, ids: Sequence[int], skip_special: bool = True, strip_bos: bool | None = None) -> str:
+        """Text of ids. skip_special=False also renders CONTROL/UNKNOWN token texts. strip_bos: drop
+        a leading BOS that encode() adds (default: when skip_special) - a prompt's text with the
+        special tokens it was written with is decode(ids, False, strip_bos=True)."""
+        return b"".join(self._parts([self._check(i) for i in ids], skip_special, strip_bos)).decode("utf-8", "replace")
+
+    def _parts(self, ids: list[int], skip_special: bool, strip_bos: bool | None) -> list[bytes]:
+        """Each token's bytes as decode() joins them (b"" for a stripped BOS)."""
+        strip = skip_special if strip_bos is None else strip_bos
         parts = [self.token_bytes(i) if skip_special or not self.is_special(i)
                  else self._tokens[i].encode("utf-8", "surrogateescape") for i in ids]
-        if parts and self.add_space_prefix and parts[0].startswith(b" "):
+        first = 1 if strip and ids and self.add_bos and ids[0] == self.bos_id else 0
+        if first:
+            parts[0] = b""
+        if len(parts) > first and self.add_space_prefix and parts[first].startswith(b" "):
             # The space encode() prefixed; llama.cpp keeps it after a BOS, we drop it so text round-trips.
-            parts[0] = parts[0][1:]
-        return b"".join(parts).decode("utf-8", "replace")
+            parts[first] = parts[first][1:]
+        return parts
 
-    def text_offsets(self, ids: Sequence[int]) -> list[int]:
-        """Where each token's text starts in decode(ids), in characters, by decode's own rules (a
+    def text_offsets(self, ids: Sequence[int], skip_special: bool = True, strip_bos: bool | None = None) -> list[int]:
+        """Where each token's text starts in decode(ids, skip_special, strip_bos), in characters (a
         token without text, and each piece of a split character, starts where the next text does)."""
-        ids = [self._check(i) for i in ids]
         utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         offsets, pos = [], 0
-        skip = 1 if ids and self.add_bos and ids[0] == self.bos_id else 0
-        for i, t in enumerate(ids):
+        for piece in self._parts([self._check(i) for i in ids], skip_special, strip_bos):
             offsets.append(pos)
-            if i < skip:
-                continue
-            piece = self.token_bytes(t)
-            if i == skip and self.add_space_prefix and piece.startswith(b" "):
-                piece = piece[1:]
-            text = utf8.decode(piece)
             # the characters a token completes start where its first byte went in: pieces of one
             # character all point at it (its earlier pieces added nothing, so pos has not moved)
-            pos += len(text)
+            pos += len(utf8.decode(piece))
         return offsets
 
     def __repr__(self) -> str:

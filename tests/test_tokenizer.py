@@ -386,3 +386,13 @@ def test_text_offsets_follow_decode() -> None:
                 if "\ufffd" not in prefix:
                     assert off == len(prefix), (text, i)
             assert offsets[-1] < len(tok.decode(ids))
+
+
+def test_decode_with_special_texts_and_their_offsets() -> None:
+    """A prompt's text as written: special tokens rendered, the BOS encode() added left out."""
+    tok = GGUFTokenizer.from_metadata(spm_meta({"▁a": -1, "b": -2}, control=["<sep>"]))
+    ids = tok.encode("a<sep>b", add_bos=True, special=True)
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "ab"
+    assert tok.decode(ids, skip_special=False, strip_bos=True) == "a<sep>b"
+    assert tok.decode(ids, skip_special=False).startswith(tok.token_text(tok.bos_id))
+    assert tok.text_offsets(ids, skip_special=False, strip_bos=True) == [0, 0, 1, 6]

@@ -155,7 +155,7 @@ def run_generate(argv: Sequence[str]) -> int:
             print(report.load_summary(llm), file=sys.stderr)
         if args.interactive:
             return run_chat(llm, params, args.system, args.n_predict, first=prompt or None)
-        ids = llm.tokenize(prompt, add_bos=True)
+        ids = llm.tokenize(prompt, add_bos=True, special=True)  # as llama.cpp: "<|im_start|>" in -p is that token
         if len(ids) > llm.n_ctx:  # said before the prompt is echoed, so stdout holds nothing of a failed run
             raise ContextOverflowError(f"{len(ids)} tokens do not fit the context of {llm.n_ctx} (raise -c/--ctx-size)")
         out = sys.stdout

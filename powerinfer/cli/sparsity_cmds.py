@@ -12,11 +12,24 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from powerinfer.flags import progress, read_text
+from powerinfer.flags import Parser, positive_int, progress, read_text
+
+
+def _threads_flag(p: Parser) -> None:
+    p.add_argument("-t", "--threads", type=positive_int, default=None,
+                   help="CPU threads for the model's forward passes (default: torch's, one per core)")
+
+
+def _use_threads(n: int | None) -> None:
+    """These tools run the readable (torch) model in this process: -t caps its threads."""
+    if n is not None:
+        import torch
+
+        torch.set_num_threads(n)
 
 
 def run_calibrate(argv: Sequence[str]) -> int:
-    from powerinfer.flags import CLIError, Parser, output_path, positive_int
+    from powerinfer.flags import CLIError, output_path
 
     p = Parser(prog="powerinfer calibrate", description="Profile FFN activations and write a .predictor file for a model.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
@@ -39,7 +52,9 @@ def run_calibrate(argv: Sequence[str]) -> int:
                         "so a smaller one costs fewer bytes and may choose less well")
     p.add_argument("--steps", type=positive_int, default=300, help="predictor mode: training steps per layer (default 300)")
     p.add_argument("--seed", type=int, default=0)
+    _threads_flag(p)
     args = p.parse_args(argv)
+    _use_threads(args.threads)
     from powerinfer.errors import PowerInferError
     from powerinfer.fetch import resolve_model
     from powerinfer.predictors.predictor_file import read_predictor, write_predictor
@@ -77,15 +92,15 @@ def run_calibrate(argv: Sequence[str]) -> int:
 
 
 def run_perplexity(argv: Sequence[str]) -> int:
-    from powerinfer.flags import Parser, positive_int
-
     p = Parser(prog="powerinfer perplexity", description="Dense vs sparse perplexity on a text, predictor recall/precision per layer.")
     p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
     p.add_argument("--text", required=True, help="text file to score (use text not seen in calibration)")
     p.add_argument("--predictor", default=None, help="predictor file; without it only the dense perplexity is computed")
     p.add_argument("-c", "--ctx-size", type=positive_int, default=512, help="window size in tokens (default 512)")
     p.add_argument("--max-tokens", type=int, default=0, help="score at most this many tokens (0: all)")
+    _threads_flag(p)
     args = p.parse_args(argv)
+    _use_threads(args.threads)
     from powerinfer.fetch import resolve_model
     from powerinfer.gguf_file import GGUFFile
     from powerinfer.predictors.predictor_file import read_predictor
@@ -111,7 +126,7 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
-    from powerinfer.flags import CLIError, Parser, positive_int, report_paths
+    from powerinfer.flags import CLIError, report_paths
     from powerinfer.fetch import resolve_model
     from powerinfer.sparsity.curve import INPUT_MODES, operating_point, plot, sweep
 
@@ -128,7 +143,9 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     p.add_argument("--budget", type=float, default=0.02, help="perplexity increase allowed at the operating point (default 0.02)")
     p.add_argument("--plot", default=None, help="PNG of the curve")
     p.add_argument("--json", default=None, help="write the points here")
+    _threads_flag(p)
     args = p.parse_args(argv)
+    _use_threads(args.threads)
     try:
         targets = [float(t) for t in args.targets.split(",")]
     except ValueError:

@@ -305,7 +305,7 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
             if isinstance(req, ChatRequest):
                 ids = llm.chat_ids(list(req.messages))
             elif isinstance(prompt, str):
-                ids = llm.tokenize(prompt, add_bos=True)
+                ids = llm.tokenize(prompt, add_bos=True, special=True)  # as llama-server: "<|im_start|>" is that token
             else:
                 ids = list(prompt or ())
                 vocab = llm.config.vocab_size
@@ -364,7 +364,9 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     scored = isinstance(req, CompletionRequest) and req.echo and common.logprobs is not None
     jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored)
     shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
-    echo = [llm.detokenize(ids) if isinstance(req, CompletionRequest) and req.echo else "" for ids in prompts for _ in range(common.n)]
+    # the prompt as written: its special tokens' text too, not a BOS the server added
+    echo = [llm.tokenizer.decode(ids, skip_special=False, strip_bos=True) if isinstance(req, CompletionRequest) and req.echo else ""
+            for ids in prompts for _ in range(common.n)]
     n_prompt = sum(len(ids) for ids in prompts)
     if common.stream:
         spec = req.tools if isinstance(req, ChatRequest) else None

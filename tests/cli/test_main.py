@@ -284,6 +284,10 @@ def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(ma
                        (("bench", "--merge", "--workers", "1"), "give --workers 2 or more")):
         proc = run(*args)
         assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    # the torch tools take -t, so a shared machine can keep them to one core
+    proc = run("perplexity", "-m", str(model), "--text", str(text), "-t", "1")
+    assert proc.returncode == 0 and "dense perplexity" in proc.stdout, proc.stderr
+    assert "must be positive" in run("perplexity", "-m", str(model), "--text", str(text), "-t", "0").stderr
 
 
 def test_a_prompt_too_long_prints_nothing_and_a_full_disk_is_an_error(make_model: Callable[..., Path]) -> None:

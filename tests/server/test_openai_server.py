@@ -149,6 +149,15 @@ def test_echo_with_logprobs_scores_the_prompt(smollm2_server: RunningServer) -> 
     offsets = [o for ch in chunks if ch.logprobs for o in ch.logprobs.text_offset or ()]
     assert streamed == wl.token_logprobs and offsets == wl.text_offset
     assert "".join(ch.text for ch in chunks) == whole.choices[0].text
+    # special tokens written in a prompt are those tokens (as llama-server reads them), and the
+    # echo gives the prompt as written
+    chatml = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = httpx.post(smollm2_server.url + "/tokenize", json={"content": chatml}).json()["tokens"]
+    r = c.completions.create(model=MODEL, prompt=chatml, max_tokens=1, echo=True, logprobs=0, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.usage is not None and r.usage.prompt_tokens == len(ids) < 12 and r.choices[0].text.startswith(chatml)
+    assert lp is not None and lp.tokens is not None and lp.tokens[:2] == ["<|im_start|>", "user"] and lp.text_offset is not None
+    assert [chatml[o:].startswith(t) for t, o in zip(lp.tokens[:len(ids)], lp.text_offset)] == [True] * len(ids)
     # max_tokens 0 without echo has nothing to do
     with pytest.raises(openai.BadRequestError, match="echo"):
         c.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
