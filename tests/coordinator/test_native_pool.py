@@ -232,11 +232,11 @@ def test_ctrl_c_mid_step_lets_the_step_finish_and_the_pool_stays_usable(smollm2_
         want = llm.logits(ids[:40])
         real, calls = ex._pool.check_health, [0]
 
-        def interrupting() -> None:
+        def interrupting(what: str = "idle") -> None:
             calls[0] += 1
             if calls[0] == 1:
                 raise KeyboardInterrupt
-            real()
+            real(what)
 
         ex._pool.check_health = interrupting  # type: ignore[method-assign]
         pids = list(ex.pids)
