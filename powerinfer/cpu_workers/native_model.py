@@ -25,6 +25,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt
 from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.memory import lazy_array
 from powerinfer.model.sharding import RankShard
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 from powerinfer.quants.registry import REGISTRY
@@ -132,9 +133,9 @@ class NativeDecoder:
                 L.bq = self._vec(f, layer_bias(i, "attn_q"), cfg.n_heads * D, (sh.q0 * D, sh.q1 * D))
                 L.bk = self._vec(f, layer_bias(i, "attn_k"), cfg.n_kv_heads * D, (sh.kv0 * D, sh.kv1 * D))
                 L.bv = self._vec(f, layer_bias(i, "attn_v"), cfg.n_kv_heads * Dv, (sh.kv0 * Dv, sh.kv1 * Dv))
-            # float32 caches [slots, Hkv, n_ctx, D]; np.empty leaves pages untouched until used
-            k = np.empty((n_slots, n_kv, n_ctx, D), dtype=np.float32)
-            v = np.empty((n_slots, n_kv, n_ctx, Dv), dtype=np.float32)
+            # float32 caches [slots, Hkv, n_ctx, D], committed 4 KiB at a time as positions are written
+            k = lazy_array((n_slots, n_kv, n_ctx, D))
+            v = lazy_array((n_slots, n_kv, n_ctx, Dv))
             self.k_cache.append(k)
             self.v_cache.append(v)
             L.k_cache, L.v_cache = k.ctypes.data, v.ctypes.data

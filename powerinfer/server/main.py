@@ -43,8 +43,8 @@ log = logging.getLogger("powerinfer.server")
 DEFAULT_N_PREDICT = 1024
 # The server's context without -c (capped by the model's trained context): Open WebUI 0.12 sends its
 # 36 built-in tool definitions with every chat message, ~6.6k tokens with SmolLM2's tokenizer, which
-# 4096 (the library's default) refused outright. The CPU KV caches are np.empty: their pages are
-# committed as positions are written, so a long default costs memory only when a chat uses it.
+# 4096 (the library's default) refused outright. The CPU KV caches' pages are committed 4 KiB at a
+# time as positions are written (memory.lazy_array), so a long default costs memory only when used.
 SERVER_DEFAULT_CTX = 16384
 
 
