@@ -71,7 +71,7 @@ class Timings:
 class LLM:
     """A loaded model. ``executor="process"`` (the default) runs every layer's shards in
     ``n_threads`` CPU worker processes (default: one per physical core) with ``worker_threads``
-    torch threads each; ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
+    threads each (the native decoder's, or torch's on the torch path); ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
     the native decoder (one C call per forward pass, sparse FFNs included) when it applies (one
     shard, a C compiler, every matrix of a type it has a kernel for), else with torch, the test
     oracle. ``native`` True insists on the native decoder, False asks for the torch path.

@@ -142,3 +142,17 @@ def test_worker_processes_with_a_predictor_equal_inprocess(n_workers: int, smoll
         assert [c.token for c in llm.generate(ids, 8, temperature=0)] == [c.token for c in oracle.generate(ids, 8, temperature=0)]
     finally:
         llm.close()
+
+
+@pytest.mark.real_model
+def test_the_readme_python_example_runs_as_written(smollm2_path: Path) -> None:
+    """The README's Python API block, executed as a user would paste it (smollm2 is cached by the fixture)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, Any] = {}
+    exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - our own documentation
+    try:
+        assert scope["logits"].shape == (len(scope["ids"]), scope["llm"].config.vocab_size)
+        assert scope["finish_reason"] in ("stop", "length") and isinstance(scope["text"], str)
+    finally:
+        scope["llm"].close()

@@ -46,10 +46,26 @@ def mask_time_us(model: str, schema: dict[str, Any] | None = None, steps: int = 
         llm.close()
 
 
-if __name__ == "__main__":  # python -m powerinfer.cli.grammar_time MODEL
+def main(argv: list[str] | None = None) -> int:
     import sys
 
+    from powerinfer.errors import PowerInferError
     from powerinfer.fetch import resolve_model
+    from powerinfer.flags import Parser
 
-    med, p90, n = mask_time_us(str(resolve_model(sys.argv[1] if len(sys.argv) > 1 else "smollm2")))
+    p = Parser(prog="python -m powerinfer.cli.grammar_time", description="The per-token cost of a JSON schema's mask, in process.")
+    p.add_argument("model", nargs="?", default="smollm2", help="GGUF file or known model name (default smollm2)")
+    args = p.parse_args(argv)
+    try:
+        med, p90, n = mask_time_us(str(resolve_model(args.model, progress=sys.stderr.isatty())))
+    except PowerInferError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
     sys.stdout.write(f"grammar mask per token ({n} tokens in the vocabulary): median {med:.1f} µs, 90th percentile {p90:.1f} µs\n")
+    return 0
+
+
+if __name__ == "__main__":  # python -m powerinfer.cli.grammar_time [MODEL]
+    import sys
+
+    sys.exit(main())

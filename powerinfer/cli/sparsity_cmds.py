@@ -85,6 +85,12 @@ def run_calibrate(argv: Sequence[str]) -> int:
         pf, point = calibrate_within_budget(model, settings, args.max_ppl_increase, text, progress=progress)
         progress(point.report())
     else:
+        from powerinfer.sparsity.budget import MIN_LEVEL
+
+        if args.sparsity < MIN_LEVEL:  # said up front, at the default log level: the file will look like it works
+            print(f"note: --sparsity {args.sparsity:g} is below {MIN_LEVEL:g}, the share of inactive neurons at which the native "
+                  "decoder starts skipping rows; every layer will decode dense with this predictor (it still sets what "
+                  "perplexity and the torch paths compute)", file=sys.stderr)
         pf = calibrate(model, settings, text, progress=progress)
     write_predictor(args.output, pf)
     print(args.output)

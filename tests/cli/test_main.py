@@ -270,7 +270,10 @@ def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(ma
     assert model.read_bytes() == before and text.read_text().startswith("The cat")
     # a predictor is overwritten in place, through a symlink, with the permissions a new file gets
     good = tmp_path / "p.predictor"
-    assert run(*cal, "-o", str(good)).returncode == 0 and good.stat().st_mode & 0o044  # not mkstemp's 0600
+    made = run(*cal, "-o", str(good))
+    assert made.returncode == 0 and good.stat().st_mode & 0o044  # not mkstemp's 0600
+    assert "every layer will decode dense" in made.stderr  # 0.5 < 0.75: said, not left to an INFO line
+    assert "decode dense" not in run(*cal[:5], "--sparsity", "0.8", *cal[7:], "-o", str(good)).stderr
     link = tmp_path / "link.predictor"
     link.symlink_to(good)
     assert run(*cal, "-o", str(link)).returncode == 0 and link.is_symlink()
@@ -303,3 +306,12 @@ def test_a_prompt_too_long_prints_nothing_and_a_full_disk_is_an_error(make_model
             done = subprocess.run([sys.executable, str(REPO / "launch.py"), "-m", str(model), "-p", "abc", "-n", "2", "-t", "1", "-c", "32"],
                                   stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
         assert done.returncode == 1 and "No space left on device" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_grammar_time_has_help_and_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from powerinfer.cli.grammar_time import main as grammar_time
+
+    assert grammar_time(["/no/such.gguf"]) == 1 and capsys.readouterr().err.strip() == "error: /no/such.gguf: no such file"
+    with pytest.raises(SystemExit) as e:
+        grammar_time(["--help"])
+    assert e.value.code == 0 and "model" in capsys.readouterr().out
