@@ -171,7 +171,7 @@ def test_calibrate_command_on_a_full_disk(bases: dict[str, Base], tmp_path: Path
     out.write_bytes(previous)
     (tmp_path / "calib.txt").write_text("some calibration text " * 20)
     _fill_disk(monkeypatch, ".tmp", room=1000)
-    argv = ["calibrate", "-m", str(bases["synthetic-llama"].path), "-o", str(out), "--text", str(tmp_path / "calib.txt"), "--sparsity", "0.5"]
+    argv = ["calibrate", "-m", str(bases["synthetic-llama"].path), "-o", str(out), "--text", str(tmp_path / "calib.txt"), "--sparsity", "0.8"]
     assert cli_main(argv) == 1
     captured = capsys.readouterr()
     assert captured.err == f"error: could not write the predictor file {out}: no space left on device\n"
