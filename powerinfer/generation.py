@@ -10,7 +10,7 @@ one batched decode step while each keeps exactly the behaviour of a lone ``LLM.g
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -55,11 +55,12 @@ class SequenceState:
 
     def __init__(self, tokenizer: GGUFTokenizer, prompt: Sequence[int], max_tokens: int, params: SamplingParams,
                  stop: tuple[str, ...] = (), logprobs: int | None = None, constraint: "TokenConstraint | None" = None,
-                 score_prompt: bool = False) -> None:
+                 score_prompt: bool = False, watch: Callable[[str], bool] | None = None) -> None:
         """constraint: a grammar the output must follow (powerinfer.constrained); the sequence ends
         when the grammar is complete. score_prompt: the engine computes the prompt's logits too and
         hands them to :meth:`score` (prompt_logprobs, with logprobs alternatives each); max_tokens
-        0 then scores the prompt and generates nothing."""
+        0 then scores the prompt and generates nothing. watch: called with each piece of text as
+        it is released; True ends the sequence there (finish "stop"; the server's tool calls)."""
         self.tokenizer = tokenizer
         self.max_tokens = max_tokens  # -1: until end-of-generation or the context is full
         self.sampler = Sampler(params)
@@ -76,6 +77,7 @@ class SequenceState:
         self.next_token: int | None = None  # to evaluate before the next step; None once finished
         self.constraint = constraint
         self.score_prompt = score_prompt
+        self.watch = watch
         self.prompt_logprobs: list[TokenLogprob] = []  # with score_prompt: one per prompt token, in order
         self._prompt_offsets: list[int] = []
 
@@ -118,6 +120,8 @@ class SequenceState:
         if self.generated >= self.max_tokens > 0 or context_full:
             return [chunk, self._finish("length")]
         if self.constraint is not None and self.constraint.stopped:  # the grammar is complete: nothing may follow
+            return [chunk, self._finish("stop")]
+        if self.watch is not None and chunk.text and self.watch(chunk.text):
             return [chunk, self._finish("stop")]
         self.next_token = token
         return [chunk]

@@ -324,10 +324,12 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
 
 
 def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: list[list[int]],
-                config: ServerConfig, score_prompt: bool = False) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
+                config: ServerConfig, score_prompt: bool = False,
+                spec: tools.ToolSpec | None = None) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
     """Queue a request's sequences (choice i answers prompt i // n, sampled as choice i % n); their
     events arrive on the returned queue (on this event loop) as (choice index, chunk or error).
-    score_prompt: the prompts' logprobs too (completions with echo and logprobs)."""
+    score_prompt: the prompts' logprobs too (completions with echo and logprobs). spec: the chat's
+    tools; with several calls allowed, a reply ends where it repeats a call (tools.RepeatGuard)."""
     max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -347,7 +349,8 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
             raise bad(str(e), "grammar") from None
 
     jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
-                                         common.logprobs, constraint(), score_prompt), sink, index=p * common.n + j)
+                                         common.logprobs, constraint(), score_prompt,
+                                         tools.RepeatGuard() if spec is not None and spec.parallel else None), sink, index=p * common.n + j)
             for p, ids in enumerate(prompts) for j in range(common.n)]
     try:
         sched.submit(jobs)
@@ -362,7 +365,7 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
                    config: ServerConfig) -> Response:
     common: GenerationRequest = req.common
     scored = isinstance(req, CompletionRequest) and req.echo and common.logprobs is not None
-    jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored)
+    jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored, req.tools if isinstance(req, ChatRequest) else None)
     shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
     # the prompt as written: its special tokens' text too, not a BOS the server added
     echo = [llm.tokenizer.decode(ids, skip_special=False, strip_bos=True) if isinstance(req, CompletionRequest) and req.echo else ""

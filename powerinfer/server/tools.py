@@ -172,9 +172,40 @@ def _closed(schema: Any) -> Any:
     return schema
 
 
+def _key(name: str, args: Any) -> str:
+    return name + "\0" + json.dumps(args, sort_keys=True, ensure_ascii=False)
+
+
+class RepeatGuard:
+    """A sequence's watch (SequenceState): True once the reply repeats a call it already made. A
+    small model allowed several calls writes the same one again and again until max_tokens (or
+    the grammar's MAX_PARALLEL_CALLS); a repeat is never a new call, so the reply ends there."""
+
+    def __init__(self) -> None:
+        self.text, self.closed = "", 0
+        self.seen: set[str] = set()
+
+    def __call__(self, piece: str) -> bool:
+        self.text += piece
+        if self.text.count(CLOSE) == self.closed:
+            return False
+        self.closed = self.text.count(CLOSE)
+        for m in list(_CALL.finditer(self.text))[len(self.seen):]:
+            try:
+                obj = json.loads(m.group(1))
+            except json.JSONDecodeError:
+                obj = m.group(1)
+            key = _key(str(obj.get("name")), obj.get("arguments")) if isinstance(obj, dict) else m.group(1)
+            if key in self.seen:
+                return True
+            self.seen.add(key)
+        return False
+
+
 def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
-    """(content without the calls, OpenAI tool_calls) of a reply."""
+    """(content without the calls, OpenAI tool_calls) of a reply; a call repeated whole is made once."""
     calls: list[dict[str, Any]] = []
+    keys: set[str] = set()
     spans: list[tuple[int, int]] = []  # the returned calls' blocks (others stay in the content)
     for m in _CALL.finditer(text):
         try:
@@ -185,8 +216,9 @@ def split_calls(text: str, spec: ToolSpec) -> tuple[str, list[dict[str, Any]]]:
             continue
         args = obj.get("arguments", {})
         spans.append(m.span())
-        if calls and not spec.parallel:  # one call allowed: a second is dropped, not left as markup
+        if (calls and not spec.parallel) or _key(obj["name"], args) in keys:  # dropped, not left as markup
             continue
+        keys.add(_key(obj["name"], args))
         calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                       "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
     content, pos = [], 0

@@ -76,6 +76,9 @@ def test_required_call_round_trip(server: tuple[RunningServer, str], stream: boo
     else:
         r = c.chat.completions.create(messages=ASK, tool_choice="required", **kw)  # type: ignore[arg-type]
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+        made = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+        # both models repeat their calls when allowed several: the reply ends at the first repeat
+        assert len(set(made)) == len(made) and r.usage is not None and r.usage.completion_tokens < 128
         call = r.choices[0].message.tool_calls[0]
         _check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
         call_id, name, arguments = call.id, call.function.name, call.function.arguments
@@ -143,8 +146,9 @@ SPEC = tools.ToolSpec(({"name": "get_time", "description": "", "parameters": {}}
 
 def test_calls_split_from_the_reply() -> None:
     call = '<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}</tool_call>'
-    content, calls = tools.split_calls(f"Sure.\n{call}\n{call}", SPEC)
-    assert content == "Sure." and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}] * 2
+    oslo = call.replace("Rome", "Oslo")
+    content, calls = tools.split_calls(f"Sure.\n{call}\n{oslo}", SPEC)
+    assert content == "Sure." and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {"city": "Oslo"}]
     # one call allowed: the second is dropped, not left in the content as markup
     content, calls = tools.split_calls(f"{call}\n{call}", replace(SPEC, parallel=False))
     assert content == "" and len(calls) == 1
@@ -165,3 +169,16 @@ def test_tool_results_name_their_function_by_the_call_id() -> None:
     assert json.loads(out[2]["content"].split("\n")[0].removeprefix("<tool_response>").removesuffix("</tool_response>")) == \
         {"name": "get_time", "content": "noon"}
     assert '"name": "call_unknown"' in out[2]["content"]  # no such call: the id is all there is
+
+
+def test_a_repeated_call_ends_the_reply_and_is_made_once() -> None:
+    call = '<tool_call>{"name": "get_time", "arguments": {"city": "Rome"}}</tool_call>'
+    other = '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}</tool_call>'
+    guard = tools.RepeatGuard()
+    assert [guard(p) for p in (call[:20], call[20:], "\n", other, "\n", call[:-3])] == [False] * 6
+    assert guard(call[-3:])  # the repeat is whole: the sequence ends here
+    content, calls = tools.split_calls("\n".join([call, other, call]), SPEC)
+    assert content == "" and [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome", "Oslo"]
+    # the same arguments in another key order are the same call
+    shuffled = '<tool_call>{"arguments": {"city": "Rome"}, "name": "get_time"}</tool_call>'
+    assert len(tools.split_calls(call + shuffled, SPEC)[1]) == 1
