@@ -148,10 +148,12 @@ class SequenceState:
             self._prompt_offsets = self.tokenizer.text_offsets(prompt, skip_special=False, strip_bos=True)  # as the echo
             t = prompt[0]
             self.prompt_logprobs.append(TokenLogprob(t, self._piece(t), None, (), self._raw(t), (), 0))
-        for r in range(logits.shape[0]):
+        rows = np.asarray(logits, dtype=np.float32)
+        lse = _log_sum_exp(rows)  # every row's at once
+        for r in range(rows.shape[0]):
             p = start + r + 1  # the prompt token row r predicts
             if p < self.n_prompt and p == len(self.prompt_logprobs):
-                self.prompt_logprobs.append(self._logprob(logits[r], prompt[p], self._prompt_offsets[p]))
+                self.prompt_logprobs.append(self._logprob(rows[r], prompt[p], self._prompt_offsets[p], float(lse[r])))
 
     def _release(self, n: int) -> tuple[TokenLogprob, ...]:
         """n more characters go out: the held logprobs of tokens whose text starts before their end."""
@@ -162,16 +164,17 @@ class SequenceState:
         self.held = self.held[len(out):]  # held in order of offset, so those released are a prefix
         return out
 
-    def _logprob(self, logits: np.ndarray, token: int, offset: int) -> TokenLogprob:
-        row = np.asarray(logits, dtype=np.float64)
-        lse = float(np.log(np.exp(row - row.max()).sum()) + row.max())  # log-sum-exp over the vocabulary
-        k = min(self.logprobs or 0, MAX_TOP_LOGPROBS, row.size)
-        top: tuple[tuple[int, str, float], ...] = ()
-        if k:
-            idx = np.argpartition(-row, k - 1)[:k]
-            idx = idx[np.argsort(-row[idx], kind="stable")]
-            top = tuple((int(i), self._piece(int(i)), float(row[i] - lse)) for i in idx)
-        return TokenLogprob(token, self._piece(token), float(row[token] - lse), top, self._raw(token),
+    def _top_k(self, vocab: int) -> int:
+        return min(self.logprobs or 0, MAX_TOP_LOGPROBS, vocab)
+
+    def _logprob(self, logits: np.ndarray, token: int, offset: int, lse: float | None = None) -> TokenLogprob:
+        """logits [vocab] -> the token's logprob and its top alternatives; lse: the log-sum-exp over
+        the vocabulary when the caller has it already."""
+        row = np.asarray(logits, dtype=np.float32)
+        if lse is None:
+            lse = float(_log_sum_exp(row[None, :])[0])
+        top = tuple((i, self._piece(i), float(row[i]) - lse) for i in _best(row, self._top_k(row.size)))
+        return TokenLogprob(token, self._piece(token), float(row[token]) - lse, top, self._raw(token),
                             tuple(self._raw(t) for t, _, _ in top), offset)
 
     def _piece(self, token: int) -> str:
@@ -182,6 +185,27 @@ class SequenceState:
         if self.tokenizer.is_special(token):
             return self._piece(token).encode("utf-8")
         return self.tokenizer.token_bytes(token)
+
+
+def _log_sum_exp(rows: np.ndarray) -> np.ndarray:
+    """rows float32 [n, vocab] -> log-sum-exp per row [n] (exp in float32 below the max, summed in float64)."""
+    mx = rows.max(axis=1)
+    return np.log(np.exp(rows - mx[:, None]).sum(axis=1, dtype=np.float64)) + mx
+
+
+def _best(row: np.ndarray, k: int) -> list[int]:
+    """The k largest entries' indices, largest first (ties: lower index first). k passes of argmax:
+    at k <= 20 faster than argpartition, which takes ~4 ms on a 262k-entry row here."""
+    if k <= 0:
+        return []
+    if k == 1:
+        return [int(row.argmax())]
+    r, out = row.copy(), []
+    for _ in range(k):
+        i = int(r.argmax())
+        out.append(i)
+        r[i] = -np.inf
+    return out
 
 
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:

@@ -81,3 +81,15 @@ def test_without_logprobs_nothing_is_held() -> None:
     logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
     logits[ord("q")] = 5.0
     assert state.step(logits, context_full=False) == [GenerationChunk(ord("q"), "q")]
+
+
+def test_top_logprobs_are_the_largest_in_order_and_normalised() -> None:
+    tok = tokenizer()
+    state = SequenceState(tok, [0], 5, GREEDY, logprobs=3)
+    logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
+    logits[[7, 3, 9]] = [2.0, 2.0, 1.0]  # a tie: the lower id first, as a stable sort gives
+    chunk = state.step(logits, context_full=False)[0]
+    (lp,) = chunk.logprobs
+    lse = float(np.log(np.exp(logits.astype(np.float64)).sum()))
+    assert [t for t, _, _ in lp.top] == [3, 7, 9] and lp.token == 3
+    assert abs(lp.logprob - (2.0 - lse)) < 1e-6 and abs(lp.top[2][2] - (1.0 - lse)) < 1e-6
