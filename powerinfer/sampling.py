@@ -123,21 +123,69 @@ class Sampler:
                     logits[t] += np.float32(b)
         if p.greedy:
             return int(np.argmax(logits))
-        # Candidate set sorted by logit, descending. top-k first keeps the sort small.
+        # Candidates sorted by logit, descending, and their probabilities. Only the top of the
+        # vocabulary that a rule can keep is sorted: a full sort of Gemma-3's 262k logits took
+        # ~47 ms a token, top-k by argpartition ~5 ms, against a decode step of ~10 ms.
         k = p.top_k if 0 < p.top_k < logits.size else logits.size
-        idx = np.argpartition(-logits, k - 1)[:k] if k < logits.size else np.arange(logits.size)
-        idx = idx[np.argsort(-logits[idx], kind="stable")]
-        cand = logits[idx].astype(np.float64)
-        probs = np.exp(cand - cand[0])
-        probs /= probs.sum()
-        keep = probs.size
-        if p.top_p < 1.0:
+        if k < logits.size:
+            idx = top_indices(logits, k)
+            cand = logits[idx].astype(np.float64)
+            probs = np.exp(cand - cand[0])
+            probs /= probs.sum()
+        elif p.top_p < 1.0 or p.min_p > 0.0:
+            full = np.exp(logits.astype(np.float64) - float(logits.max()))  # probabilities over the vocabulary, unnormalised
+            idx = head_indices(logits, full, p.top_p, p.min_p)
+            cand = logits[idx].astype(np.float64)
+            probs = full[idx] / full.sum()
+        else:  # nothing truncates: every token, in vocabulary order
+            idx = np.arange(logits.size)
+            cand = logits.astype(np.float64)
+            probs = None
+        keep = idx.size
+        if probs is not None and p.top_p < 1.0:
             # smallest prefix whose mass reaches top_p (at least one token)
             keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1)
-        if p.min_p > 0.0:
+        if probs is not None and p.min_p > 0.0:
             keep = min(keep, max(1, int(np.count_nonzero(probs >= p.min_p * probs[0]))))
         idx, cand = idx[:keep], cand[:keep]
-        scaled = (cand - cand[0]) / p.temperature
+        scaled = (cand - cand.max()) / p.temperature
         w = np.exp(scaled)
         w /= w.sum()
         return int(idx[self.rng.choice(keep, p=w)])
+
+
+BLOCK = 256  # logits per block when bounding the top k by block maxima
+
+
+def top_indices(logits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest logits, largest first. The k-th largest of the block maxima is
+    a lower bound of the k-th largest logit (k blocks reach it), so only the logits at or above it
+    (a few k) are partitioned, not the whole vocabulary."""
+    nb = logits.size // BLOCK
+    if nb >= k:
+        bound = np.partition(logits[: nb * BLOCK].reshape(nb, BLOCK).max(axis=1), nb - k)[nb - k]
+        sub = np.flatnonzero(logits >= bound)
+        idx = sub[np.argpartition(-logits[sub], k - 1)[:k]] if sub.size > k else sub
+    else:
+        idx = np.argpartition(-logits, k - 1)[:k]
+    return idx[np.argsort(-logits[idx], kind="stable")]
+
+
+def head_indices(logits: np.ndarray, full: np.ndarray, top_p: float, min_p: float) -> np.ndarray:
+    """The top of the vocabulary, sorted, that holds every token top_p or min_p can keep: those
+    within log(1/min_p) of the best (min_p > 0), else the smallest band below the best whose
+    mass reaches top_p. full: exp(logits - max) over the vocabulary."""
+    best = float(logits.max())
+    if min_p > 0.0:
+        mask = logits >= best + math.log(min_p) - 1e-6  # a hair wide: the exact rule runs on these
+    else:
+        total, mask = float(full.sum()), None
+        for band in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0):
+            m = logits >= best - band
+            if float(full[m].sum()) >= top_p * total * (1.0 + 1e-9):
+                mask = m
+                break
+        if mask is None:  # the mass is spread wider than any band: the whole vocabulary
+            mask = np.ones(logits.size, dtype=bool)
+    sub = np.flatnonzero(mask)
+    return sub[np.argsort(-logits[sub], kind="stable")]

@@ -82,3 +82,36 @@ def test_seed_reproducible() -> None:
 def test_bad_params_rejected(kw: dict[str, float]) -> None:
     with pytest.raises(InvalidArgumentError):
         SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_candidates_without_sorting_the_vocabulary() -> None:
+    """top_indices and head_indices (a large vocabulary is never sorted whole) give what a full
+    sort gives: the top k in order, and a sorted head that holds every token top_p / min_p keep."""
+    from powerinfer.sampling import head_indices, top_indices
+
+    rng = np.random.default_rng(0)
+    for n in (300, 5000, 262144):
+        logits = (rng.standard_normal(n) * 3).astype(np.float32)
+        logits[rng.integers(0, n, 40)] = -np.inf
+        logits[rng.integers(0, n, 5)] = logits.max()  # ties at the top
+        order = np.argsort(-logits, kind="stable")
+        for k in (1, 7, 40, 256):
+            got = top_indices(logits, k)
+            assert np.array_equal(np.sort(logits[got])[::-1], logits[order[:k]]) and np.all(np.diff(logits[got]) <= 0)
+        full = np.exp(logits.astype(np.float64) - logits.max())
+        probs = full[order] / full.sum()
+        for top_p, min_p in ((0.5, 0.0), (0.95, 0.0), (0.999, 0.0), (1.0, 0.05), (0.9, 0.1)):
+            head = head_indices(logits, full, top_p, min_p)
+            need = int(np.searchsorted(np.cumsum(probs), top_p)) + 1 if min_p == 0 else int(np.count_nonzero(probs >= min_p * probs[0]))
+            assert head.size >= need and np.array_equal(logits[head[:need]], logits[order[:need]])
+
+
+def test_untruncated_sampling_follows_the_softmax() -> None:
+    """top_k 0, top_p 1, min_p 0 (the server's defaults): every token, drawn in proportion to
+    exp(logit / T), without a sort."""
+    logits = np.random.default_rng(3).standard_normal(50).astype(np.float32) * 1.5
+    p = np.exp((logits - logits.max()) / 0.8)
+    p /= p.sum()
+    s = Sampler(SamplingParams(seed=1, temperature=0.8, top_k=0, top_p=1.0, min_p=0.0))
+    freq = np.bincount([s(logits) for _ in range(40000)], minlength=50) / 40000
+    assert np.abs(freq - p).max() < 5 * np.sqrt(p.max() / 40000)
