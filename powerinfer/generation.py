@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.sampling import Sampler, SamplingParams, top_indices
 from powerinfer.tokenizer import GGUFTokenizer, StreamDecoder
 
 if TYPE_CHECKING:
@@ -173,7 +173,9 @@ class SequenceState:
         row = np.asarray(logits, dtype=np.float32)
         if lse is None:
             lse = float(_log_sum_exp(row[None, :])[0])
-        top = tuple((i, self._piece(i), float(row[i]) - lse) for i in _best(row, self._top_k(row.size)))
+        k = self._top_k(row.size)
+        best = top_indices(row, k).tolist() if k else []
+        top = tuple((i, self._piece(i), float(row[i]) - lse) for i in best)
         return TokenLogprob(token, self._piece(token), float(row[token]) - lse, top, self._raw(token),
                             tuple(self._raw(t) for t, _, _ in top), offset)
 
@@ -191,21 +193,6 @@ def _log_sum_exp(rows: np.ndarray) -> np.ndarray:
     """rows float32 [n, vocab] -> log-sum-exp per row [n] (exp in float32 below the max, summed in float64)."""
     mx = rows.max(axis=1)
     return np.log(np.exp(rows - mx[:, None]).sum(axis=1, dtype=np.float64)) + mx
-
-
-def _best(row: np.ndarray, k: int) -> list[int]:
-    """The k largest entries' indices, largest first (ties: lower index first). k passes of argmax:
-    at k <= 20 faster than argpartition, which takes ~4 ms on a 262k-entry row here."""
-    if k <= 0:
-        return []
-    if k == 1:
-        return [int(row.argmax())]
-    r, out = row.copy(), []
-    for _ in range(k):
-        i = int(r.argmax())
-        out.append(i)
-        r[i] = -np.inf
-    return out
 
 
 def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:

@@ -158,7 +158,7 @@ BLOCK = 256  # logits per block when bounding the top k by block maxima
 
 
 def top_indices(logits: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest logits, largest first. The k-th largest of the block maxima is
+    """Indices of the k largest logits, largest first (ties: lower index first; k >= 1). The k-th largest of the block maxima is
     a lower bound of the k-th largest logit (k blocks reach it), so only the logits at or above it
     (a few k) are partitioned, not the whole vocabulary."""
     nb = logits.size // BLOCK
@@ -168,6 +168,7 @@ def top_indices(logits: np.ndarray, k: int) -> np.ndarray:
         idx = sub[np.argpartition(-logits[sub], k - 1)[:k]] if sub.size > k else sub
     else:
         idx = np.argpartition(-logits, k - 1)[:k]
+    idx = np.sort(idx)  # argpartition leaves ties in any order: index order first, then a stable sort by value
     return idx[np.argsort(-logits[idx], kind="stable")]
 
 

@@ -365,14 +365,14 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
                    config: ServerConfig) -> Response:
     common: GenerationRequest = req.common
     scored = isinstance(req, CompletionRequest) and req.echo and common.logprobs is not None
-    jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored, req.tools if isinstance(req, ChatRequest) else None)
+    spec = req.tools if isinstance(req, ChatRequest) else None
+    jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored, spec)
     shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
     # the prompt as written: its special tokens' text too, not a BOS the server added
     echo = [llm.tokenizer.decode(ids, skip_special=False, strip_bos=True) if isinstance(req, CompletionRequest) and req.echo else ""
             for ids in prompts for _ in range(common.n)]
     n_prompt = sum(len(ids) for ids in prompts)
     if common.stream:
-        spec = req.tools if isinstance(req, ChatRequest) else None
         return StreamingResponse(stream(shapes, sched, jobs, queue, common, n_prompt, echo, spec), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     # The client may hang up while tokens are flowing: a watcher waits for uvicorn's disconnect
@@ -387,8 +387,8 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
     for job in jobs:
         results[job.index].prompt_logprobs = job.state.prompt_logprobs
     body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs, common.n))
-    if isinstance(req, ChatRequest) and req.tools is not None:
-        tools.apply_to_final(body, req.tools)
+    if spec is not None:
+        tools.apply_to_final(body, spec)
     body["timings"] = job_timings(jobs, sum(r.tokens for r in results))
     return JSONResponse(body)
 

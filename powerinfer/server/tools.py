@@ -182,14 +182,13 @@ class RepeatGuard:
     the grammar's MAX_PARALLEL_CALLS); a repeat is never a new call, so the reply ends there."""
 
     def __init__(self) -> None:
-        self.text, self.closed = "", 0
+        self.text = ""
         self.seen: set[str] = set()
 
     def __call__(self, piece: str) -> bool:
         self.text += piece
-        if self.text.count(CLOSE) == self.closed:
+        if CLOSE not in self.text[-(len(piece) + len(CLOSE) - 1):]:  # no call was closed by this piece
             return False
-        self.closed = self.text.count(CLOSE)
         for m in list(_CALL.finditer(self.text))[len(self.seen):]:
             try:
                 obj = json.loads(m.group(1))
