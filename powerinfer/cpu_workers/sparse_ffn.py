@@ -4,8 +4,9 @@ Runs in: a CPU worker process (or the coordinator for the in-process executor).
 
 Where it can, the shard runs the native kernel (:mod:`powerinfer.cpu_workers.native`): gate, up
 and down all neuron-major in the file's own codes, each active neuron's bytes read in place, one
-call per layer. The torch path below is the fallback (no C compiler, a neuron set that cuts the
-down matrix's quantization groups, or a float tensor); both compute the same modes.
+call per layer, for any set of neurons (a set that is not one range of whole down groups is
+covered by whole groups, see :meth:`SparseFFNShard._load_native`). The torch path below is the
+fallback (no C compiler, or a float tensor); both compute the same modes.
 
 Torch path: gate and up rows stay packed as in the dense shard (the file's own 4-bit codes); the down
 projection is kept transposed and neuron-major in float16, down_t [n, d] (row i is neuron i's
@@ -37,6 +38,7 @@ from powerinfer.model.ops import activation
 from powerinfer.model.sharding import down_columns, packs_as_columns
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import Int8Linear, PackedLinear
+from powerinfer.quants.grouped import Grouped
 from powerinfer.quants.formats import decode
 from powerinfer.predictors.predictor_file import LayerPredictor
 
@@ -92,7 +94,6 @@ class SparseFFNShard:
         self.start, self.n = start, len(idx)
         contiguous = packs_as_columns(f, layer, idx)
         rows: slice | np.ndarray = slice(start, stop) if contiguous else idx
-        self._load_predictor(pred, rows)
         self.force_dense = False
         self.oracle = False
         self.track_quality = False  # multi-token calls also count true/false positives (perplexity)
@@ -101,29 +102,64 @@ class SparseFFNShard:
         # (token, neuron) pairs seen, pairs computed; "true" = |act(gate) * up| > threshold
         self.counts = np.zeros(5, dtype=np.int64)
         self.decode_calls, self.decode_active = 0, 0.0  # decode steps and the sum of their active shares
-        self.native: NativeFFN | None = self._load_native(f, layer, start, stop) if native and contiguous else None
+        # native kernel over `covered` neurons (a range, or the whole down groups that hold the set);
+        # mine [n_covered] marks this shard's neurons among them when the cover holds others too
+        self.mine: torch.Tensor | None = None
+        self.native: NativeFFN | None = None
+        covered: slice | np.ndarray = rows
+        if native:
+            loaded = self._load_native(f, layer, idx, contiguous)
+            if loaded is not None:
+                self.native, covered = loaded
+        self._load_predictor(pred, covered)
         if self.native is None:
             self._load_torch(f, layer, idx, rows, contiguous)
 
-    def _load_native(self, f: GGUFFile, layer: int, start: int, stop: int) -> NativeFFN | None:
+    def _load_native(self, f: GGUFFile, layer: int, idx: np.ndarray, contiguous: bool) -> tuple[NativeFFN, slice | np.ndarray] | None:
+        """(kernel, the neurons it covers), or None where the kernel cannot take this layer.
+
+        A set that is not one range of whole down groups (the cold neurons beside a GPU worker's
+        hot ones) is covered by the down groups that hold any of its neurons: the kernel's down
+        keeps one file scale per group of neurons, so whole groups keep the file's exact numbers.
+        The cover's other neurons get all-zero gate rows (act(0) = 0): never active, they add
+        nothing in any mode, and mode "mask" is narrowed to the set. They cost their gate bytes'
+        reads and memory (at most group - 1 extra neurons per group touched)."""
         lib = native_lib()
         if lib is None:
             return None
+        down_name = layer_tensor(layer, "ffn_down")
+        info = f.tensor(down_name)
+        down = decode(info.qtype, f.raw(down_name), info.n_cols)
+        if not isinstance(down, Grouped) or not supported(down) or self.cfg.d_model % 32:
+            return None
+        start, stop = int(idx[0]), int(idx[-1]) + 1
+        if contiguous:
+            if start % down.group or (stop - start) % down.group:
+                return None
+            covered: slice | np.ndarray = slice(start, stop)
+            down = down.cols(start, stop)
+        else:
+            groups = np.unique(idx // down.group)
+            covered = (groups[:, None] * down.group + np.arange(down.group)).ravel()
+            down = down.col_groups(groups)
 
-        def dec(kind: str, rows: slice | None) -> object:
+        def dec(kind: str) -> Grouped | np.ndarray:
             name = layer_tensor(layer, kind)
-            info = f.tensor(name)
-            raw = f.raw(name)
-            return decode(info.qtype, raw if rows is None else raw[rows], info.n_cols)
+            t = f.tensor(name)
+            return decode(t.qtype, f.raw(name)[covered], t.n_cols)
 
-        gate, up = dec("ffn_gate", slice(start, stop)), dec("ffn_up", slice(start, stop))
-        down = dec("ffn_down", None)
-        if not (supported(gate) and supported(up) and supported(down)):
+        gate, up = dec("ffn_gate"), dec("ffn_up")
+        if not (isinstance(gate, Grouped) and isinstance(up, Grouped) and supported(gate) and supported(up)):
             return None
-        assert not isinstance(down, np.ndarray)
-        if start % down.group or (stop - start) % down.group or self.cfg.d_model % 32:
-            return None
-        return NativeFFN(lib, gate, up, down.cols(start, stop), self.cfg.activation)  # type: ignore[arg-type]
+        if not contiguous:
+            assert isinstance(covered, np.ndarray)
+            mine = np.isin(covered, idx)
+            others = ~mine
+            gate = Grouped(gate.q.copy(), gate.scale.copy(), gate.zero.copy(), gate.group, gate.bits)
+            gate.scale[others] = 0  # every weight of those rows is scale * code + zero = 0
+            gate.zero[others] = 0
+            self.mine = torch.from_numpy(mine)
+        return NativeFFN(lib, gate, up, down, self.cfg.activation), covered
 
     def _load_predictor(self, pred: LayerPredictor, rows: slice | np.ndarray) -> None:
         self.threshold = float(pred.threshold)
@@ -132,7 +168,7 @@ class SparseFFNShard:
         # 959 -> 114 µs); near-zero logits may flip, which the calibrated recall margin absorbs
         self.fc1_w, self.fc1_s = _int8_per_row(np.asarray(pred.fc1_w, dtype=np.float32))  # [r, d (padded)], [r]
         self.fc1_b = torch.from_numpy(np.array(pred.fc1_b, dtype=np.float32))
-        self.fc2_w, self.fc2_s = _int8_per_row(np.asarray(pred.fc2_w[rows], dtype=np.float32))  # [n, r (padded)]: this shard's neurons
+        self.fc2_w, self.fc2_s = _int8_per_row(np.asarray(pred.fc2_w[rows], dtype=np.float32))  # [n, r (padded)]: this shard's (covered) neurons
         self.fc2_b = torch.from_numpy(np.array(pred.fc2_b[rows], dtype=np.float32))
 
     def _load_torch(self, f: GGUFFile, layer: int, idx: np.ndarray, rows: slice | np.ndarray, contiguous: bool) -> None:
@@ -265,7 +301,11 @@ class SparseFFNShard:
             kmode = "gate"
         else:
             kmode, mask = "mask", self.predict(x)
+            if self.mine is not None:
+                mask &= self.mine  # the cover's other neurons are never computed here
         y, active = self.native.forward(x, kmode, self.threshold, mask)
+        if kmode == "all" and self.mine is not None:
+            active -= len(self.mine) - self.n  # the cover's other neurons were "computed" as zeros
         if T == 1:
             self._count_decode(int(active[0]))
         else:
@@ -275,6 +315,8 @@ class SparseFFNShard:
                 true = h.abs() > self.threshold
                 chosen = {"all": torch.ones_like(true), "oracle": true, "gate": g.abs() > self.threshold}.get(kmode, mask)
                 assert chosen is not None
+                if self.mine is not None:  # count this shard's neurons only
+                    true, chosen = true[:, self.mine], chosen[:, self.mine]
                 self.counts += np.array([int((chosen & true).sum()), int((chosen & ~true).sum()), int((~chosen & true).sum()),
                                          chosen.numel(), int(active.sum())])
         return y

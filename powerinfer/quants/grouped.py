@@ -76,6 +76,18 @@ class Grouped:
         g0, g1 = start // self.group, stop // self.group
         return Grouped(self.q[:, start:stop], self.scale[:, g0:g1], self.zero[:, g0:g1], self.group, self.bits)
 
+    def col_groups(self, groups: np.ndarray) -> Grouped:
+        """Whole groups of columns, in the given order: ``groups`` [u] group indices (a copy).
+
+        Any set of columns covered by whole groups keeps the file's scales, so its numbers are
+        exactly those columns of the matrix (what a neuron set that is not one range needs)."""
+        g = np.asarray(groups, dtype=np.int64)
+        n_groups = self.shape[1] // self.group
+        if g.ndim != 1 or (g.size and (g.min() < 0 or g.max() >= n_groups)):
+            raise ValueError(f"Grouped.col_groups: group indices must be a 1-D array within 0..{n_groups - 1}")
+        cols = (g[:, None] * self.group + np.arange(self.group)).ravel()
+        return Grouped(self.q[:, cols], self.scale[:, g], self.zero[:, g], self.group, self.bits)
+
     @staticmethod
     def concat_rows(parts: Sequence[Grouped]) -> Grouped:
         """Stack parts along rows (e.g. q/k/v). Same K and group required; mixed bits give bits=8."""

@@ -205,3 +205,35 @@ def test_int8_predictor_with_any_rank_matches_float32(q4_model: Path) -> None:
         clear = np.abs(logits) > 0.05 * np.abs(logits).max()
         assert clear.mean() > 0.8
         assert (got[clear] == (logits > 0)[clear]).all()
+
+
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_a_scattered_neuron_set_runs_native_and_adds_up_to_the_layer(q4_model: Path, mode: str) -> None:
+    """The cold neurons beside a GPU worker's hot ones are any set: the kernel covers it with whole
+    down groups, so a set and its complement add up to the whole layer, choosing the same neurons."""
+    from powerinfer.config import config_from_gguf
+    from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.model.sharding import cold_neurons
+    from tests.gpu_worker.helpers import make_predictor
+
+    f = GGUFFile(q4_model)
+    cfg = config_from_gguf(f)
+    lp = make_predictor(f, cfg, mode).layers[1]
+    hot = np.sort(np.random.default_rng(3).choice(cfg.n_ff, cfg.n_ff // 5, replace=False))
+    whole = SparseFFNShard(f, cfg, 1, np.arange(cfg.n_ff), lp, mode)
+    parts = [SparseFFNShard(f, cfg, 1, s, lp, mode) for s in (hot, cold_neurons(hot, cfg.n_ff))]
+    assert whole.mine is None and all(p.native is not None and p.mine is not None for p in parts)
+    rng = np.random.default_rng(8)
+    for dense in (True, False):
+        for t in (1, 3):
+            x = torch.from_numpy(rng.standard_normal((t, cfg.d_model)).astype(np.float32))
+            for s in (whole, *parts):
+                s.force_dense = dense
+            want = whole.forward(x)
+            got = parts[0].forward(x) + parts[1].forward(x)
+            # only the down's int16 rounding of act(gate) * up differs (per group's max |h|)
+            assert float((got - want).norm() / want.norm()) < 1e-3
+            if t == 1:  # each neuron is chosen the same way in its part as in the whole layer
+                assert parts[0].last_active * parts[0].n + parts[1].last_active * parts[1].n == pytest.approx(whole.last_active * cfg.n_ff)
+                assert dense or whole.last_active < 0.9
