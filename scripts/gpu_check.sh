@@ -4,10 +4,10 @@
 # llama.cpp's reference, and the neuron-split vs layer-split benchmark; prints one summary table.
 # Runs in: the GPU machine's shell, from the checkout (prepare on a connected machine: scripts/prepare_gpu_wheelhouse.sh).
 #
-#   bash scripts/gpu_check.sh                      # everything, ~5-8 minutes on 16 cores + an H100/H200
+#   bash scripts/gpu_check.sh                      # everything: about 4 minutes on an H200 with 16 cores (timed in parts)
 #   PARTS=kernels,smollm2 bash scripts/gpu_check.sh
 #
-# Environment: WHEELHOUSE (default .whl), PARTS (kernels,smollm2,bench), SMOLLM2_GGUF (the model file; default: the
+# Environment: WHEELHOUSE (default .whl), PARTS (kernels,smollm2,overhead,bench), SMOLLM2_GGUF (the model file; default: the
 # halves build/gpu_check/smollm2.part-{a,b} or /tmp/powerinfer-parts/smollm2.part-{a,b}, joined and checked),
 # BENCH_ARGS (extra flags for the benchmark, e.g. "--bench-layers 32 --vram-budget 4"), OUT (copies the log there).
 set -uo pipefail
@@ -46,7 +46,7 @@ if [[ -z "$MODEL" ]]; then
         cat "$a" "$b" > "$MODEL"
     fi
 fi
-ARGS=(--parts "${PARTS:-kernels,smollm2,bench}")
+ARGS=(--parts "${PARTS:-kernels,smollm2,overhead,bench}")
 if [[ -n "$MODEL" && -f "$MODEL" ]]; then
     if [[ "$(sha256sum "$MODEL" | cut -d' ' -f1)" == "$SMOLLM2_SHA256" ]]; then ARGS+=(--smollm2 "$MODEL"); else echo "SmolLM2 at $MODEL has the wrong sha256: skipped"; fi
 fi

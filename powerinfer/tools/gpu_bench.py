@@ -42,13 +42,17 @@ class Row:
     ok: bool | None  # None: a measurement, not a check
 
 
-def make_model(workdir: Path, shape: str, n_layers: int, qtype: str) -> Path:
+# SmolLM2-135M's shape (llama, Q4_0 here): small enough that a decode step is mostly per-layer overhead
+SMOLLM2_SHAPE = dict(d_model=576, n_ff=1536, n_heads=9, n_kv_heads=3, vocab=49152)
+
+
+def make_model(workdir: Path, shape: str, n_layers: int, qtype: str, tag: str = "", **overrides: int) -> Path:
     from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 
-    path = workdir / f"relu-{shape}-{n_layers}L-{qtype}.gguf"
+    path = workdir / f"relu-{tag or shape}-{n_layers}L-{qtype}.gguf"
     if not path.exists():
         workdir.mkdir(parents=True, exist_ok=True)
-        spec = ReluSparseSpec.shape(shape, n_layers=n_layers, qtype=QT[qtype], calib_tokens=128)
+        spec = ReluSparseSpec.shape(shape, n_layers=n_layers, qtype=QT[qtype], calib_tokens=128, **overrides)
         tmp = path.with_name(path.name + ".part")
         write_relu_sparse_gguf(tmp, spec)
         os.replace(tmp, path)
@@ -143,3 +147,32 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
     rows.append(Row("bench", "neuron vs layer split", f"{speeds['neuron'] / speeds['layer']:.2f}x decode speed", None))
     return rows
 
+
+
+def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_layers: int = 30) -> list[Row]:
+    """Decode speed of a SmolLM2-shaped file with every layer on the GPU, the GPU worker in its own
+    process (the default: two ZeroMQ round trips per layer) against in the coordinator's process:
+    what the process boundary costs a step when the kernels themselves are short."""
+    from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
+
+    t0 = time.perf_counter()
+    path = make_model(workdir, "tiny", n_layers, "Q4_0", tag="smollm2-shape", **SMOLLM2_SHAPE)
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    rows = [Row("overhead", "model", f"SmolLM2 shape, {cfg.n_layers} layers Q4_0, every layer on the GPU ({time.perf_counter() - t0:.0f}s)", None)]
+    speeds: dict[bool, list[float]] = {}
+    for process in (True, False, True, False):  # alternating rounds
+        opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=process)
+        ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, sparse=False)
+        try:
+            if not all(ex.placement.gpu_layers) or (process and not ex.pids):
+                raise RuntimeError(f"expected every layer on the GPU, in a worker process: {process}")
+            _, decode = _decode(ex, f, cfg, n_tokens)
+        finally:
+            ex.close()
+        speeds.setdefault(process, []).append(decode)
+    for process, name in ((True, "GPU worker process"), (False, "GPU runtime in-process")):
+        rows.append(Row("overhead", f"{name} decode", " / ".join(f"{v:.1f}" for v in speeds[process]) + " tokens/s", None))
+    ratio = float(np.median([b / a for a, b in zip(speeds[True], speeds[False])]))
+    rows.append(Row("overhead", "in-process vs process", f"{ratio:.2f}x decode speed (median of rounds)", None))
+    return rows

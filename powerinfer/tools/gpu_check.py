@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.gpu_worker.backend import Backend, CpuBackend
 from powerinfer.gpu_worker.kernels import SUFFIX
 from powerinfer.quants.registry import REGISTRY
-from powerinfer.tools.gpu_bench import Row, run_benchmark
+from powerinfer.tools.gpu_bench import Row, run_benchmark, run_worker_overhead
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def _print_table(rows: Sequence[Row]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m powerinfer.tools.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="kernels,smollm2,bench", help="comma-separated: kernels, smollm2, bench")
+    p.add_argument("--parts", default="kernels,smollm2,overhead,bench", help="comma-separated: kernels, smollm2, overhead, bench")
     p.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf (the part is skipped without it)")
     p.add_argument("--fixture", type=Path, default=Path("../shared/fixtures/llamacpp_reference.json"))
     p.add_argument("--workdir", type=Path, default=Path("/tmp/powerinfer-gpu-check"))
@@ -264,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs: dict[str, Callable[[], list[Row]]] = {
         "kernels": check_kernels,
         "smollm2": lambda: check_smollm2(args.smollm2, args.fixture, backend=args.backend) if args.smollm2 else [Row("smollm2", "model", "not given: skipped", None)],
+        "overhead": lambda: run_worker_overhead(args.workdir, 64, args.backend),
         "bench": lambda: run_benchmark(args.workdir, args.bench_shape, args.bench_layers, args.bench_qtype, args.vram_budget,
                                        args.bench_tokens, args.backend),
     }

@@ -197,6 +197,7 @@ def test_gpu_offload_on_the_cpu_backend(make_model: Callable[..., Path]) -> None
     """-ngl/--vram-budget with the GPU worker's numpy stand-in (its numbers are held against the CPU
     path in tests/gpu_worker); here: the flags reach it and the summary says where parts live."""
     model = str(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2))
+    texts = {}
     for split in ("neuron", "layer"):
         proc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", "1", "--vram-budget", "0.002", "--gpu-backend", "cpu",
                    "--split", split, "--verbose", *(["--reset-gpu-index"] if split == "neuron" else []))
@@ -204,6 +205,13 @@ def test_gpu_offload_on_the_cpu_backend(make_model: Callable[..., Path]) -> None
         assert proc.stdout.startswith("abc") and "eval time" in proc.stderr
         assert f"placement  GPU worker (pid" in proc.stderr and f"{split} split: attention of 1/2 layers" in proc.stderr
         assert "hot-neuron ratio" in proc.stderr
+        texts[split] = proc.stdout
+    # --gpu-worker inprocess: the same runtime in this process, the same greedy text
+    inproc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", "1", "--vram-budget", "0.002", "--gpu-backend", "cpu",
+                 "--gpu-worker", "inprocess", "--verbose")
+    assert inproc.returncode == 0, inproc.stderr
+    assert "placement  GPU worker (in process), neuron split" in inproc.stderr
+    assert inproc.stdout == texts["neuron"]
 
 
 def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path]) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from powerinfer.gpu_worker.backend import CpuBackend
-from powerinfer.tools.gpu_bench import Row, run_benchmark
+from powerinfer.tools.gpu_bench import Row, run_benchmark, run_worker_overhead
 from powerinfer.tools.gpu_check import _print_table, _quant_cases, _small_cases
 
 
@@ -36,3 +36,11 @@ def test_benchmark_dry_run_on_a_tiny_relu_model(tmp_path: Path, capsys: pytest.C
     assert "x decode speed" in by_case["neuron vs layer split"].value
     _print_table([*rows, Row("x", "y", "z", False)])
     assert "FAIL" in capsys.readouterr().out
+
+
+def test_worker_overhead_dry_run(tmp_path: Path) -> None:
+    rows = run_worker_overhead(tmp_path, 2, backend="cpu", n_layers=2)
+    by_case = {r.case: r.value for r in rows}
+    assert "2 layers Q4_0" in by_case["model"]
+    assert by_case["GPU worker process decode"].count(" / ") == 1 and by_case["GPU runtime in-process decode"].endswith("tokens/s")
+    assert "x decode speed" in by_case["in-process vs process"]
