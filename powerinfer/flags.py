@@ -119,8 +119,8 @@ def add_gpu_args(p: argparse.ArgumentParser) -> None:
                    help="cuda: the NVIDIA GPU (default); cpu: a numpy stand-in of the GPU worker, to check a placement without one")
     p.add_argument("--gpu-worker", choices=["process", "inprocess"], default="process",
                    help="process: the GPU runtime in its own supervised process (default: a CUDA fault cannot take this one down, "
-                        "and a dead worker is replaced); inprocess: in this process, without two ZeroMQ round trips per layer "
-                        "(3.6x decode speed where every layer is on the GPU: docs/gpu.md)")
+                        "and a dead worker is replaced); inprocess: in this process, without ZeroMQ round trips (two per split "
+                        "layer, one per run of whole GPU layers; docs/gpu.md)")
 
 
 def check_gpu_flags(args: argparse.Namespace) -> None:

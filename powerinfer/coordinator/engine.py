@@ -11,7 +11,6 @@ holds, so a new prompt that shares a prefix with the previous one only computes 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -20,26 +19,13 @@ from powerinfer.config import ModelConfig
 from powerinfer.coordinator.executor import Executor
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.weights import embed_rows, layer_tensor, load_vector
+from powerinfer.model.layer_loop import load_layer_norms, rms_norm, run_layers
+from powerinfer.model.weights import embed_rows, load_vector
 
 log = logging.getLogger(__name__)
 
 REFINE = 32  # logits per position recomputed in float32 (see Engine.logits_of)
 REFINE_MARGIN = 1.0  # decode: refine every logit within this of the best (head error is ~0.1)
-
-
-@dataclass
-class LayerNorms:
-    attn: np.ndarray
-    ffn: np.ndarray
-    post_attn: np.ndarray | None
-    post_ffn: np.ndarray | None
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x [T, n] normalised over n, times weight [n] (Gemma's +1 is baked into the file)."""
-    ms = np.einsum("ij,ij->i", x, x)[:, None] / np.float32(x.shape[1])
-    return x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32) * weight
 
 
 def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
@@ -57,15 +43,7 @@ class Engine:
         self.f, self.cfg, self.executor = f, cfg, executor
         self.n_ctx, self.n_batch = n_ctx, n_batch
         d = cfg.d_model
-        self.norms = [
-            LayerNorms(
-                attn=load_vector(f, layer_tensor(i, "attn_norm"), d),
-                ffn=load_vector(f, layer_tensor(i, "ffn_norm"), d),
-                post_attn=load_vector(f, layer_tensor(i, "post_attention_norm"), d) if cfg.post_norms else None,
-                post_ffn=load_vector(f, layer_tensor(i, "post_ffw_norm"), d) if cfg.post_norms else None,
-            )
-            for i in range(cfg.n_layers)
-        ]
+        self.norms = load_layer_norms(f, cfg)
         self.output_norm = load_vector(f, "output_norm.weight", d)
         # The output head [T, d] -> [T, vocab] is computed by the executor (split across workers);
         # the engine only re-reads a few of its rows to refine the best logits.
@@ -145,15 +123,18 @@ class Engine:
         whole_step = getattr(self.executor, "forward", None)
         if whole_step is not None:  # the native executor runs every layer and the final norm in one call
             return whole_step(x, positions, slots)
-        for layer, norms in enumerate(self.norms):
-            h = self.executor.attention(layer, rms_norm(x, norms.attn, cfg.norm_eps), positions, slots)
-            if norms.post_attn is not None:
-                h = rms_norm(h, norms.post_attn, cfg.norm_eps)
-            x = x + h
-            h = self.executor.ffn(layer, rms_norm(x, norms.ffn, cfg.norm_eps))
-            if norms.post_ffn is not None:
-                h = rms_norm(h, norms.post_ffn, cfg.norm_eps)
-            x = x + h
+        # runs of layers the executor computes whole (a GPU worker's fully offloaded layers: one
+        # request each); every other layer goes attention, then FFN, through the executor
+        runs = getattr(self.executor, "layer_runs", ())
+        layer = 0
+        while layer < cfg.n_layers:
+            stop = next((b for a, b in runs if a == layer), None)
+            if stop is not None:
+                x = self.executor.layers(layer, stop, x, positions, slots)  # type: ignore[attr-defined]
+            else:
+                stop = next((a for a, _ in runs if a > layer), cfg.n_layers)
+                x = run_layers(cfg, self.norms, layer, stop, x, positions, slots, self.executor.attention, self.executor.ffn)
+            layer = stop
         return rms_norm(x, self.output_norm, cfg.norm_eps)
 
     def logits_of(self, hidden: np.ndarray, decode: bool = False) -> np.ndarray:

@@ -8,7 +8,10 @@ Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor`. Fr
 
 * attention of a GPU layer (``gpu_layers[i]``) is computed by the GPU worker with its KV cache;
   of any other layer by an :class:`AttentionShard` here;
-* the FFN of every layer is split: the GPU worker computes the hot neurons (``hot[i]``), a
+* a run of layers wholly on the GPU (attention and every neuron: layer split's GPU layers) goes
+  to the GPU worker as one request (LAYERS), which runs the engine's own loop
+  (model/layer_loop.py) over them: one round trip instead of two per layer, the same numbers;
+* the FFN of every other layer is split: the GPU worker computes the hot neurons (``hot[i]``), a
   :class:`FFNShard` / :class:`SparseFFNShard` here the cold ones (the complement, any set). The
   GPU request is sent first and the CPU shard computed while the GPU works; the merge is the sum
   of the two partials (each a partial sum in model space), so it only changes the order of float
@@ -51,7 +54,8 @@ class HybridStats:
     cpu_attention_s: float = 0.0
     cpu_ffn_s: float = 0.0
     gpu_ffn_wait_s: float = 0.0  # time the GPU partial was still missing after the CPU finished
-    ffn_calls: int = 0
+    gpu_layers_s: float = 0.0  # runs of whole GPU layers, one request each
+    ffn_calls: int = 0  # layers' FFNs computed (a run of whole layers counts each of its layers)
 
 
 class HybridExecutor:
@@ -86,6 +90,10 @@ class HybridExecutor:
                 self.ffns.append(SparseFFNShard(f, cfg, i, cold, predictor.layers[i], predictor.mode))
         self.head: HeadShard = HeadShard(f, cfg, 0, cfg.vocab_size)
         self.stats = HybridStats()
+        # maximal runs [first, stop) of layers wholly on the GPU (attention and every neuron): the
+        # engine sends each run as one request (LAYERS) instead of two per layer
+        whole = [self.attn[i] is None and self.ffns[i] is None for i in range(cfg.n_layers)]
+        self.layer_runs: tuple[tuple[int, int], ...] = tuple(_runs(whole))
 
     @property
     def cpu_bytes(self) -> int:
@@ -143,6 +151,14 @@ class HybridExecutor:
         assert out is not None  # every neuron is on one side
         return out
 
+    def layers(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] the residual stream entering layer `first` -> leaving stop - 1 (a run of `layer_runs`)."""
+        t0 = time.perf_counter()
+        out = self.gpu.layers_begin(first, stop, x, positions, slots).result()
+        self.stats.gpu_layers_s += time.perf_counter() - t0
+        self.stats.ffn_calls += stop - first
+        return out
+
     def logits(self, x: np.ndarray) -> np.ndarray:
         import torch
 
@@ -177,6 +193,18 @@ class HybridExecutor:
         self.gpu.close()
         self.attn.clear()
         self.ffns.clear()
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of True."""
+    out, start = [], None
+    for i, v in enumerate([*flags, False]):
+        if v and start is None:
+            start = i
+        elif not v and start is not None:
+            out.append((start, i))
+            start = None
+    return out
 
 
 @dataclass(frozen=True)

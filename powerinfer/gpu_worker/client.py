@@ -33,6 +33,7 @@ from powerinfer.protocol import (
     ErrorMsg,
     FfnMsg,
     HelloMsg,
+    LayersMsg,
     LoadMsg,
     PartialMsg,
     ProtocolError,
@@ -95,6 +96,7 @@ class GpuHandle(Protocol):
 
     def attention_begin(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending: ...
     def ffn_begin(self, layer: int, x: np.ndarray) -> Pending: ...
+    def layers_begin(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending: ...
     def close(self) -> None: ...
 
 
@@ -120,8 +122,24 @@ class LocalGpuWorker:
     def ffn_begin(self, layer: int, x: np.ndarray) -> Pending:
         return self.model.ffn_begin(layer, x)
 
+    def layers_begin(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending:
+        return _Done(self.model.layers(first, stop, x, positions, slots))
+
     def close(self) -> None:
         self.model.close()
+
+
+class _Done:
+    """A result computed already (the in-process runtime's run of layers)."""
+
+    def __init__(self, y: np.ndarray) -> None:
+        self.y = y
+
+    def result(self) -> np.ndarray:
+        return self.y
+
+    def abandon(self) -> None:
+        pass
 
 
 class _Reply:
@@ -174,14 +192,16 @@ class GpuWorkerProcess:
 
     # -- messaging -----------------------------------------------------------------------------------
 
-    def _start(self, make: type[AttnMsg] | type[FfnMsg], layer: int, tensors: tuple[np.ndarray, ...], what: str) -> _Reply:
+    def _start(self, make: type[AttnMsg] | type[FfnMsg] | type[LayersMsg], layer: int, tensors: tuple[np.ndarray, ...], what: str,
+               stop: int = 0) -> _Reply:
         if self._pending >= 0:
             raise RuntimeError("one GPU request at a time: take the previous result first")
         if layer <= self._last_layer:
             self._step += 1  # a new forward pass
-        self._last_layer = layer
+        self._last_layer = max(layer, stop - 1)
         self._req += 1
-        self._sup.send(0, make(req=self._req, step=self._step, layer=layer, tensors=tensors))  # type: ignore[arg-type]
+        extra = {"stop": stop} if make is LayersMsg else {}
+        self._sup.send(0, make(req=self._req, step=self._step, layer=layer, tensors=tensors, **extra))  # type: ignore[arg-type]
         self._pending = self._req
         return _Reply(self, self._req, what)
 
@@ -201,6 +221,12 @@ class GpuWorkerProcess:
 
     def ffn_begin(self, layer: int, x: np.ndarray) -> Pending:
         return self._start(FfnMsg, layer, (np.ascontiguousarray(x, dtype=np.float32),), f"computing layer {layer} hot neurons")
+
+    def layers_begin(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending:
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        sl = np.zeros_like(pos) if slots is None else np.ascontiguousarray(slots, dtype=np.int64)
+        return self._start(LayersMsg, first, (np.ascontiguousarray(x, dtype=np.float32), pos, sl), f"computing layers {first}..{stop - 1}",
+                           stop=stop)
 
     def check_health(self) -> None:
         """Between requests: raise WorkerDiedError if the worker exited or stopped beating."""

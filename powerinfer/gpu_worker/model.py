@@ -33,6 +33,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead
 from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS, qkv_width
 from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
+from powerinfer.model.layer_loop import LayerNorms, load_layer_norms, run_layers
 from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class GpuModel:
                 self.attn[i] = self._upload_attention(f, i)
             if len(plan.hot[i]):
                 self.ffns[i] = self._upload_ffn(f, i, np.asarray(plan.hot[i], dtype=np.int64), predictor, ranks[i])
+        # host copies of the norms, for runs of whole layers computed here (a few KiB a layer)
+        self.norms: list[LayerNorms] | None = load_layer_norms(f, cfg) if any(self.whole(i) for i in range(cfg.n_layers)) else None
         log.info("GPU (%s): %d attention layers, %d hot neurons, %.1f MiB", backend.name, sum(plan.gpu_layers),
                  sum(len(h) for h in plan.hot), self.nbytes / 2**20)
 
@@ -289,6 +292,23 @@ class GpuModel:
 
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         return self.ffn_begin(layer, x).result()
+
+    def whole(self, layer: int) -> bool:
+        """Whether the layer lives wholly here: its attention and every FFN neuron."""
+        ffn = self.ffns[layer]
+        return self.attn[layer] is not None and ffn is not None and len(self.plan.hot[layer]) == self.cfg.n_ff
+
+    def layers(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] the residual stream entering layer `first` -> leaving layer stop - 1, for a run of
+        layers that live wholly here (one request instead of two per layer; the same float
+        operations as the engine's loop: model/layer_loop.py)."""
+        if not 0 <= first < stop <= self.cfg.n_layers or not all(self.whole(i) for i in range(first, stop)):
+            raise InvalidArgumentError(f"layers {first}..{stop - 1} do not all live wholly on the GPU")
+        if self.norms is None:
+            raise InvalidArgumentError("this GPU runtime was built without the layers' norms")
+        pos = np.asarray(positions, dtype=np.int64)
+        sl = np.zeros_like(pos) if slots is None else np.asarray(slots, dtype=np.int64)
+        return run_layers(self.cfg, self.norms, first, stop, np.asarray(x, dtype=np.float32), pos, sl, self.attention, self.ffn)
 
     def close(self) -> None:
         self.attn = [None] * self.cfg.n_layers

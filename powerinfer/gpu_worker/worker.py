@@ -6,7 +6,7 @@ as ``python -m powerinfer.gpu_worker.worker 0 CTL HB COORDINATOR_PID LOG_LEVEL S
 Life cycle, as a CPU worker's (docs/protocol.md): HELLO -> LOAD (model path, context, predictor,
 KV slots) -> build the backend from the setup file (``cpu`` or ``cuda``, the VRAM budget, the hot
 neurons of each layer), upload -> READY (weight_bytes = device bytes in use) or ERROR (e.g.
-GpuMemoryError, whose message the coordinator shows as is) -> ATTN / FFN -> PARTIAL until
+GpuMemoryError, whose message the coordinator shows as is) -> ATTN / FFN / LAYERS -> PARTIAL until
 SHUTDOWN. The life cycle (sockets, heartbeat thread, the per-layer loop) is
 protocol/worker_runtime.py's, shared with the CPU workers. No torch here: numpy, pyzmq and
 (for ``cuda``) pycuda.
@@ -27,6 +27,7 @@ from powerinfer.gpu_worker.model import GpuModel
 from powerinfer.protocol import (
     AttnMsg,
     FfnMsg,
+    LayersMsg,
     LoadMsg,
     Message,
 )
@@ -61,13 +62,15 @@ def _compute(model: GpuModel, msg: Message) -> np.ndarray:
     x = _f32(msg.tensors[0])  # type: ignore[attr-defined]
     if isinstance(msg, AttnMsg):
         return model.attention(msg.layer, x, np.asarray(msg.tensors[1]), np.asarray(msg.tensors[2]))
+    if isinstance(msg, LayersMsg):
+        return model.layers(msg.layer, msg.stop, x, np.asarray(msg.tensors[1]), np.asarray(msg.tensors[2]))
     assert isinstance(msg, FfnMsg)
     return model.ffn(msg.layer, x)
 
 
 def _prepare(load: LoadMsg, setup_path: str) -> Loaded:
     model = _load(load, GpuSetup.from_json(Path(setup_path).read_text()))
-    return Loaded(model.nbytes, lambda sock, busy: serve_layers(sock, INDEX, busy, (AttnMsg, FfnMsg), lambda m: _compute(model, m)),
+    return Loaded(model.nbytes, lambda sock, busy: serve_layers(sock, INDEX, busy, (AttnMsg, FfnMsg, LayersMsg), lambda m: _compute(model, m)),
                   model.close)
 
 

@@ -19,6 +19,7 @@ import zmq
 from powerinfer.protocol.errors import ProtocolError, ProtocolVersionError
 from powerinfer.protocol.messages import (
     AttnMsg,
+    LayersMsg,
     ErrorMsg,
     FfnMsg,
     HeartbeatMsg,
@@ -85,6 +86,7 @@ _SPECS = [
                     "transport": _STR, "shm": _STR, "max_t": _U1}),
     _spec(ReadyMsg, {"worker": _U, "weight_bytes": _U, "load_s": _FLOAT}),
     _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
+    _spec(LayersMsg, {**_STEP, "stop": _U1}, (("x", ("f32",), 2), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
     _spec(FfnMsg, _STEP, (("x", _ACT, 2),)),
     _spec(LogitsMsg, _STEP, (("x", _ACT, 2),)),
     _spec(PartialMsg, {**_STEP, "worker": _U, "compute_us": _U}, (("y", _ACT, 2),)),
@@ -194,7 +196,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
                 raise ProtocolError(f"{spec.type.name}: tensor {role!r} must have rank {rank}, got shape {list(arr.shape)}")
             descs.append((code, arr.shape))
             frames.append(memoryview(arr).cast("B") if arr.size else b"")  # cast refuses empty shapes
-        if spec.cls is AttnMsg:
+        if spec.cls is AttnMsg or spec.cls is LayersMsg:
             for d in descs[1:]:
                 if d[1][0] != descs[0][1][0]:
                     raise _rows_error(descs[0][1][0], d[1][0])
@@ -282,7 +284,7 @@ def _decode_tensors(spec: _Spec, descs: Any, frames: Any) -> tuple[np.ndarray, .
             out.append(np.ndarray(shape, dt, buf.toreadonly()))
         except ValueError:  # e.g. [0, 2**62, 8]: zero bytes, but numpy refuses the shape
             raise ProtocolError(f"{spec.type.name}: tensor {role!r} shape {list(shape)} is too large") from None
-    if spec.cls is AttnMsg:
+    if spec.cls is AttnMsg or spec.cls is LayersMsg:
         for t in out[1:]:
             if t.shape[0] != out[0].shape[0]:
                 raise _rows_error(out[0].shape[0], t.shape[0])

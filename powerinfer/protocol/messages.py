@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 4  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t
+PROTOCOL_VERSION: int = 5  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
+# 5: LAYERS (a run of whole layers in one request)
 MAX_BODY = 64 * 1024  # bytes of frame 0 (type byte + msgpack body)
 MAX_STR = 4096  # characters of a str field (two of them at 4 B/char stay well under MAX_BODY)
 MAX_LIST = 4096  # elements of a list field (LOAD.cpus)
@@ -64,6 +65,7 @@ class MsgType(enum.IntEnum):
     LOGITS = 10  # coordinator -> worker (protocol 2): the worker's vocabulary rows of the output head
     STEP = 11  # coordinator -> worker (protocol 4, transport "shm"): a whole forward pass
     RESULT = 12  # worker -> coordinator (protocol 4): a STEP (or, under "shm", a LOGITS) is done
+    LAYERS = 13  # coordinator -> GPU worker (protocol 5): a run of layers that live wholly on the GPU
 
 
 def _describe(t: Any) -> str:
@@ -147,6 +149,25 @@ class AttnMsg:
     @property
     def slots(self) -> Tensor:
         return self.tensors[2]
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class LayersMsg:
+    """Layers [layer, stop) computed whole by the GPU worker: tensors = (x [T, d] f32 the residual
+    stream entering `layer` (not normed), positions [T] i64, slots [T] i64, as ATTN's); the reply
+    is PARTIAL with the stream leaving layer stop - 1."""
+
+    req: int
+    step: int
+    layer: int
+    stop: int
+    tensors: tuple[Tensor, Tensor, Tensor]
+    TYPE: ClassVar[MsgType] = MsgType.LAYERS
+    __repr__ = _tensor_repr
+
+    @property
+    def x(self) -> Tensor:
+        return self.tensors[0]
 
 
 @dataclass(frozen=True, slots=True, eq=False, repr=False)
@@ -274,4 +295,4 @@ class ShutdownMsg:
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, LogitsMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]
+Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, LayersMsg, FfnMsg, LogitsMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]

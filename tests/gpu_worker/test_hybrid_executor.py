@@ -143,3 +143,34 @@ def test_a_cpu_failure_between_gpu_request_and_result_leaves_the_executor_usable
         np.testing.assert_array_equal(ex.ffn(layer, x), want)  # not "one GPU request at a time"
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("process", [False, True])
+def test_whole_gpu_layers_go_as_one_request_with_the_same_numbers(make_model: Callable[..., Path], process: bool) -> None:
+    # layer split with room for every layer: one LAYERS request per step instead of two per layer,
+    # computed by the engine's own loop in the GPU runtime, so the logits are the same bits
+    path = make_model(arch="gemma3", qtype=QT.Q4_0)  # post-attention and post-FFN norms too
+    f, cfg = load(path)
+    ex = build_hybrid_executor(path, f, cfg, CTX, GpuOptions(backend="cpu", split="layer", vram_budget_gib=0.5, process=process, max_tokens=8))
+    try:
+        assert ex.layer_runs == ((0, cfg.n_layers),)
+        fused = Engine(f, cfg, ex, CTX, 8).eval(IDS, all_logits=True)
+        assert ex.stats.gpu_layers_s > 0 and ex.stats.gpu_attention_s == 0 and ex.stats.ffn_calls == cfg.n_layers * 3
+        ex.layer_runs = ()  # the per-layer path, over the same GPU runtime (its KV cache is rewritten alike)
+        per_layer = Engine(f, cfg, ex, CTX, 8).eval(IDS, all_logits=True)
+        assert ex.stats.gpu_attention_s > 0
+        np.testing.assert_array_equal(fused, per_layer)
+    finally:
+        ex.close()
+
+
+def test_runs_of_whole_layers_sit_between_split_layers(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="llama", qtype=QT.Q4_0)
+    f, cfg = load(path)
+    ex = build_hybrid_executor(path, f, cfg, CTX, _opts("layer", _budget(f, cfg, "layer")))
+    try:
+        assert ex.layer_runs == ((0, 1),)  # layer 0 whole on the GPU, layer 1 on the CPU
+        with pytest.raises(Exception, match="do not all live wholly on the GPU"):
+            ex.layers(0, 2, np.zeros((1, cfg.d_model), np.float32), np.zeros(1, np.int64))
+    finally:
+        ex.close()

@@ -28,6 +28,7 @@ from powerinfer.protocol import (
     PROTOCOL_VERSION,
     ZERO_COPY_MIN,
     AttnMsg,
+    LayersMsg,
     ErrorMsg,
     FfnMsg,
     HeartbeatMsg,
@@ -58,7 +59,7 @@ from powerinfer.protocol import (
 REPO = Path(__file__).resolve().parents[2]
 X = np.arange(2 * 8, dtype=np.float32).reshape(2, 8) - 3.5
 POS = np.array([3, 4], dtype=np.int64)
-MESSAGE_CLASSES = (HelloMsg, LoadMsg, ReadyMsg, AttnMsg, FfnMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg)
+MESSAGE_CLASSES = (HelloMsg, LoadMsg, ReadyMsg, AttnMsg, LayersMsg, FfnMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg)
 
 
 def samples() -> list[Message]:
@@ -67,6 +68,7 @@ def samples() -> list[Message]:
         LoadMsg("/models/smollm2.gguf", 1, 2, 512, 4, (0, 1, 2), -1, "/models/smollm2.predictor"),
         ReadyMsg(1, 123_456_789, 1.5),
         AttnMsg(7, 3, 11, (X, POS, np.zeros_like(POS))),
+        LayersMsg(7, 3, 11, 14, (X, POS, np.zeros_like(POS))),
         FfnMsg(7, 3, 11, (X,)),
         PartialMsg(7, 3, 11, 1, 250, (X * 2,)),
         LoadMsg("/models/smollm2.gguf", 0, 2, 512, 1, (), -1, "", 4, "shm", "/dev/shm/powerinfer-1-x", 512),
@@ -115,7 +117,7 @@ def test_wire_bytes_are_stable() -> None:
     """Golden header of docs/protocol.md: changing it breaks peers in other languages."""
     assert {t.name: int(t) for t in MsgType} == {
         "HELLO": 1, "LOAD": 2, "READY": 3, "ATTN": 4, "FFN": 5, "PARTIAL": 6, "ERROR": 7, "HEARTBEAT": 8, "SHUTDOWN": 9, "LOGITS": 10,
-        "STEP": 11, "RESULT": 12,
+        "STEP": 11, "RESULT": 12, "LAYERS": 13,
     }  # fmt: skip
     frames = encode(AttnMsg(1, 2, 3, (np.zeros((1, 576), np.float32), np.array([5], np.int64), np.array([0], np.int64))))
     # 04 | map(4) "req":1 "step":2 "layer":3 "t":[["f32",[1,576]],["i64",[1]],["i64",[1]]]
@@ -403,14 +405,16 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 5, this side speaks version 4") as info:
-        decode(raw(1, {"version": 5, "worker": 0, "pid": 1, "features": ["x"]}))  # a v5 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (5, 4)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 6, this side speaks version 5") as info:
+        decode(raw(1, {"version": 6, "worker": 0, "pid": 1, "features": ["x"]}))  # a v6 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (6, 5)
 
 
 def test_encode_rejects_what_decode_would() -> None:
     with pytest.raises(ProtocolError, match="positions/slots have 3 entries but x has 2 rows"):
         encode(AttnMsg(0, 0, 0, (X, np.arange(3), np.zeros(3, np.int64))))
+    with pytest.raises(ProtocolError, match="positions/slots have 3 entries but x has 2 rows"):
+        encode(LayersMsg(0, 0, 0, 1, (X, np.arange(3), np.zeros(3, np.int64))))
     with pytest.raises(ProtocolError, match="'positions' must be i64, got f32"):
         encode(AttnMsg(0, 0, 0, (X, POS.astype(np.float32), POS)))
     with pytest.raises(ProtocolError, match="must have rank 2"):
