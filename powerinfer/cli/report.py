@@ -115,14 +115,21 @@ def layer_figures(llm: LLM) -> str:
     if stats is None:
         return "per-layer figures: in-process executor (no IPC); see `powerinfer bench` for speed"
     if hasattr(stats, "ffn_calls"):  # hybrid executor
-        n = max(1, stats.ffn_calls)
+        n, na = max(1, stats.ffn_calls), max(1, stats.attention_calls)
         pl = llm.engine.executor.placement  # type: ignore[attr-defined]
         ratio = sum(len(h) for h in pl.hot) / (llm.config.n_ff * llm.config.n_layers)
-        return "\n".join([
-            f"hot-neuron ratio {100 * ratio:.1f}% ({100 * pl.mass_on_gpu:.0f}% of the activation mass); per FFN call (n={stats.ffn_calls}):",
-            f"  CPU cold neurons {stats.cpu_ffn_s / n * 1e6:10.1f} µs   waiting for the GPU's hot partial {stats.gpu_ffn_wait_s / n * 1e6:10.1f} µs",
-            f"  attention: GPU {stats.gpu_attention_s / n * 1e6:10.1f} µs, CPU {stats.cpu_attention_s / n * 1e6:10.1f} µs per layer call",
-        ])
+        lines = [f"hot-neuron ratio {100 * ratio:.1f}% ({100 * pl.mass_on_gpu:.0f}% of the activation mass)"]
+        if stats.whole_layer_calls:
+            lines.append(f"  layers wholly on the GPU: {stats.gpu_layers_s / stats.whole_layer_calls * 1e6:10.1f} µs per layer "
+                         f"({stats.layer_runs} requests for {stats.whole_layer_calls} layer calls)")
+        if stats.ffn_calls:
+            lines += [
+                f"  split layers, per FFN call (n={stats.ffn_calls}): CPU cold neurons {stats.cpu_ffn_s / n * 1e6:10.1f} µs   "
+                f"waiting for the GPU's hot partial {stats.gpu_ffn_wait_s / n * 1e6:10.1f} µs",
+                f"  split layers' attention (n={stats.attention_calls}): GPU {stats.gpu_attention_s / na * 1e6:10.1f} µs, "
+                f"CPU {stats.cpu_attention_s / na * 1e6:10.1f} µs per call",
+            ]
+        return "\n".join(lines)
     merge = getattr(llm.engine.executor, "merge_latencies_ns", None)
     if merge is not None:  # the native pool: one step per forward pass
         n = max(1, stats.calls)

@@ -55,7 +55,15 @@ class HybridStats:
     cpu_ffn_s: float = 0.0
     gpu_ffn_wait_s: float = 0.0  # time the GPU partial was still missing after the CPU finished
     gpu_layers_s: float = 0.0  # runs of whole GPU layers, one request each
-    ffn_calls: int = 0  # layers' FFNs computed (a run of whole layers counts each of its layers)
+    ffn_calls: int = 0  # split layers' FFN calls (hot on the GPU and/or cold here)
+    attention_calls: int = 0  # split layers' attention calls (GPU or CPU)
+    layer_runs: int = 0  # LAYERS requests
+    whole_layer_calls: int = 0  # layers computed inside them
+
+    @property
+    def layer_calls(self) -> int:
+        """Layers computed, either way (a forward pass of T tokens counts n_layers)."""
+        return self.ffn_calls + self.whole_layer_calls
 
 
 class HybridExecutor:
@@ -113,6 +121,7 @@ class HybridExecutor:
         import torch
 
         t0 = time.perf_counter()
+        self.stats.attention_calls += 1
         shard = self.attn[layer]
         if shard is None:
             out = self.gpu.attention_begin(layer, x, positions, slots).result()
@@ -156,7 +165,8 @@ class HybridExecutor:
         t0 = time.perf_counter()
         out = self.gpu.layers_begin(first, stop, x, positions, slots).result()
         self.stats.gpu_layers_s += time.perf_counter() - t0
-        self.stats.ffn_calls += stop - first
+        self.stats.layer_runs += 1
+        self.stats.whole_layer_calls += stop - first
         return out
 
     def logits(self, x: np.ndarray) -> np.ndarray:

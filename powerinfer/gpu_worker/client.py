@@ -46,6 +46,7 @@ from powerinfer.protocol.supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # kernels compile (first run) and gigabytes upload before READY
+REQUEST_TIMEOUT_S = 600.0  # one layer's request (a LAYERS run: this per layer); heartbeats catch a dead worker sooner
 BACKENDS = ("cpu", "cuda")
 _TYPED = {"GpuMemoryError": GpuMemoryError, "GpuUnavailableError": GpuUnavailableError}
 
@@ -143,13 +144,13 @@ class _Done:
 
 
 class _Reply:
-    def __init__(self, proc: "GpuWorkerProcess", req: int, what: str) -> None:
-        self.proc, self.req, self.what = proc, req, what
+    def __init__(self, proc: "GpuWorkerProcess", req: int, what: str, timeout: float) -> None:
+        self.proc, self.req, self.what, self.timeout = proc, req, what, timeout
 
     def result(self) -> np.ndarray:
         if self.proc._pending != self.req:
             raise RuntimeError("this GPU result was already taken or abandoned")
-        return self.proc._wait(self.req, self.what)
+        return self.proc._wait(self.req, self.what, self.timeout)
 
     def abandon(self) -> None:
         """Give up on the result (the caller failed before taking it); its late reply is skipped as stale."""
@@ -166,7 +167,9 @@ class GpuWorkerProcess:
         # the setup file lands in the supervisor's private socket directory (mode 0700)
         self._sup = Supervisor("powerinfer.gpu_worker.worker", 1, log_level, lambda i: "the GPU worker", prefix="powerinfer-gpu-",
                                extra_args=lambda i: ["{dir}/setup.json"], files={"setup.json": setup.to_json()})
-        self._req, self._step, self._last_layer, self._pending = 0, 0, -1, -1
+        # _last: (layer, phase) of the latest request (phase 0 attention, 1 FFN); a request at or
+        # before it starts a new forward pass (only logs and traces read `step`)
+        self._req, self._step, self._last, self._pending = 0, 0, (-1, 1), -1
         self.weight_bytes = 0
         try:
             self._handshake(model, n_ctx, n_slots, predictor, start_timeout)
@@ -196,18 +199,21 @@ class GpuWorkerProcess:
                stop: int = 0) -> _Reply:
         if self._pending >= 0:
             raise RuntimeError("one GPU request at a time: take the previous result first")
-        if layer <= self._last_layer:
+        first = (layer, 1 if make is FfnMsg else 0)
+        if first <= self._last:
             self._step += 1  # a new forward pass
-        self._last_layer = max(layer, stop - 1)
+        self._last = (stop - 1, 1) if make is LayersMsg else first
         self._req += 1
         extra = {"stop": stop} if make is LayersMsg else {}
         self._sup.send(0, make(req=self._req, step=self._step, layer=layer, tensors=tensors, **extra))  # type: ignore[arg-type]
         self._pending = self._req
-        return _Reply(self, self._req, what)
+        # a run of layers gets each layer's allowance: a slow backend's long prefill chunk is not a hang
+        timeout = REQUEST_TIMEOUT_S * (max(1, stop - layer) if make is LayersMsg else 1)
+        return _Reply(self, self._req, what, timeout)
 
-    def _wait(self, req: int, what: str) -> np.ndarray:
+    def _wait(self, req: int, what: str, timeout: float = 0.0) -> np.ndarray:
         try:
-            msg = self._sup.gather({0}, 600.0, what, req=req, error=_gpu_error)[0]
+            msg = self._sup.gather({0}, timeout or REQUEST_TIMEOUT_S, what, req=req, error=_gpu_error)[0]
         finally:
             self._pending = -1
         if not isinstance(msg, PartialMsg):

@@ -302,8 +302,11 @@ class GpuModel:
         """x [T, d] the residual stream entering layer `first` -> leaving layer stop - 1, for a run of
         layers that live wholly here (one request instead of two per layer; the same float
         operations as the engine's loop: model/layer_loop.py)."""
-        if not 0 <= first < stop <= self.cfg.n_layers or not all(self.whole(i) for i in range(first, stop)):
-            raise InvalidArgumentError(f"layers {first}..{stop - 1} do not all live wholly on the GPU")
+        if not 0 <= first < stop <= self.cfg.n_layers:
+            raise InvalidArgumentError(f"a run of layers [{first}, {stop}) is empty or outside the model's {self.cfg.n_layers} layers")
+        if not all(self.whole(i) for i in range(first, stop)):
+            part = [i for i in range(first, stop) if not self.whole(i)]
+            raise InvalidArgumentError(f"layers {first}..{stop - 1} do not all live wholly on the GPU (not: {part[:8]})")
         if self.norms is None:
             raise InvalidArgumentError("this GPU runtime was built without the layers' norms")
         pos = np.asarray(positions, dtype=np.int64)

@@ -143,8 +143,8 @@ def _role_error(spec: _Spec, i: int, code: object, allowed: dict[str, np.dtype[A
     return ProtocolError(f"{spec.type.name}: tensor {i} ({role!r}) has unknown dtype {_short(code)}")
 
 
-def _rows_error(x_rows: int, pos_rows: int) -> ProtocolError:
-    return ProtocolError(f"ATTN: positions/slots have {pos_rows} entries but x has {x_rows} rows")
+def _rows_error(x_rows: int, pos_rows: int, name: str) -> ProtocolError:
+    return ProtocolError(f"{name}: positions/slots have {pos_rows} entries but x has {x_rows} rows")
 
 
 # ---------------------------------------------------------------------------------------- encode
@@ -175,6 +175,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         raise ProtocolError(f"cannot encode {type(msg).__name__}: not a protocol message")
     values = spec.get(msg)
     _check_fields(spec, values)
+    if spec.cls is LayersMsg and values[3] <= values[2]:
+        raise ProtocolError(f"LAYERS: stop ({values[3]}) must exceed layer ({values[2]}): a run holds at least one layer")
     body: dict[str, Any] = dict(zip(spec.names, values))
     frames: list[bytes | memoryview] = [b""]  # frame 0 is filled in last
     if spec.roles:
@@ -199,7 +201,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         if spec.cls is AttnMsg or spec.cls is LayersMsg:
             for d in descs[1:]:
                 if d[1][0] != descs[0][1][0]:
-                    raise _rows_error(descs[0][1][0], d[1][0])
+                    raise _rows_error(descs[0][1][0], d[1][0], spec.type.name)
         body["t"] = descs
     head = spec.head + msgpack.packb(body)
     if len(head) > MAX_BODY:
@@ -248,6 +250,8 @@ def decode(frames: list[zmq.Frame] | list[bytes] | list[Any]) -> Message:
         raise ProtocolError(f"{spec.type.name}: body fields {'; '.join(what)}")
     values = tuple(map(body.__getitem__, spec.names))
     _check_fields(spec, values)
+    if spec.cls is LayersMsg and values[3] <= values[2]:
+        raise ProtocolError(f"LAYERS: stop ({values[3]}) must exceed layer ({values[2]}): a run holds at least one layer")
     if not spec.roles:
         if len(frames) != 1:
             raise ProtocolError(f"{spec.type.name}: expected no tensor frames, got {len(frames) - 1}")
@@ -287,6 +291,6 @@ def _decode_tensors(spec: _Spec, descs: Any, frames: Any) -> tuple[np.ndarray, .
     if spec.cls is AttnMsg or spec.cls is LayersMsg:
         for t in out[1:]:
             if t.shape[0] != out[0].shape[0]:
-                raise _rows_error(out[0].shape[0], t.shape[0])
+                raise _rows_error(out[0].shape[0], t.shape[0], spec.type.name)
     return tuple(out)
 

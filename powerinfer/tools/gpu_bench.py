@@ -138,9 +138,10 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
                             f"{pl.mass_on_gpu:.1%} of mass, {pl.used / 2**30:.2f} GiB, load {load:.0f}s", pl.used <= int(budget_gib * (1 << 30))))
             prefill, decode = _decode(ex, f, cfg, n_tokens)
             st = ex.stats
-            per = max(1, st.ffn_calls // cfg.n_layers)
+            per = max(1, st.layer_calls // cfg.n_layers)  # forward passes
             rows.append(Row("bench", f"{split} split speed", f"prefill {prefill:.1f}, decode {decode:.2f} tokens/s ({threads} CPU threads); "
-                            f"per token: CPU FFN {1e3 * st.cpu_ffn_s / per:.0f} ms, GPU wait {1e3 * st.gpu_ffn_wait_s / per:.0f} ms", None))
+                            f"per pass: CPU FFN {1e3 * st.cpu_ffn_s / per:.0f} ms, GPU wait {1e3 * st.gpu_ffn_wait_s / per:.0f} ms, "
+                            f"whole GPU layers {1e3 * st.gpu_layers_s / per:.0f} ms", None))
             speeds[split] = decode
         finally:
             ex.close()
@@ -151,8 +152,9 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
 
 def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_layers: int = 30) -> list[Row]:
     """Decode speed of a SmolLM2-shaped file with every layer on the GPU, the GPU worker in its own
-    process (the default: two ZeroMQ round trips per layer) against in the coordinator's process:
-    what the process boundary costs a step when the kernels themselves are short."""
+    process (the default: since protocol 5 one LAYERS round trip per step; two per layer before)
+    against in the coordinator's process: what the process boundary costs a step when the kernels
+    themselves are short."""
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
 
     t0 = time.perf_counter()
@@ -171,7 +173,7 @@ def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_l
         finally:
             ex.close()
         speeds.setdefault(process, []).append(decode)
-    for process, name in ((True, "GPU worker process"), (False, "GPU runtime in-process")):
+    for process, name in ((True, "GPU worker process"), (False, "GPU runtime in-process")):  # process: with LAYERS
         rows.append(Row("overhead", f"{name} decode", " / ".join(f"{v:.1f}" for v in speeds[process]) + " tokens/s", None))
     ratio = float(np.median([b / a for a, b in zip(speeds[True], speeds[False])]))
     rows.append(Row("overhead", "in-process vs process", f"{ratio:.2f}x decode speed (median of rounds)", None))

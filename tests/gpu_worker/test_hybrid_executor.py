@@ -58,7 +58,8 @@ def test_engine_logits_match_inprocess_and_reference(make_model: Callable[..., P
     assert rel(ours, ref) <= rel(oracle, ref) + 0.01  # the GPU side computes in float32: no worse
     assert rel(ours, oracle) < 0.03
     assert np.mean(ours.argmax(-1) == oracle.argmax(-1)) >= 0.9
-    assert ex.stats.ffn_calls == cfg.n_layers * 3  # 20 tokens in batches of 8
+    assert ex.stats.layer_calls == cfg.n_layers * 3  # 20 tokens in batches of 8
+    assert ex.stats.whole_layer_calls == (3 if split == "layer" else 0)  # layer 0 of layer split: one LAYERS request
     ex.close()
 
 
@@ -155,11 +156,14 @@ def test_whole_gpu_layers_go_as_one_request_with_the_same_numbers(make_model: Ca
     try:
         assert ex.layer_runs == ((0, cfg.n_layers),)
         fused = Engine(f, cfg, ex, CTX, 8).eval(IDS, all_logits=True)
-        assert ex.stats.gpu_layers_s > 0 and ex.stats.gpu_attention_s == 0 and ex.stats.ffn_calls == cfg.n_layers * 3
+        assert ex.stats.gpu_layers_s > 0 and ex.stats.gpu_attention_s == 0 and ex.stats.ffn_calls == 0
+        assert (ex.stats.layer_runs, ex.stats.whole_layer_calls) == (3, cfg.n_layers * 3)
         ex.layer_runs = ()  # the per-layer path, over the same GPU runtime (its KV cache is rewritten alike)
         per_layer = Engine(f, cfg, ex, CTX, 8).eval(IDS, all_logits=True)
         assert ex.stats.gpu_attention_s > 0
         np.testing.assert_array_equal(fused, per_layer)
+        if process:  # six forward passes (three chunks each way), numbered 0..5 whatever their requests
+            assert ex.gpu._step == 5  # type: ignore[attr-defined]
     finally:
         ex.close()
 

@@ -413,8 +413,13 @@ def test_version_mismatch_names_both_versions() -> None:
 def test_encode_rejects_what_decode_would() -> None:
     with pytest.raises(ProtocolError, match="positions/slots have 3 entries but x has 2 rows"):
         encode(AttnMsg(0, 0, 0, (X, np.arange(3), np.zeros(3, np.int64))))
-    with pytest.raises(ProtocolError, match="positions/slots have 3 entries but x has 2 rows"):
+    with pytest.raises(ProtocolError, match="LAYERS: positions/slots have 3 entries but x has 2 rows"):
         encode(LayersMsg(0, 0, 0, 1, (X, np.arange(3), np.zeros(3, np.int64))))
+    with pytest.raises(ProtocolError, match=r"LAYERS: stop \(3\) must exceed layer \(3\)"):
+        encode(LayersMsg(0, 0, 3, 3, (X, POS, POS)))
+    body = {"req": 0, "step": 0, "layer": 5, "stop": 2, "t": [["f32", [2, 8]], ["i64", [2]], ["i64", [2]]]}
+    with pytest.raises(ProtocolError, match=r"LAYERS: stop \(2\) must exceed layer \(5\)"):
+        decode(raw(13, body, X.tobytes(), POS.tobytes(), POS.tobytes()))
     with pytest.raises(ProtocolError, match="'positions' must be i64, got f32"):
         encode(AttnMsg(0, 0, 0, (X, POS.astype(np.float32), POS)))
     with pytest.raises(ProtocolError, match="must have rank 2"):
