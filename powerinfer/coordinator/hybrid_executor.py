@@ -8,6 +8,8 @@ Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor`. Fr
 
 * attention of a GPU layer (``gpu_layers[i]``) is computed by the GPU worker with its KV cache;
   of any other layer by an :class:`AttentionShard` here;
+* a run of layers with no GPU part runs in the native decoder (one call, the in-process
+  executor's kernels), where it can run the model; else on torch shards as below;
 * a run of layers wholly on the GPU (attention and every neuron: layer split's GPU layers) goes
   to the GPU worker as one request (LAYERS), which runs the engine's own loop
   (model/layer_loop.py) over them: one round trip instead of two per layer, the same numbers;
@@ -27,6 +29,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,9 +44,13 @@ from powerinfer.model.sharding import HeadRange, ShardPlan, cold_neurons, plan_s
 from powerinfer.coordinator.placement import Placement, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
 from powerinfer.predictors.predictor_file import PredictorFile
 
+if TYPE_CHECKING:
+    from powerinfer.cpu_workers.native_model import NativeDecoder
+
 log = logging.getLogger(__name__)
 
 SPLITS = ("neuron", "layer")
+NATIVE_MAX_T = 128  # tokens per native call for the CPU-only layers (longer chunks are split)
 
 
 @dataclass
@@ -55,6 +62,8 @@ class HybridStats:
     cpu_ffn_s: float = 0.0
     gpu_ffn_wait_s: float = 0.0  # time the GPU partial was still missing after the CPU finished
     gpu_layers_s: float = 0.0  # runs of whole GPU layers, one request each
+    cpu_layers_s: float = 0.0  # runs of CPU-only layers in the native decoder
+    native_layer_calls: int = 0  # layers computed there
     ffn_calls: int = 0  # split layers' FFN calls (hot on the GPU and/or cold here)
     attention_calls: int = 0  # split layers' attention calls (GPU or CPU)
     layer_runs: int = 0  # LAYERS requests
@@ -62,13 +71,13 @@ class HybridStats:
 
     @property
     def layer_calls(self) -> int:
-        """Layers computed, either way (a forward pass of T tokens counts n_layers)."""
-        return self.ffn_calls + self.whole_layer_calls
+        """Layers computed, any way (a forward pass of T tokens counts n_layers)."""
+        return self.ffn_calls + self.whole_layer_calls + self.native_layer_calls
 
 
 class HybridExecutor:
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, placement: Placement, gpu: GpuHandle, *,
-                 predictor: PredictorFile | None = None, n_slots: int = 1, progress: bool = False) -> None:
+                 predictor: PredictorFile | None = None, n_slots: int = 1, progress: bool = False, native: bool = True) -> None:
         from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
         from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable
@@ -87,7 +96,15 @@ class HybridExecutor:
 
             layers = tqdm(layers, desc="loading CPU layers", unit="layer", leave=False)
         heads = HeadRange(0, cfg.n_kv_heads, cfg.gqa_group)
+        # layers with no GPU part (layer split's CPU layers, neuron split's beyond -ngl) run in the
+        # native decoder, a run of them per call, as the in-process executor runs every layer
+        cpu_only = frozenset(i for i in range(cfg.n_layers) if not placement.gpu_layers[i] and not len(placement.hot[i]))
+        self.native = _native_layers(f, cfg, n_ctx, n_slots, predictor, cpu_only) if native and cpu_only else None
         for i in layers:
+            if self.native is not None and i in cpu_only:
+                self.attn.append(None)
+                self.ffns.append(None)
+                continue
             self.attn.append(None if placement.gpu_layers[i] else AttentionShard(f, cfg, i, heads, n_ctx, ropes, n_slots))
             cold = cold_neurons(placement.hot[i], cfg.n_ff)
             if not len(cold):
@@ -98,15 +115,19 @@ class HybridExecutor:
                 self.ffns.append(SparseFFNShard(f, cfg, i, cold, predictor.layers[i], predictor.mode))
         self.head: HeadShard = HeadShard(f, cfg, 0, cfg.vocab_size)
         self.stats = HybridStats()
-        # maximal runs [first, stop) of layers wholly on the GPU (attention and every neuron): the
-        # engine sends each run as one request (LAYERS) instead of two per layer
-        whole = [self.attn[i] is None and self.ffns[i] is None for i in range(cfg.n_layers)]
-        self.layer_runs: tuple[tuple[int, int], ...] = tuple(_runs(whole))
+        # maximal runs [first, stop) of layers wholly on the GPU (attention and every neuron), which
+        # the engine sends as one request (LAYERS) instead of two per layer, and of layers in the
+        # native decoder (one call each)
+        on_cpu = self.native.only if self.native is not None and self.native.only is not None else frozenset()
+        whole = [self.attn[i] is None and self.ffns[i] is None and i not in on_cpu for i in range(cfg.n_layers)]
+        self._native_runs = frozenset(a for a, _ in _runs([i in on_cpu for i in range(cfg.n_layers)]))
+        self.layer_runs: tuple[tuple[int, int], ...] = tuple(sorted(_runs(whole) + _runs([i in on_cpu for i in range(cfg.n_layers)])))
 
     @property
     def cpu_bytes(self) -> int:
         shards = [s for s in (*self.attn, *self.ffns) if s is not None]
-        return sum(s.nbytes for s in shards) + self.head.nbytes
+        native = self.native.weight_bytes + self.native.cache_bytes if self.native is not None else 0
+        return sum(s.nbytes for s in shards) + self.head.nbytes + native
 
     @property
     def gpu_bytes(self) -> int:
@@ -120,6 +141,7 @@ class HybridExecutor:
         """x [T, d] normed, positions [T], slots [T] (None: slot 0) -> attention output [T, d]."""
         import torch
 
+        self._not_native(layer)
         t0 = time.perf_counter()
         self.stats.attention_calls += 1
         shard = self.attn[layer]
@@ -136,6 +158,7 @@ class HybridExecutor:
         """x [T, d] normed -> hot partial (GPU) + cold partial (CPU) [T, d]."""
         import torch
 
+        self._not_native(layer)
         pending = self.gpu.ffn_begin(layer, x) if self.n_hot[layer] else None
         out: np.ndarray | None = None
         shard = self.ffns[layer]
@@ -160,9 +183,20 @@ class HybridExecutor:
         assert out is not None  # every neuron is on one side
         return out
 
+    def _not_native(self, layer: int) -> None:
+        if self.native is not None and self.native.only is not None and layer in self.native.only:
+            raise InvalidArgumentError(f"layer {layer} runs in the native decoder, a run of layers per call: use layers()")
+
     def layers(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         """x [T, d] the residual stream entering layer `first` -> leaving stop - 1 (a run of `layer_runs`)."""
         t0 = time.perf_counter()
+        if first in self._native_runs:
+            assert self.native is not None
+            sl = np.zeros(len(positions), dtype=np.int64) if slots is None else slots
+            out = self.native.forward_range(first, stop, np.array(x, dtype=np.float32), positions, sl)  # a copy: updated in place
+            self.stats.cpu_layers_s += time.perf_counter() - t0
+            self.stats.native_layer_calls += stop - first
+            return out
         out = self.gpu.layers_begin(first, stop, x, positions, slots).result()
         self.stats.gpu_layers_s += time.perf_counter() - t0
         self.stats.layer_runs += 1
@@ -176,6 +210,14 @@ class HybridExecutor:
 
     def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
         """CPU shards only: the GPU worker's sparsity is fixed when it loads."""
+        sparse = self.native.sparse if self.native is not None else None
+        if sparse is not None:  # the native decoder's layers, as NativeExecutor.set_sparse
+            mode = sparse.mode
+            if dense is not None:
+                mode = "all" if dense else ("oracle" if mode == "oracle" else "file")
+            if oracle is not None and mode != "all":
+                mode = "oracle" if oracle else "file"
+            sparse.set_mode(mode)
         for shard in self.ffns:
             if shard is not None and dense is not None and hasattr(shard, "force_dense"):
                 shard.force_dense = dense
@@ -203,6 +245,28 @@ class HybridExecutor:
         self.gpu.close()
         self.attn.clear()
         self.ffns.clear()
+        if self.native is not None:
+            self.native.k_cache.clear()
+            self.native.v_cache.clear()
+
+
+def _native_layers(f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, predictor: PredictorFile | None,
+                   layers: frozenset[int]) -> NativeDecoder | None:
+    """The native decoder over just `layers` (with their sparse rules), or None where it cannot run
+    this model (no C compiler, POWERINFER_NATIVE=0, a weight type it has no kernel for)."""
+    import torch
+
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.cpu_workers.native_model import NativeDecoder, supports
+    from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
+
+    lib = decoder_lib()
+    why = "the native decoder is unavailable" if lib is None else supports(f, cfg)
+    if why is not None or lib is None:
+        log.info("CPU-only layers run on torch shards: %s", why)
+        return None
+    sparse = NativeSparseFFNs(lib, f, cfg, predictor, only=layers) if predictor is not None else None
+    return NativeDecoder(lib, f, cfg, n_ctx, n_slots, torch.get_num_threads(), NATIVE_MAX_T, sparse=sparse, only=layers)
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int]]:
@@ -268,12 +332,13 @@ def solve_placement(model_path: str | Path, f: GGUFFile, cfg: ModelConfig, n_ctx
 
 def build_hybrid_executor(model_path: str | Path, f: GGUFFile, cfg: ModelConfig, n_ctx: int, opts: GpuOptions, *,
                           predictor: PredictorFile | None = None, predictor_path: str | Path | None = None, sparse: bool = True,
-                          n_slots: int = 1, log_level: str = "WARNING", progress: bool = False) -> HybridExecutor:
+                          n_slots: int = 1, log_level: str = "WARNING", progress: bool = False, native: bool = True) -> HybridExecutor:
     """Placement for the budget, GPU worker started and loaded, CPU shards built.
 
     ``predictor`` (read from ``predictor_path``) gives the activation statistics of the neuron
     split and, when ``sparse``, makes both sides compute sparsely. Raises GpuMemoryError when the
     budget exceeds the device's free memory, GpuUnavailableError without a usable GPU (cuda).
+    ``native`` False keeps the CPU-only layers on torch shards (the oracle) instead of the native decoder.
     """
     name, free, default = _device_room(opts)
     budget = default if opts.vram_budget_gib is None else int(opts.vram_budget_gib * GIB)
@@ -296,7 +361,7 @@ def build_hybrid_executor(model_path: str | Path, f: GGUFFile, cfg: ModelConfig,
     else:
         gpu = LocalGpuWorker(f, cfg, setup, n_ctx, n_slots, use)
     try:
-        return HybridExecutor(f, cfg, n_ctx, pl, gpu, predictor=use, n_slots=n_slots, progress=progress)
+        return HybridExecutor(f, cfg, n_ctx, pl, gpu, predictor=use, n_slots=n_slots, progress=progress, native=native)
     except BaseException:
         gpu.close()
         raise

@@ -95,9 +95,10 @@ class NativeDecoder:
     """One model for the native decoder: forward passes over up to max_t tokens, KV cache per slot."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int,
-                 shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None) -> None:
+                 shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None, only: frozenset[int] | None = None) -> None:
         """shard: this process is one rank of the native pool and holds that part of every layer.
-        sparse: every layer's FFN runs through it instead of wg/wu/wd (a rank's: its neuron range)."""
+        sparse: every layer's FFN runs through it instead of wg/wu/wd (a rank's: its neuron range).
+        only: build just these layers (the GPU hybrid's CPU-only layers), run by :meth:`forward_range`."""
         self.lib, self.cfg, self.f = lib, cfg, f
         self.sparse = sparse
         sh = shard or RankShard(0, cfg.n_heads, 0, cfg.n_kv_heads, 0, cfg.n_ff, 0, cfg.d_model, 0, cfg.vocab_size)
@@ -109,7 +110,12 @@ class NativeDecoder:
         self.k_cache: list[np.ndarray] = []
         self.v_cache: list[np.ndarray] = []
         layers = (PiLayer * cfg.n_layers)()
+        self.only = only
         for i in range(cfg.n_layers):
+            if only is not None and i not in only:  # left zeroed: never run (forward_range checks)
+                self.k_cache.append(np.empty((0,), dtype=np.float32))
+                self.v_cache.append(np.empty((0,), dtype=np.float32))
+                continue
             L = layers[i]
             for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
                                 ("wu", "ffn_up"), ("wd", "ffn_down")):
@@ -209,6 +215,24 @@ class NativeDecoder:
             if rc:
                 raise InvalidArgumentError(f"native forward refused its input (code {rc}: positions {pos[a]}..{pos[b - 1]}, "
                                            f"slots {sorted(set(sl[a:b].tolist()))})")
+        return x
+
+    def forward_range(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """x [T, d] float32, the residual stream entering layer `first` -> leaving layer stop - 1 (not
+        normed), in place as :meth:`forward`; every layer of the range must be built (``only``)."""
+        if self.only is not None and not all(i in self.only for i in range(first, stop)):
+            raise InvalidArgumentError(f"layers {first}..{stop - 1} are not all built in this native decoder")
+        if x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
+            x = np.array(x, dtype=np.float32, order="C")
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        sl = np.ascontiguousarray(slots, dtype=np.int64)
+        for a in range(0, x.shape[0], self.max_t):
+            b = min(a + self.max_t, x.shape[0])
+            rc = self.lib.pi_forward_range(ctypes.byref(self.model), x[a:b].ctypes.data, pos[a:b].ctypes.data, sl[a:b].ctypes.data, b - a,
+                                           self.scratch.ctypes.data, first, stop, 0)
+            if rc:
+                raise InvalidArgumentError(f"native forward refused its input (code {rc}: layers {first}..{stop - 1}, positions "
+                                           f"{pos[a]}..{pos[b - 1]}, slots {sorted(set(sl[a:b].tolist()))})")
         return x
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

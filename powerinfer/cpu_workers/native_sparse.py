@@ -124,9 +124,10 @@ class NativeSparseFFNs:
     """Every layer's sparse rule (and predictor) for one NativeDecoder (in process, or one rank)."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None,
-                 rows: tuple[int, int] | None = None, max_share: float = MAX_SPARSE_SHARE) -> None:
+                 rows: tuple[int, int] | None = None, max_share: float = MAX_SPARSE_SHARE, only: frozenset[int] | None = None) -> None:
         """neurons [n0, n1): a rank's range of every layer (the predictor's fc2 rows it needs);
-        rows [d0, d1): the rank's output rows of the down projection (its down_t columns)."""
+        rows [d0, d1): the rank's output rows of the down projection (its down_t columns);
+        only: the layers its decoder builds (the others get no sparse structures)."""
         if pf.d_model != cfg.d_model or pf.n_ff != cfg.n_ff or pf.n_layers != cfg.n_layers:
             raise InvalidArgumentError("the predictor was made for another model shape")
         self.cfg, self.file_mode = cfg, pf.mode
@@ -139,7 +140,8 @@ class NativeSparseFFNs:
         self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h)
         d0, d1 = rows or (0, cfg.d_model)
         # decided on the whole layer's statistics, so that every rank of a pool decides alike
-        self.sparse_layers = tuple(float(np.mean(pf.layers[i].act_freq)) <= max_share for i in range(cfg.n_layers))
+        built = [only is None or i in only for i in range(cfg.n_layers)]
+        self.sparse_layers = tuple(built[i] and float(np.mean(pf.layers[i].act_freq)) <= max_share for i in range(cfg.n_layers))
         for i in range(cfg.n_layers):
             self.rules[i].thr = float(pf.layers[i].threshold)
             if not self.sparse_layers[i]:
@@ -160,10 +162,10 @@ class NativeSparseFFNs:
             pred, keep = predictor_q8(pf, i, cfg.d_model, (n0, n1), lib) if pf.mode == "predictor" else (None, ())
             self.preds.append(pred)
             self._pred_keep.append(keep)
-        if not all(self.sparse_layers):
-            dense = [i for i, sp in enumerate(self.sparse_layers) if not sp]
+        dense = [i for i, sp in enumerate(self.sparse_layers) if built[i] and not sp]
+        if dense:
             log.info("%d of %d layers run dense: their calibrated share of active neurons exceeds %.0f%%, where skipping "
-                     "stops paying on this CPU (layers %s)", len(dense), cfg.n_layers, 100 * max_share, dense)
+                     "stops paying on this CPU (layers %s)", len(dense), sum(built), 100 * max_share, dense)
         # bytes a neuron's gate and up rows take in the file (the per-token figures below)
         self.row_bytes = [(f.tensor(layer_tensor(i, "ffn_gate")).row_bytes, f.tensor(layer_tensor(i, "ffn_up")).row_bytes,
                            f.tensor(layer_tensor(i, "ffn_down")).row_bytes) for i in range(cfg.n_layers)]

@@ -111,7 +111,10 @@ def test_loaded_bytes_never_exceed_random_budgets(make_model: Callable[..., Path
         assert ex.gpu_bytes == pl.used <= budget
         assert all(len(h) == 0 for h in pl.hot[ngl:])  # -ngl bounds the layers that take part
         x = np.ones((1, cfg.d_model), np.float32)
-        assert all(np.isfinite(ex.ffn(i, x)).all() for i in range(cfg.n_layers))  # every neuron on one side
+        # every neuron on one side: layers with no GPU part run whole in the native decoder
+        native = ex.native.only if ex.native is not None else frozenset()
+        assert native == {i for i in range(cfg.n_layers) if not pl.gpu_layers[i] and not len(pl.hot[i])}
+        assert all(np.isfinite(ex.ffn(i, x)).all() for i in range(cfg.n_layers) if i not in native)
         ex.close()
 
 
@@ -173,8 +176,44 @@ def test_runs_of_whole_layers_sit_between_split_layers(make_model: Callable[...,
     f, cfg = load(path)
     ex = build_hybrid_executor(path, f, cfg, CTX, _opts("layer", _budget(f, cfg, "layer")))
     try:
-        assert ex.layer_runs == ((0, 1),)  # layer 0 whole on the GPU, layer 1 on the CPU
+        assert ex.layer_runs == ((0, 1), (1, 2))  # layer 0 whole on the GPU, layer 1 in the native decoder
+        assert ex.native is not None and ex.native.only == {1}
         with pytest.raises(Exception, match="do not all live wholly on the GPU"):
             ex.layers(0, 2, np.zeros((1, cfg.d_model), np.float32), np.zeros(1, np.int64))
+    finally:
+        ex.close()
+
+
+@pytest.mark.parametrize("mode", [None, "gate", "predictor"])
+def test_cpu_only_layers_run_in_the_native_decoder(make_model: Callable[..., Path], mode: str | None) -> None:
+    # a budget below one layer: every layer is CPU-only, so the hybrid is the native decoder
+    # (its layers here, the final norm and head in the engine): the in-process executor's numbers
+    from powerinfer.coordinator.native_executor import NativeExecutor
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+
+    lib = decoder_lib()
+    if lib is None:
+        pytest.skip("no C compiler: the native decoder is not built")
+    path = make_model(arch="qwen2", qtype=QT.Q4_0)
+    f, cfg = load(path)
+    pf = make_predictor(f, cfg, mode) if mode else None
+    if pf is not None:  # calibrated as sparse enough to pay: the native decoder's sparse rule runs
+        from dataclasses import replace
+
+        pf = replace(pf, layers=tuple(replace(lp, act_freq=np.full(cfg.n_ff, 0.1, np.float32)) for lp in pf.layers))
+    c = layer_costs(f, cfg, CTX, predictor=pf, max_tokens=8)
+    ex = build_hybrid_executor(path, f, cfg, CTX, _opts("layer", int(c.overhead + 1)), predictor=pf)
+    try:
+        assert ex.layer_runs == ((0, cfg.n_layers),) and ex.native is not None
+        ids, pos, slots = np.array(IDS), np.arange(len(IDS)), np.zeros(len(IDS), np.int64)
+        ours = Engine(f, cfg, ex, CTX, 8)._forward(ids, pos, slots)  # final hidden states [T, d]
+        oracle = NativeExecutor(lib, f, cfg, CTX, 1, max_tokens=8, predictor=pf)
+        want = Engine(f, cfg, oracle, CTX, 8)._forward(ids, pos, slots)
+        assert rel(ours, want) < 1e-5  # the same layers; only the final norm moved (numpy here, C there)
+        assert ex.stats.native_layer_calls == cfg.n_layers and ex.stats.ffn_calls == 0
+        if pf is not None:  # the same per-layer sparse decisions as the in-process decoder's
+            assert ex.native.sparse is not None and oracle.sparse is not None
+            assert ex.native.sparse.sparse_layers == oracle.sparse.sparse_layers == (True,) * cfg.n_layers
+            assert 0 < ex.native.sparse.active.sum() == oracle.sparse.active.sum() < len(IDS) * cfg.n_layers * cfg.n_ff
     finally:
         ex.close()

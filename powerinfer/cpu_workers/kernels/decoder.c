@@ -262,9 +262,13 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
     mark(m, PH_DOWN, last);
 }
 
-/* x [T, d]: the (scaled) embeddings in, the final-normed hidden state out. 0 on success. */
-int pi_forward(const pi_model *m, float *x, const int64_t *pos, const int64_t *slot, int T, void *scratch) {
+/* x [T, d]: the residual stream entering layer `first` in, leaving layer stop - 1 out, final-normed
+ * when `out_norm` (a run of layers: the GPU hybrid's CPU-only layers; the whole model below).
+ * 0 on success; 3: a range outside the model. */
+int pi_forward_range(const pi_model *m, float *x, const int64_t *pos, const int64_t *slot, int T, void *scratch, int first, int stop,
+                     int out_norm) {
     if (T < 1 || T > m->max_t) return 1;
+    if (first < 0 || stop > m->n_layers || first > stop) return 3;
     for (int t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= m->n_ctx || slot[t] < 0 || slot[t] >= m->n_slots) return 2;
     pi_scratch s;
@@ -272,11 +276,18 @@ int pi_forward(const pi_model *m, float *x, const int64_t *pos, const int64_t *s
 #pragma omp parallel num_threads(m->n_threads)
     {
         double last = omp_get_wtime();
-        for (int l = 0; l < m->n_layers; l++) layer_forward(m, &m->layers[l], x, pos, slot, T, &s, &last);
+        for (int l = first; l < stop; l++) layer_forward(m, &m->layers[l], x, pos, slot, T, &s, &last);
+        if (out_norm) {
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * m->d, m->out_norm, m->d, m->eps, x + (size_t)t * m->d);
+            for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * m->d, m->out_norm, m->d, m->eps, x + (size_t)t * m->d);
+        }
     }
     return m->comm ? ((pi_comm *)m->comm)->err : 0;
+}
+
+/* x [T, d]: the (scaled) embeddings in, the final-normed hidden state out. 0 on success. */
+int pi_forward(const pi_model *m, float *x, const int64_t *pos, const int64_t *slot, int T, void *scratch) {
+    return pi_forward_range(m, x, pos, slot, T, scratch, 0, m->n_layers, 1);
 }
 
 /* y [T, w->rows] = x [T, w->cols] @ W.T (the output head, and the tests' entry to every type). */
