@@ -48,8 +48,10 @@ def ok(path, body):
     need(r.status_code == 200, f"HTTP {r.status_code}: {r.text[:200]}")
     return r.json()
 
-def chat(**kw): return ok("/v1/chat/completions", {"messages": BOOK, "max_tokens": 8, **kw})
-def cmpl(**kw): return ok("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **kw})
+# greedy unless a check asks otherwise: a sampled reply may end before max_tokens, and the checks
+# that expect finish_reason "length" would then fail by chance (a clean-clone CI run saw it once)
+def chat(**kw): return ok("/v1/chat/completions", {"messages": BOOK, "max_tokens": 8, "temperature": 0, **kw})
+def cmpl(**kw): return ok("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **kw})
 
 def bad(path, body, codes=(400,)):
     r = req("POST", path, body)
@@ -73,7 +75,7 @@ def sse(path, body):
     return 200, events, done, ct, None
 
 def chat_stream(**kw):
-    st, ev, done, ct, err = sse("/v1/chat/completions", {"messages": BOOK, "max_tokens": 8, **kw})
+    st, ev, done, ct, err = sse("/v1/chat/completions", {"messages": BOOK, "max_tokens": 8, "temperature": 0, **kw})
     need(st == 200, f"HTTP {st}: {err}")
     return ev, done, ct
 
@@ -315,7 +317,7 @@ def _():
     need(b["usage"]["completion_tokens"] == 8, b["usage"])
 check("completions_openai_library", "test_completion.py::test_completion_with_openai_library", lambda: (lambda res: need(
     res.choices[0].finish_reason == "length" and res.choices[0].text is not None and res.system_fingerprint, res))(
-    client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)))
+    client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)))
 check("completions_stream_openai_library", "test_completion.py::test_completion_stream_with_openai_library", lambda: need("".join(
     c.choices[0].text for c in client().completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, stream=True)
     if c.choices[0].finish_reason is None), "empty stream"))
