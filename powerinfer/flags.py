@@ -127,8 +127,8 @@ def check_gpu_flags(args: argparse.Namespace) -> None:
     """-ngl / --vram-budget need an NVIDIA GPU; say so plainly instead of failing deep inside."""
     if args.n_gpu_layers < -1:
         raise CLIError(f"-ngl must be >= 0 (or -1 for all layers), got {args.n_gpu_layers}")
-    if args.vram_budget is not None and not args.vram_budget > 0:
-        raise CLIError(f"--vram-budget must be a positive number of GiB, got {args.vram_budget}")
+    if args.vram_budget is not None and not 0 < args.vram_budget < float("inf"):
+        raise CLIError(f"--vram-budget must be a positive, finite number of GiB, got {args.vram_budget}")
     if args.n_gpu_layers == 0 and args.vram_budget is None:
         return
     if getattr(args, "gpu_backend", "cuda") == "cpu":

@@ -265,7 +265,9 @@ def _native_layers(f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, pred
     if why is not None or lib is None:
         log.info("CPU-only layers run on torch shards: %s", why)
         return None
-    sparse = NativeSparseFFNs(lib, f, cfg, predictor, only=layers) if predictor is not None else None
+    # every layer applies the predictor's rule, as the GPU side and the torch shards do: the in-process
+    # decoder's "too dense to pay, run dense" cut would make the text depend on where a layer lives
+    sparse = NativeSparseFFNs(lib, f, cfg, predictor, only=layers, max_share=1.0) if predictor is not None else None
     return NativeDecoder(lib, f, cfg, n_ctx, n_slots, torch.get_num_threads(), NATIVE_MAX_T, sparse=sparse, only=layers)
 
 
@@ -297,8 +299,8 @@ class GpuOptions:
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise InvalidArgumentError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-        if self.vram_budget_gib is not None and not self.vram_budget_gib > 0:
-            raise InvalidArgumentError(f"--vram-budget must be positive, got {self.vram_budget_gib}")
+        if self.vram_budget_gib is not None and not 0 < self.vram_budget_gib < float("inf"):
+            raise InvalidArgumentError(f"--vram-budget must be a positive, finite number of GiB, got {self.vram_budget_gib}")
         if self.max_tokens < 1:
             raise InvalidArgumentError(f"max_tokens must be positive, got {self.max_tokens}")
 

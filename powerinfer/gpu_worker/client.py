@@ -46,7 +46,8 @@ from powerinfer.protocol.supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # kernels compile (first run) and gigabytes upload before READY
-REQUEST_TIMEOUT_S = 600.0  # one layer's request (a LAYERS run: this per layer); heartbeats catch a dead worker sooner
+REQUEST_TIMEOUT_S = 600.0  # one request; heartbeats catch a dead or stopped worker within seconds
+LAYER_TIMEOUT_S = 120.0  # added per further layer of a LAYERS run
 BACKENDS = ("cpu", "cuda")
 _TYPED = {"GpuMemoryError": GpuMemoryError, "GpuUnavailableError": GpuUnavailableError}
 
@@ -207,8 +208,10 @@ class GpuWorkerProcess:
         extra = {"stop": stop} if make is LayersMsg else {}
         self._sup.send(0, make(req=self._req, step=self._step, layer=layer, tensors=tensors, **extra))  # type: ignore[arg-type]
         self._pending = self._req
-        # a run of layers gets each layer's allowance: a slow backend's long prefill chunk is not a hang
-        timeout = REQUEST_TIMEOUT_S * (max(1, stop - layer) if make is LayersMsg else 1)
+        # a run of layers gets more time (a slow backend's long prefill chunk is not a hang), but not
+        # each layer's whole allowance: a worker that hangs while its heartbeat thread beats would
+        # otherwise hold a request for hours (a dead or stopped one is caught by heartbeats anyway)
+        timeout = REQUEST_TIMEOUT_S + (LAYER_TIMEOUT_S * (stop - layer - 1) if make is LayersMsg else 0.0)
         return _Reply(self, self._req, what, timeout)
 
     def _wait(self, req: int, what: str, timeout: float = 0.0) -> np.ndarray:

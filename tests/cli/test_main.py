@@ -187,7 +187,8 @@ def test_verbose_prints_summary_timings_and_layer_figures(make_model: Callable[.
 
 
 @pytest.mark.parametrize("args,message", [(["-ngl", "10"], "need an NVIDIA GPU"), (["--vram-budget", "8"], "need an NVIDIA GPU"),
-                                          (["-ngl", "-2"], "-ngl must be >= 0"), (["--vram-budget", "0"], "--vram-budget must be a positive")])
+                                          (["-ngl", "-2"], "-ngl must be >= 0"), (["--vram-budget", "0"], "--vram-budget must be a positive"),
+                                          (["--vram-budget", "inf", "--gpu-backend", "cpu"], "--vram-budget must be a positive, finite")])
 def test_gpu_flags_without_gpu(make_model: Callable[..., Path], args: list[str], message: str) -> None:
     proc = run("-m", str(make_model(arch="llama")), "-p", "x", *args)
     assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr

@@ -197,11 +197,18 @@ def test_cpu_only_layers_run_in_the_native_decoder(make_model: Callable[..., Pat
     path = make_model(arch="qwen2", qtype=QT.Q4_0)
     f, cfg = load(path)
     pf = make_predictor(f, cfg, mode) if mode else None
-    if pf is not None:  # calibrated as sparse enough to pay: the native decoder's sparse rule runs
+    c = layer_costs(f, cfg, CTX, predictor=pf, max_tokens=8)
+    if pf is not None:
+        # calibrated too dense to pay (half the neurons fire): the in-process decoder would run these
+        # layers dense, but in the hybrid every layer applies the rule, wherever it lives
+        dense_pf = build_hybrid_executor(path, f, cfg, CTX, _opts("layer", int(c.overhead + 1)), predictor=pf)
+        assert dense_pf.native is not None and dense_pf.native.sparse is not None
+        assert dense_pf.native.sparse.sparse_layers == (True,) * cfg.n_layers
+        dense_pf.close()
         from dataclasses import replace
 
+        # sparse enough to pay: the in-process decoder applies the same rule, to compare with
         pf = replace(pf, layers=tuple(replace(lp, act_freq=np.full(cfg.n_ff, 0.1, np.float32)) for lp in pf.layers))
-    c = layer_costs(f, cfg, CTX, predictor=pf, max_tokens=8)
     ex = build_hybrid_executor(path, f, cfg, CTX, _opts("layer", int(c.overhead + 1)), predictor=pf)
     try:
         assert ex.layer_runs == ((0, cfg.n_layers),) and ex.native is not None
