@@ -151,10 +151,11 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
 
 
 def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_layers: int = 30) -> list[Row]:
-    """Decode speed of a SmolLM2-shaped file with every layer on the GPU, the GPU worker in its own
-    process (the default: since protocol 5 one LAYERS round trip per step; two per layer before)
-    against in the coordinator's process: what the process boundary costs a step when the kernels
-    themselves are short."""
+    """Decode speed of a SmolLM2-shaped file with every layer on the GPU, three ways in alternating
+    rounds: the GPU worker in its own process sent two requests per layer (protocol 4's path), the
+    same worker sent one LAYERS request per step (the default since protocol 5), and the runtime in
+    the coordinator's process (``--gpu-worker inprocess``): what the process boundary costs a step
+    when the kernels themselves are short, and how much of it LAYERS removes."""
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
 
     t0 = time.perf_counter()
@@ -162,19 +163,27 @@ def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_l
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
     rows = [Row("overhead", "model", f"SmolLM2 shape, {cfg.n_layers} layers Q4_0, every layer on the GPU ({time.perf_counter() - t0:.0f}s)", None)]
-    speeds: dict[bool, list[float]] = {}
-    for process in (True, False, True, False):  # alternating rounds
-        opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=process)
-        ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, sparse=False)
-        try:
-            if not all(ex.placement.gpu_layers) or (process and not ex.pids):
-                raise RuntimeError(f"expected every layer on the GPU, in a worker process: {process}")
-            _, decode = _decode(ex, f, cfg, n_tokens)
-        finally:
-            ex.close()
-        speeds.setdefault(process, []).append(decode)
-    for process, name in ((True, "GPU worker process"), (False, "GPU runtime in-process")):  # process: with LAYERS
-        rows.append(Row("overhead", f"{name} decode", " / ".join(f"{v:.1f}" for v in speeds[process]) + " tokens/s", None))
-    ratio = float(np.median([b / a for a, b in zip(speeds[True], speeds[False])]))
-    rows.append(Row("overhead", "in-process vs process", f"{ratio:.2f}x decode speed (median of rounds)", None))
+    names = {"per-layer": "GPU worker process, 2 requests a layer", "layers": "GPU worker process, LAYERS", "inprocess": "GPU runtime in-process"}
+    speeds: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(2):  # alternating rounds
+        for way in names:
+            opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=way != "inprocess")
+            ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, sparse=False)
+            try:
+                if not all(ex.placement.gpu_layers) or (way != "inprocess" and not ex.pids):
+                    raise RuntimeError(f"expected every layer on the GPU ({way})")
+                if way == "per-layer":
+                    ex.layer_runs = ()  # the engine then sends attention and FFN of each layer
+                _, decode = _decode(ex, f, cfg, n_tokens)
+            finally:
+                ex.close()
+            speeds[way].append(decode)
+    for way, name in names.items():
+        rows.append(Row("overhead", f"{name} decode", " / ".join(f"{v:.1f}" for v in speeds[way]) + " tokens/s", None))
+
+    def ratio(a: str, b: str) -> float:
+        return float(np.median([y / x for x, y in zip(speeds[a], speeds[b])]))
+
+    rows.append(Row("overhead", "LAYERS vs 2 requests a layer", f"{ratio('per-layer', 'layers'):.2f}x decode speed (median of rounds)", None))
+    rows.append(Row("overhead", "in-process vs LAYERS", f"{ratio('layers', 'inprocess'):.2f}x decode speed (median of rounds)", None))
     return rows

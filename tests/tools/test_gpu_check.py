@@ -42,5 +42,6 @@ def test_worker_overhead_dry_run(tmp_path: Path) -> None:
     rows = run_worker_overhead(tmp_path, 2, backend="cpu", n_layers=2)
     by_case = {r.case: r.value for r in rows}
     assert "2 layers Q4_0" in by_case["model"]
-    assert by_case["GPU worker process decode"].count(" / ") == 1 and by_case["GPU runtime in-process decode"].endswith("tokens/s")
-    assert "x decode speed" in by_case["in-process vs process"]
+    for name in ("GPU worker process, 2 requests a layer", "GPU worker process, LAYERS", "GPU runtime in-process"):
+        assert by_case[f"{name} decode"].count(" / ") == 1 and by_case[f"{name} decode"].endswith("tokens/s")
+    assert "x decode speed" in by_case["LAYERS vs 2 requests a layer"] and "x decode speed" in by_case["in-process vs LAYERS"]
