@@ -311,7 +311,17 @@ class GpuModel:
             raise InvalidArgumentError("this GPU runtime was built without the layers' norms")
         pos = np.asarray(positions, dtype=np.int64)
         sl = np.zeros_like(pos) if slots is None else np.asarray(slots, dtype=np.int64)
-        return run_layers(self.cfg, self.norms, first, stop, np.asarray(x, dtype=np.float32), pos, sl, self.attention, self.ffn)
+        at = [first]  # the layer being computed, for an error's report (protocol/worker_runtime.py reads failed_layer)
+
+        def attention(layer: int, h: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
+            at[0] = layer
+            return self.attention(layer, h, p, s)
+
+        try:
+            return run_layers(self.cfg, self.norms, first, stop, np.asarray(x, dtype=np.float32), pos, sl, attention, self.ffn)
+        except Exception as e:
+            e.failed_layer = at[0]  # type: ignore[attr-defined]
+            raise
 
     def close(self) -> None:
         self.attn = [None] * self.cfg.n_layers

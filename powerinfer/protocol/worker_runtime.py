@@ -134,6 +134,7 @@ def serve_layers(sock: zmq.Socket, worker: int, busy: threading.Event, kinds: tu
             us = int((time.perf_counter() - t0) * 1e6)
             send(sock, PartialMsg(req=msg.req, step=msg.step, layer=layer, worker=worker, compute_us=us, tensors=(out,)))  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR; the worker keeps serving
+            layer = int(getattr(e, "failed_layer", layer))  # inside a run of layers (LAYERS): the one that failed
             log.exception("worker %d: layer %d failed", worker, layer)
             send(sock, ErrorMsg(req=msg.req, step=msg.step, layer=layer, worker=worker, kind=type(e).__name__, message=str(e)))  # type: ignore[attr-defined]
             continue

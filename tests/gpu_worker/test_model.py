@@ -146,3 +146,21 @@ def test_neox_permutation_and_rope_table_agree_with_the_cpu_ops() -> None:
     flat = x.numpy().reshape(-1).copy()
     ref_rope(flat, 64, pos.numpy(), 3, 2, 32, 32, table.inv_freq.numpy())
     np.testing.assert_allclose(flat.reshape(3, 2, 32), table.apply(x, pos).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failure_inside_a_run_of_layers_names_its_layer(make_model: Callable[..., Path]) -> None:
+    # the worker runtime reports failed_layer in its ERROR, not the run's first layer
+    f, cfg = load(make_model(arch="llama", qtype=QT.Q4_0))
+    gm = gpu_model(f, cfg)
+    ffn = gm.ffn
+
+    def failing(layer: int, h: np.ndarray) -> np.ndarray:
+        if layer == 1:
+            raise RuntimeError("boom")
+        return ffn(layer, h)
+
+    gm.ffn = failing  # type: ignore[method-assign]
+    x = np.random.default_rng(0).standard_normal((1, cfg.d_model)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="boom") as info:
+        gm.layers(0, 2, x, np.zeros(1, np.int64))
+    assert info.value.failed_layer == 1  # type: ignore[attr-defined]
