@@ -63,7 +63,10 @@ def load_summary(llm: LLM) -> str:
         lines.append(f"placement  GPU worker{f' (pid {gpu_pids[0]})' if gpu_pids else ' (in process)'}, {pl.mode} split: "
                      f"attention of {sum(pl.gpu_layers)}/{cfg.n_layers} layers, {hot}/{cfg.n_ff * cfg.n_layers} FFN neurons hot "
                      f"({100 * pl.mass_on_gpu:.0f}% of the activation mass), {_mib(pl.used)} of a {_mib(pl.budget)} budget")
-        lines.append("           cold neurons and the other layers' attention: this process; coordinator: embeddings, norms, head, sampling")
+        native = getattr(getattr(ex, "native", None), "only", None) or ()
+        where = f"; {len(native)} layers with no GPU part: the native decoder, this process" if native else ""
+        lines.append(f"           cold neurons and the other layers' attention: this process{where}; coordinator: embeddings, norms, head, "
+                     "sampling")
     elif pids:
         placements = getattr(ex, "placements", ())
         where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in placements) or "not pinned"
@@ -122,6 +125,9 @@ def layer_figures(llm: LLM) -> str:
         if stats.whole_layer_calls:
             lines.append(f"  layers wholly on the GPU: {stats.gpu_layers_s / stats.whole_layer_calls * 1e6:10.1f} µs per layer "
                          f"({stats.layer_runs} requests for {stats.whole_layer_calls} layer calls)")
+        if stats.native_layer_calls:
+            lines.append(f"  layers with no GPU part (native decoder): {stats.cpu_layers_s / stats.native_layer_calls * 1e6:10.1f} µs per layer "
+                         f"({stats.native_layer_calls} layer calls)")
         if stats.ffn_calls:
             lines += [
                 f"  split layers, per FFN call (n={stats.ffn_calls}): CPU cold neurons {stats.cpu_ffn_s / n * 1e6:10.1f} µs   "

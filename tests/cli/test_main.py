@@ -206,6 +206,7 @@ def test_gpu_offload_on_the_cpu_backend(make_model: Callable[..., Path]) -> None
         assert proc.stdout.startswith("abc") and "eval time" in proc.stderr
         assert f"placement  GPU worker (pid" in proc.stderr and f"{split} split: attention of 1/2 layers" in proc.stderr
         assert "hot-neuron ratio" in proc.stderr
+        assert "layers with no GPU part (native decoder)" in proc.stderr  # layer 1 of 2
         texts[split] = proc.stdout
     # --gpu-worker inprocess: the same runtime in this process, the same greedy text
     inproc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", "1", "--vram-budget", "0.002", "--gpu-backend", "cpu",
