@@ -60,7 +60,11 @@ def load_summary(llm: LLM) -> str:
     if pl is not None:  # hybrid: GPU worker + cold neurons here
         gpu_pids = list(getattr(getattr(ex, "gpu", None), "pids", []))
         hot = sum(len(h) for h in pl.hot)
-        lines.append(f"placement  GPU worker{f' (pid {gpu_pids[0]})' if gpu_pids else ' (in process)'}, {pl.mode} split: "
+        from powerinfer.gpu_worker.client import NoGpu
+
+        none = isinstance(getattr(ex, "gpu", None), NoGpu)
+        worker = " not started: the budget holds no part of any layer" if none else f" (pid {gpu_pids[0]})" if gpu_pids else " (in process)"
+        lines.append(f"placement  GPU worker{worker}, {pl.mode} split: "
                      f"attention of {sum(pl.gpu_layers)}/{cfg.n_layers} layers, {hot}/{cfg.n_ff * cfg.n_layers} FFN neurons hot "
                      f"({100 * pl.mass_on_gpu:.0f}% of the activation mass), {_mib(pl.used)} of a {_mib(pl.budget)} budget")
         native = getattr(getattr(ex, "native", None), "only", None) or ()

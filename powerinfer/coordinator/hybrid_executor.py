@@ -36,7 +36,7 @@ import numpy as np
 from powerinfer.config import ModelConfig
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.gpu_worker.client import GpuHandle, GpuSetup, GpuWorkerProcess, LocalGpuWorker
+from powerinfer.gpu_worker.client import GpuHandle, GpuSetup, GpuWorkerProcess, LocalGpuWorker, NoGpu
 from powerinfer.gpu_worker.errors import GIB, gib, over_card
 from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS
 from powerinfer.gpu_worker.model import GpuPlan
@@ -348,14 +348,21 @@ def build_hybrid_executor(model_path: str | Path, f: GGUFFile, cfg: ModelConfig,
         raise over_card(budget, free, name)
     use = predictor if sparse else None
     pl = solve_placement(model_path, f, cfg, n_ctx, opts, budget, predictor=predictor, sparse=sparse, n_slots=n_slots)
-    if not any(pl.gpu_layers):
-        log.warning("a VRAM budget of %s holds no layer (-ngl %d): everything runs on the CPU", gib(budget), opts.n_gpu_layers)
+    empty = not any(pl.gpu_layers) and not any(len(h) for h in pl.hot)
+    if empty:
+        log.warning("a VRAM budget of %s holds no part of any layer (-ngl %d): everything runs on the CPU, and no GPU worker "
+                    "is started", gib(budget), opts.n_gpu_layers)
+    elif not any(pl.gpu_layers):
+        log.info("a VRAM budget of %s holds no layer's attention (-ngl %d): only hot neurons go to the GPU", gib(budget),
+                 opts.n_gpu_layers)
     log.info("%s split: %d GPU layers, %d hot neurons, %s of %s, %.0f%% of the activation mass", pl.mode, sum(pl.gpu_layers),
              sum(len(h) for h in pl.hot), gib(pl.used), gib(budget), 100 * pl.mass_on_gpu)
     setup = GpuSetup(opts.backend, budget, GpuPlan(pl.hot, pl.gpu_layers, sparse, opts.max_tokens),
                      None if opts.capacity_gib is None else int(opts.capacity_gib * GIB))
     gpu: GpuHandle
-    if opts.process:
+    if empty:
+        gpu = NoGpu()
+    elif opts.process:
         ppath = str(predictor_path) if use is not None and predictor_path is not None else ""
         if use is not None and not ppath:
             raise InvalidArgumentError("a GPU worker process needs the predictor's path (predictor_path)")

@@ -131,6 +131,22 @@ class LocalGpuWorker:
         self.model.close()
 
 
+class NoGpu:
+    """The GPU handle of a placement that puts nothing on the GPU: no worker is started, and no
+    request may reach it (every layer then lives on the CPU)."""
+
+    weight_bytes = 0
+    pids: list[int] = []
+
+    def _refuse(self, *args: object) -> Pending:
+        raise RuntimeError("nothing of this model lives on the GPU: the budget holds no layer")
+
+    attention_begin = ffn_begin = layers_begin = _refuse
+
+    def close(self) -> None:
+        pass
+
+
 class _Done:
     """A result computed already (the in-process runtime's run of layers)."""
 

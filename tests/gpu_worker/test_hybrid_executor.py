@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
 from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
+from powerinfer.gpu_worker.client import NoGpu
 from powerinfer.gpu_worker.errors import GIB, GpuMemoryError
 from powerinfer.coordinator.placement import layer_costs
 from powerinfer.predictors.predictor_file import write_predictor
@@ -212,6 +213,7 @@ def test_cpu_only_layers_run_in_the_native_decoder(make_model: Callable[..., Pat
     ex = build_hybrid_executor(path, f, cfg, CTX, _opts("layer", int(c.overhead + 1)), predictor=pf)
     try:
         assert ex.layer_runs == ((0, cfg.n_layers),) and ex.native is not None
+        assert isinstance(ex.gpu, NoGpu) and ex.pids == []  # nothing on the GPU: no worker
         ids, pos, slots = np.array(IDS), np.arange(len(IDS)), np.zeros(len(IDS), np.int64)
         ours = Engine(f, cfg, ex, CTX, 8)._forward(ids, pos, slots)  # final hidden states [T, d]
         oracle = NativeExecutor(lib, f, cfg, CTX, 1, max_tokens=8, predictor=pf)
@@ -222,5 +224,18 @@ def test_cpu_only_layers_run_in_the_native_decoder(make_model: Callable[..., Pat
             assert ex.native.sparse is not None and oracle.sparse is not None
             assert ex.native.sparse.sparse_layers == oracle.sparse.sparse_layers == (True,) * cfg.n_layers
             assert 0 < ex.native.sparse.active.sum() == oracle.sparse.active.sum() < len(IDS) * cfg.n_layers * cfg.n_ff
+    finally:
+        ex.close()
+
+
+def test_a_budget_that_holds_nothing_starts_no_gpu_worker(make_model: Callable[..., Path]) -> None:
+    path = make_model(arch="llama", qtype=QT.Q4_0)
+    f, cfg = load(path)
+    c = layer_costs(f, cfg, CTX, max_tokens=8)
+    opts = GpuOptions(backend="cpu", split="neuron", vram_budget_gib=(c.overhead + 1) / GIB, max_tokens=8)  # a worker process
+    ex = build_hybrid_executor(path, f, cfg, CTX, opts)
+    try:
+        assert isinstance(ex.gpu, NoGpu) and ex.pids == [] and ex.gpu_bytes == 0
+        assert Engine(f, cfg, ex, CTX, 8).eval(IDS[:5]).shape == (1, cfg.vocab_size)
     finally:
         ex.close()
