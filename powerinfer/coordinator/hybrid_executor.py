@@ -120,8 +120,9 @@ class HybridExecutor:
         # native decoder (one call each)
         on_cpu = self.native.only if self.native is not None and self.native.only is not None else frozenset()
         whole = [self.attn[i] is None and self.ffns[i] is None and i not in on_cpu for i in range(cfg.n_layers)]
-        self._native_runs = frozenset(a for a, _ in _runs([i in on_cpu for i in range(cfg.n_layers)]))
-        self.layer_runs: tuple[tuple[int, int], ...] = tuple(sorted(_runs(whole) + _runs([i in on_cpu for i in range(cfg.n_layers)])))
+        native_runs = _runs([i in on_cpu for i in range(cfg.n_layers)])
+        self._native_runs = frozenset(a for a, _ in native_runs)
+        self.layer_runs: tuple[tuple[int, int], ...] = tuple(sorted(_runs(whole) + native_runs))
 
     @property
     def cpu_bytes(self) -> int:
@@ -212,12 +213,7 @@ class HybridExecutor:
         """CPU shards only: the GPU worker's sparsity is fixed when it loads."""
         sparse = self.native.sparse if self.native is not None else None
         if sparse is not None:  # the native decoder's layers, as NativeExecutor.set_sparse
-            mode = sparse.mode
-            if dense is not None:
-                mode = "all" if dense else ("oracle" if mode == "oracle" else "file")
-            if oracle is not None and mode != "all":
-                mode = "oracle" if oracle else "file"
-            sparse.set_mode(mode)
+            sparse.set_flags(dense, oracle)
         for shard in self.ffns:
             if shard is not None and dense is not None and hasattr(shard, "force_dense"):
                 shard.force_dense = dense

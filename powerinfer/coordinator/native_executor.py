@@ -38,14 +38,8 @@ class NativeExecutor:
 
     def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
         """Sparse FFNs: every neuron (dense=True), the true active set (oracle=True), or the file's rule."""
-        if self.sparse is None:
-            return
-        mode = self.sparse.mode
-        if dense is not None:
-            mode = "all" if dense else ("oracle" if mode == "oracle" else "file")
-        if oracle is not None and mode != "all":
-            mode = "oracle" if oracle else "file"
-        self.sparse.set_mode(mode)
+        if self.sparse is not None:
+            self.sparse.set_flags(dense, oracle)
 
     def decode_share(self) -> float:
         """Share of FFN neurons computed per token so far (the rule is per token: prefill and decode

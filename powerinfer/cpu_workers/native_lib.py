@@ -145,8 +145,6 @@ def _load(isa: str) -> ctypes.CDLL | None:
     ptr = ctypes.c_void_p
     lib.pi_scratch_bytes.argtypes = [ctypes.POINTER(PiModel), ctypes.c_int]
     lib.pi_scratch_bytes.restype = ctypes.c_int64
-    lib.pi_forward.argtypes = [ctypes.POINTER(PiModel), ptr, ptr, ptr, ctypes.c_int, ptr]
-    lib.pi_forward.restype = ctypes.c_int
     lib.pi_forward_range.argtypes = [ctypes.POINTER(PiModel), ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.pi_forward_range.restype = ctypes.c_int
     lib.pi_matmul.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr, ptr]

@@ -204,24 +204,17 @@ class NativeDecoder:
         """x [T, d] float32 embeddings (scaled) -> final-normed hidden [T, d]; T > max_t runs in chunks.
 
         A C-ordered float32 x is updated in place and returned (the engine hands over its own)."""
-        if x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
-            x = np.array(x, dtype=np.float32, order="C")
-        pos = np.ascontiguousarray(positions, dtype=np.int64)
-        sl = np.ascontiguousarray(slots, dtype=np.int64)
-        for a in range(0, x.shape[0], self.max_t):
-            b = min(a + self.max_t, x.shape[0])
-            rc = self.lib.pi_forward(ctypes.byref(self.model), x[a:b].ctypes.data, pos[a:b].ctypes.data, sl[a:b].ctypes.data, b - a,
-                                     self.scratch.ctypes.data)
-            if rc:
-                raise InvalidArgumentError(f"native forward refused its input (code {rc}: positions {pos[a]}..{pos[b - 1]}, "
-                                           f"slots {sorted(set(sl[a:b].tolist()))})")
-        return x
+        return self._run(0, self.cfg.n_layers, True, x, positions, slots)
 
     def forward_range(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """x [T, d] float32, the residual stream entering layer `first` -> leaving layer stop - 1 (not
         normed), in place as :meth:`forward`; every layer of the range must be built (``only``)."""
         if self.only is not None and not all(i in self.only for i in range(first, stop)):
             raise InvalidArgumentError(f"layers {first}..{stop - 1} are not all built in this native decoder")
+        return self._run(first, stop, False, x, positions, slots)
+
+    def _run(self, first: int, stop: int, out_norm: bool, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Layers [first, stop) (then the final norm when out_norm) over x [T, d], max_t tokens a call."""
         if x.dtype != np.float32 or not x.flags.c_contiguous or not x.flags.writeable:
             x = np.array(x, dtype=np.float32, order="C")
         pos = np.ascontiguousarray(positions, dtype=np.int64)
@@ -229,7 +222,7 @@ class NativeDecoder:
         for a in range(0, x.shape[0], self.max_t):
             b = min(a + self.max_t, x.shape[0])
             rc = self.lib.pi_forward_range(ctypes.byref(self.model), x[a:b].ctypes.data, pos[a:b].ctypes.data, sl[a:b].ctypes.data, b - a,
-                                           self.scratch.ctypes.data, first, stop, 0)
+                                           self.scratch.ctypes.data, first, stop, int(out_norm))
             if rc:
                 raise InvalidArgumentError(f"native forward refused its input (code {rc}: layers {first}..{stop - 1}, positions "
                                            f"{pos[a]}..{pos[b - 1]}, slots {sorted(set(sl[a:b].tolist()))})")

@@ -194,6 +194,16 @@ class NativeSparseFFNs:
         if self._attached is not None:
             self._point()
 
+    def set_flags(self, dense: bool | None = None, oracle: bool | None = None) -> None:
+        """An executor's set_sparse: every neuron (dense=True), the true active set (oracle=True),
+        or the file's rule (either False); None leaves that flag as it is."""
+        mode = self.mode
+        if dense is not None:
+            mode = "all" if dense else ("oracle" if mode == "oracle" else "file")
+        if oracle is not None and mode != "all":
+            mode = "oracle" if oracle else "file"
+        self.set_mode(mode)
+
     def attach(self, layers: ctypes.Array) -> None:  # type: ignore[type-arg]
         """Point each PiLayer's sp and pred at this object's structures (they must outlive the decoder's use)."""
         self._attached = layers
