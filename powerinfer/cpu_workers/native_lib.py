@@ -179,6 +179,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_refine_best.argtypes = [ctypes.POINTER(PiWt), ptr, i32, ptr, ctypes.c_float, i32, ptr, ptr]
     lib.pi_refine_best.restype = i32
     lib.pi_comm_hdr_bytes.restype = i64
+    lib.pi_comm_banks_off.argtypes = [i64]
+    lib.pi_comm_banks_off.restype = i64
+    lib.pi_comm_rank_stride.argtypes = [i64]
+    lib.pi_comm_rank_stride.restype = i64
     lib.pi_comm_size.restype = i32
     lib.pi_comm_format.argtypes = [ptr, i32, i64, i64]
     lib.pi_comm_format.restype = i32

@@ -11,12 +11,15 @@ soon as every worker has mapped it, so from then on a killed coordinator leaves 
     header      comm.h's pi_shm_hdr: abort flag, the step doorbell, per rank a cache line for the
                 merges (generation, sleepers) and one for its answer to the step (done, rc, times), pids
     io          [3, max_t] i64: the step's token ids, positions and KV slots (written by the coordinator)
-    banks       [2, max_t * width] f32: the all-gather's two banks (width: the widest gathered row)
+    banks       per rank [2, max_t * width] f32, each rank's pair page-aligned: the all-gather's two
+                banks (width: the widest gathered row), written by that rank alone (packed columns),
+                so their pages are first touched on the writer's NUMA node and read by its peers
     latency     [n_ranks, LAT_RING] u32: each rank's latest merge latencies in ns (the benchmark reads them)
     hidden      [max_t, d] f32: final-normed hidden states, written by rank 0
     logits      [logit_rows, vocab] f32: each rank writes its head rows' columns
 
-Pages are touched only when written, so the logits area costs memory only as far as it is used.
+Pages are touched only when written, so the logits area and the banks cost memory only as far as
+they are used (a rank's bank: T rows of its columns).
 """
 
 from __future__ import annotations
@@ -41,8 +44,11 @@ SLICE_MS = 50  # a sleeping merge wakes this often to check the abort flag and i
 DEADLINE_MS = 60_000  # a peer missing this long fails the merge (a backstop: the coordinator aborts first)
 
 
-def _al(n: int) -> int:
-    return (n + 63) & ~63
+PAGE = 4096  # comm.h's PI_PAGE: each rank's banks start on a page of their own
+
+
+def _al(n: int, to: int = 64) -> int:
+    return (n + to - 1) & ~(to - 1)
 
 
 @dataclass(frozen=True)
@@ -70,11 +76,16 @@ class SegmentLayout:
 
     @property
     def banks_off(self) -> int:
-        return _al(self.hdr_bytes + 3 * self.max_t * 8)
+        return _al(self.hdr_bytes + 3 * self.max_t * 8, PAGE)
+
+    @property
+    def rank_stride(self) -> int:
+        """Bytes from one rank's pair of banks to the next (comm.h's pi_shm_rank_stride)."""
+        return _al(2 * self.cap * 4, PAGE)
 
     @property
     def lat_off(self) -> int:
-        return _al(self.banks_off + 2 * self.cap * 4)
+        return _al(self.banks_off + self.n_ranks * self.rank_stride)
 
     @property
     def hidden_off(self) -> int:

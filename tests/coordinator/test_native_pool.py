@@ -24,7 +24,7 @@ from powerinfer.coordinator.native_pool import NativePoolExecutor
 from powerinfer.coordinator.process_executor import ProcessExecutor
 from powerinfer.cpu_workers.native_lib import decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder
-from powerinfer.cpu_workers.shm_segment import RankComm, create_segment
+from powerinfer.cpu_workers.shm_segment import RankComm, SegmentLayout, create_segment
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks
@@ -94,8 +94,22 @@ def test_plan_ranks_covers_every_part_once(make_model: Callable[..., Path]) -> N
         plan_ranks(cfg, 10)
 
 
-def test_merge_gathers_every_rank_and_records_latency(make_model: Callable[..., Path]) -> None:
-    """The micro-benchmark's own sync: each rank's columns arrive at every rank, every time."""
+def test_segment_layout_mirrors_the_native_offsets(make_model: Callable[..., Path]) -> None:
+    """The coordinator sizes the segment in Python; the ranks find their banks in C: the two agree,
+    and every rank's pair of banks starts on a page of its own (first touched by its writer)."""
+    assert lib is not None
+    for n, max_t in ((1, 1), (2, 16), (3, 512)):
+        cfg = _cfg(make_model, d_model=96, n_ff=200)
+        L = SegmentLayout.for_model(cfg, n, max_t, int(lib.pi_comm_hdr_bytes()))
+        assert L.banks_off == lib.pi_comm_banks_off(max_t) and L.rank_stride == lib.pi_comm_rank_stride(L.cap)
+        assert L.banks_off % 4096 == 0 and L.rank_stride % 4096 == 0 and L.rank_stride >= 2 * 4 * L.cap
+        assert L.lat_off >= L.banks_off + n * L.rank_stride
+
+
+@pytest.mark.parametrize("cols", [((0, 32), (32, 64), (64, 96)), ((0, 50), (50, 50), (50, 96))])
+def test_merge_gathers_every_rank_and_records_latency(make_model: Callable[..., Path], cols: tuple[tuple[int, int], ...]) -> None:
+    """The micro-benchmark's own sync: each rank's columns arrive at every rank, every time, from
+    that rank's own banks (uneven ranges, and a rank that owns nothing)."""
     assert lib is not None
     cfg = _cfg(make_model, d_model=96, n_ff=96)
     seg = create_segment(lib, cfg, 3, 1)
@@ -104,7 +118,7 @@ def test_merge_gathers_every_rank_and_records_latency(make_model: Callable[..., 
     rcs = [-1] * 3
 
     def run(r: int) -> None:
-        rcs[r] = lib.pi_comm_bench(ctypes.byref(comms[r].comm), 96, 32 * r, 32 * r + 32, 500, xs[r].ctypes.data)
+        rcs[r] = lib.pi_comm_bench(ctypes.byref(comms[r].comm), 96, cols[r][0], cols[r][1], 500, xs[r].ctypes.data)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
     for t in threads:
@@ -112,8 +126,9 @@ def test_merge_gathers_every_rank_and_records_latency(make_model: Callable[..., 
     for t in threads:
         t.join(30)
     assert rcs == [0, 0, 0]
+    want = np.concatenate([np.full(b - a, r + 1, np.float32) for r, (a, b) in enumerate(cols)])
     for x in xs:
-        np.testing.assert_array_equal(x, np.repeat(np.arange(1, 4, dtype=np.float32), 32))
+        np.testing.assert_array_equal(x, want)
     assert all(len(c.latencies_ns()) == 500 and c.latencies_ns().min() > 0 for c in comms)
     seg.close()
 

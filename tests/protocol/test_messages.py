@@ -405,9 +405,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 6, this side speaks version 5") as info:
-        decode(raw(1, {"version": 6, "worker": 0, "pid": 1, "features": ["x"]}))  # a v6 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (6, 5)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 7, this side speaks version 6") as info:
+        decode(raw(1, {"version": 7, "worker": 0, "pid": 1, "features": ["x"]}))  # a v7 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (7, 6)
 
 
 def test_encode_rejects_what_decode_would() -> None:

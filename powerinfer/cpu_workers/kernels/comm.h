@@ -7,17 +7,21 @@
  * header: a cache line of pool-wide words (abort flag, rank count, capacity), the step doorbell,
  * one cache line per rank holding the generation that rank last published and how many of its
  * peers sleep on it, one per rank for its answer to a step, the ranks' pids; then the step's io
- * area and two banks of `cap` floats. A sync of a [T, ld] matrix whose columns the ranks
- * split between them:
- *   1. rank r copies its columns into bank[gen & 1] and stores gen into its line (release);
+ * area and, per rank, two banks of `cap` floats (page-aligned, written by that rank alone, so on a
+ * multi-socket machine their pages are first touched, hence placed, on the writer's node; the
+ * peers read them across the interconnect once per sync). A sync of a [T, ld] matrix whose
+ * columns the ranks split between them:
+ *   1. rank r copies its columns [c0, c1) packed ([T, c1 - c0]) into its bank gen & 1, notes c0
+ *      and c1 for that bank in its line and stores gen there (release);
  *   2. it waits until every peer's line holds >= gen (acquire): spinning with `pause` for up to
  *      spin_us, then sleeping on the peer's word with futex (woken by that peer's store);
- *   3. it copies the whole bank back: every rank ends with the same bits.
+ *   3. it copies every peer's columns from that peer's bank into place: every rank ends with the
+ *      same bits.
  * Why a gather, not a sum of partials: each output element stays one rank's whole dot product,
  * so the split changes no rounding (a sum of partial dot products moved the logits by up to ~1
  * through the 8-bit activations of later layers, measured on SmolLM2).
- * Two banks suffice: a rank can only write bank gen & 1 again at gen + 2, which needs every
- * peer past gen + 1, i.e. done reading gen. Waiting checks, every slice_ms, the abort flag (set by
+ * Two banks (and two column notes) per rank suffice: a rank can only write bank gen & 1 again at
+ * gen + 2, which needs every peer past gen + 1, i.e. done reading gen. Waiting checks, every slice_ms, the abort flag (set by
  * the coordinator when a rank dies), the peers' liveness (/proc/<pid>/stat: gone or zombie) and a
  * deadline, so a dead or stopped rank fails the sync instead of hanging it. Latencies (ns, per
  * sync) go to a ring the benchmark reads.
@@ -49,7 +53,8 @@
 typedef struct {
     _Atomic uint32_t gen;      /* last generation this rank published */
     _Atomic uint32_t sleepers; /* peers asleep on gen (futex) */
-    uint8_t pad[56];
+    int32_t c0[2], c1[2];      /* per bank: the columns of the sync that last wrote it */
+    uint8_t pad[40];
 } pi_rank_line;
 
 /* The step doorbell (coordinator -> ranks): the coordinator writes T tokens' ids, positions and
@@ -83,15 +88,19 @@ typedef struct {
     int32_t pids[PI_MAX_RANKS];
 } pi_shm_hdr;
 
-/* Bytes of the header; the io area (int64 [3, max_t]: ids, positions, slots) follows, then the
- * banks, each 64-byte aligned. */
+/* Bytes of the header; the io area (int64 [3, max_t]: ids, positions, slots) follows, 64-byte
+ * aligned, then the banks: per rank [2][cap] floats, each rank's pair starting on a page. */
+#define PI_PAGE 4096u
 static inline size_t pi_shm_hdr_bytes(void) { return (sizeof(pi_shm_hdr) + 63) & ~(size_t)63; }
-static inline size_t pi_shm_banks_off(int64_t max_t) { return (pi_shm_hdr_bytes() + 3 * 8 * (size_t)max_t + 63) & ~(size_t)63; }
+static inline size_t pi_shm_banks_off(int64_t max_t) {
+    return (pi_shm_hdr_bytes() + 3 * 8 * (size_t)max_t + PI_PAGE - 1) & ~(size_t)(PI_PAGE - 1);
+}
+static inline size_t pi_shm_rank_stride(int64_t cap) { return (2 * 4 * (size_t)cap + PI_PAGE - 1) & ~(size_t)(PI_PAGE - 1); }
 
 /* One rank's handle (private to its process). */
 typedef struct {
     pi_shm_hdr *hdr;
-    float *bufs; /* [2][cap]: the banks */
+    float *bufs; /* the banks: rank r's bank b at bufs + r * stride + b * cap floats */
     int32_t rank, spin_us, slice_ms, deadline_ms;
     uint32_t gen;
     int32_t err; /* sticky: 0, or why a sync failed (PI_COMM_*) */
@@ -188,11 +197,17 @@ static int pi_allgather(pi_comm *c, float *x, int T, int ld, int c0, int c1) {
     if (n > c->hdr->cap) return c->err = PI_COMM_TOO_BIG;
     const int R = (int)c->hdr->n_ranks;
     const uint64_t t0 = pi_now_ns();
-    const uint32_t gen = ++c->gen;
-    float *bank = c->bufs + (size_t)(gen & 1u) * (size_t)c->hdr->cap;
-    if (c1 > c0)
-        for (int t = 0; t < T; t++) memcpy(bank + (size_t)t * ld + c0, x + (size_t)t * ld + c0, sizeof(float) * (size_t)(c1 - c0));
-    pi_publish(c, gen);
+    const uint32_t gen = ++c->gen, b = gen & 1u;
+    const size_t stride = pi_shm_rank_stride(c->hdr->cap) / sizeof(float), cap = (size_t)c->hdr->cap;
+    pi_rank_line *me = &c->hdr->ranks[c->rank];
+    if (c1 > c0) {
+        float *bank = c->bufs + (size_t)c->rank * stride + b * cap;
+        const size_t w = (size_t)(c1 - c0);
+        for (int t = 0; t < T; t++) memcpy(bank + (size_t)t * w, x + (size_t)t * ld + c0, sizeof(float) * w);
+    }
+    me->c0[b] = c0;
+    me->c1[b] = c1;
+    pi_publish(c, gen); /* seq_cst store: the bank and the column note are visible before gen */
     const uint64_t t1 = pi_now_ns();
     for (int r = 0; r < R; r++) {
         if (r == c->rank) continue;
@@ -204,7 +219,15 @@ static int pi_allgather(pi_comm *c, float *x, int T, int ld, int c0, int c1) {
         }
     }
     const uint64_t t2 = pi_now_ns();
-    if (R > 1) memcpy(x, bank, sizeof(float) * (size_t)n);
+    for (int r = 0; r < R; r++) {
+        const pi_rank_line *peer = &c->hdr->ranks[r];
+        const int p0 = peer->c0[b], p1 = peer->c1[b];
+        if (r == c->rank || p1 <= p0) continue;
+        if (p0 < 0 || p1 > ld) return c->err = PI_COMM_TOO_BIG; /* a peer with another idea of the row */
+        const float *bank = c->bufs + (size_t)r * stride + b * cap;
+        const size_t w = (size_t)(p1 - p0);
+        for (int t = 0; t < T; t++) memcpy(x + (size_t)t * ld + p0, bank + (size_t)t * w, sizeof(float) * w);
+    }
     const uint64_t t3 = pi_now_ns();
     c->wait_ns += t2 - t1;
     if (c->lat) c->lat[c->n_syncs % PI_LAT_RING] = (uint32_t)((t3 - t0) > 0xffffffffu ? 0xffffffffu : (t3 - t0));
@@ -215,9 +238,12 @@ static int pi_allgather(pi_comm *c, float *x, int T, int ld, int c0, int c1) {
 /* --- entry points (ctypes) -------------------------------------------------------------------- */
 
 int64_t pi_comm_hdr_bytes(void) { return (int64_t)pi_shm_hdr_bytes(); }
+int64_t pi_comm_banks_off(int64_t max_t) { return (int64_t)pi_shm_banks_off(max_t); }
+int64_t pi_comm_rank_stride(int64_t cap) { return (int64_t)pi_shm_rank_stride(cap); }
 int pi_comm_size(void) { return (int)sizeof(pi_comm); }
 
-/* The coordinator formats a fresh segment of pi_shm_hdr_bytes() + 2 * cap * 4 bytes (+ its outputs). */
+/* The coordinator formats a fresh segment: the header, the io area, n_ranks * pi_shm_rank_stride(cap)
+ * bytes of banks (+ its outputs; shm_segment.py's SegmentLayout mirrors these offsets). */
 int pi_comm_format(void *base, int n_ranks, int64_t cap, int64_t max_t) {
     if (n_ranks < 1 || n_ranks > PI_MAX_RANKS || cap < 1 || max_t < 1) return 1;
     pi_shm_hdr *h = (pi_shm_hdr *)base;
@@ -236,7 +262,7 @@ int pi_comm_attach(pi_comm *c, void *base, int rank, int spin_us, int slice_ms, 
     if (h->magic != PI_COMM_MAGIC || rank < 0 || rank >= (int)h->n_ranks) return 1;
     memset(c, 0, sizeof *c);
     c->hdr = h;
-    c->bufs = (float *)((uint8_t *)base + pi_shm_banks_off(h->max_t)); /* [2][cap] */
+    c->bufs = (float *)((uint8_t *)base + pi_shm_banks_off(h->max_t)); /* [n_ranks][stride] */
     c->rank = rank;
     c->spin_us = spin_us;
     c->slice_ms = slice_ms > 0 ? slice_ms : 50;
