@@ -11,6 +11,10 @@ the CPU that first touches it, so a worker that pins itself and then fills its o
 local memory on the default policy; ``bind_memory_to_node`` only makes that preference explicit.
 Everything here is best effort: missing sysfs files, containers and platforms without affinity
 calls degrade to "one node, one core per logical CPU, unpinned", with a log line, never a crash.
+
+``POWERINFER_SYSFS`` names another sysfs root (default /sys): a fake tree, such as the one
+``fake_topology.py`` writes, lets the coordinator plan and the workers pin as on a multi-socket
+machine (the kernel's own memory policy then refuses the fake nodes, which is logged and harmless).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import os
 import platform
 import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +43,12 @@ _MAX_CPU = 1 << 16
 # set_mempolicy(2) syscall numbers; aarch64 uses the asm-generic table.
 _SYS_SET_MEMPOLICY = {"x86_64": 238, "amd64": 238, "aarch64": 237, "arm64": 237}
 _MPOL_PREFERRED = 1
+SYSFS_ENV = "POWERINFER_SYSFS"
+
+
+def sysfs_root() -> Path:
+    """The sysfs tree topology is read from: $POWERINFER_SYSFS, else /sys."""
+    return Path(os.environ.get(SYSFS_ENV) or "/sys")
 
 
 @dataclass(frozen=True)
@@ -171,8 +182,9 @@ def _node_map(node_root: Path) -> dict[int, int]:
     return mapping
 
 
-def read_topology(sysfs: str | Path = "/sys", allowed: Iterable[int] | None = None) -> Topology:
-    """Physical cores and NUMA nodes of the CPUs in ``allowed`` (default: this process's affinity).
+def read_topology(sysfs: str | Path | None = None, allowed: Iterable[int] | None = None) -> Topology:
+    """Physical cores and NUMA nodes of the CPUs in ``allowed`` (default: this process's affinity),
+    from ``sysfs`` (default: :func:`sysfs_root`).
 
     Reads <sysfs>/devices/system/node/node*/cpulist and
     <sysfs>/devices/system/cpu/cpu*/{online,topology/{core_id,physical_package_id,thread_siblings_list}}.
@@ -181,7 +193,7 @@ def read_topology(sysfs: str | Path = "/sys", allowed: Iterable[int] | None = No
     allowed_set = _allowed_cpus() if allowed is None else {int(c) for c in allowed}
     if not allowed_set:
         raise InvalidArgumentError("the allowed CPU set is empty")
-    system = Path(sysfs) / "devices" / "system"
+    system = Path(sysfs if sysfs is not None else sysfs_root()) / "devices" / "system"
     cpu_root = system / "cpu"
     node_of = _node_map(system / "node")
     cpu_dirs = _numbered_dirs(cpu_root, _CPU_DIR)
@@ -202,7 +214,7 @@ def read_topology(sysfs: str | Path = "/sys", allowed: Iterable[int] | None = No
         log.debug("dropping CPUs outside this process's affinity: %s", sorted(known - offline - allowed_set))
     if not usable:
         # sysfs and the affinity mask disagree entirely (odd container); trust the affinity mask.
-        log.warning("no allowed CPU appears in %s; treating the %d allowed CPUs as single cores on node 0", sysfs, len(allowed_set))
+        log.warning("no allowed CPU appears in %s; treating the %d allowed CPUs as single cores on node 0", system.parent, len(allowed_set))
         usable, node_of, cpu_dirs = sorted(allowed_set), {}, {}
 
     if not node_of:
@@ -262,8 +274,11 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
 
     Each worker gets ``threads_per_worker`` whole physical cores (all their hyperthread siblings)
     of its node. Worker i's node is ``result[i].node``, so shard i's weights belong on that node.
-    When a node has fewer cores than its workers need, its cores are shared round-robin and a
-    warning says the machine is oversubscribed.
+    When the workers need more cores than some node has but the machine has enough, a worker
+    spans nodes instead (consecutive cores in node order; its node is the one holding most of
+    them): idle cores on one node beat doubled-up threads on another. When the machine as a whole
+    has too few cores, a node's cores are shared round-robin and a warning says it is
+    oversubscribed.
     """
     if n_workers < 1:
         raise InvalidArgumentError(f"the number of CPU workers must be >= 1, got {n_workers}")
@@ -285,6 +300,8 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
                 target = max(spare, key=lambda m: (len(per_node[m]) - counts[m] * t, -m))
                 counts[node] -= 1
                 counts[target] += 1
+        if any(counts[node] * t > len(cores) for node, cores in per_node.items()):
+            return _spanning(per_node, n_workers, t)
 
     placements: list[Placement] = []
     oversubscribed = False
@@ -300,6 +317,23 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
             "oversubscribed: %d CPU worker(s) x %d thread(s) on %d physical core(s) across %d node(s); cores are shared",
             n_workers, t, topo.n_physical, len(per_node),
         )
+    return placements
+
+
+def _spanning(per_node: dict[int, tuple[Core, ...]], n_workers: int, t: int) -> list[Placement]:
+    """Workers of t cores each over the machine's cores in node order, crossing nodes where a node
+    cannot hold a whole worker (the caller checked that n_workers * t cores exist)."""
+    cores = [core for node_cores in per_node.values() for core in node_cores]
+    placements: list[Placement] = []
+    for w in range(n_workers):
+        picked = cores[w * t : (w + 1) * t]
+        by_node = Counter(core.node for core in picked)
+        node = max(by_node, key=lambda n: (by_node[n], -n))  # most of its cores; ties: the lower node
+        cpus = tuple(sorted(cpu for core in picked for cpu in core.cpus))
+        if len(by_node) > 1:
+            log.info("worker %d: %d threads exceed a node's free cores; it spans nodes %s (its memory on node %d)", w, t,
+                     sorted(by_node), node)
+        placements.append(Placement(worker=w, node=node, cpus=cpus))
     return placements
 
 
@@ -324,7 +358,7 @@ def pin_current_process(placement: Placement) -> None:
     log.debug("worker %d pinned to CPUs %s (node %d)", placement.worker, cpus, placement.node)
 
 
-def bind_memory_to_node(node: int, *, sysfs: str | Path = "/sys") -> bool:
+def bind_memory_to_node(node: int, *, sysfs: str | Path | None = None) -> bool:
     """Prefer ``node`` for this thread's future page allocations (set_mempolicy MPOL_PREFERRED).
 
     Best effort and usually redundant: after ``pin_current_process`` first-touch already puts pages
@@ -334,7 +368,7 @@ def bind_memory_to_node(node: int, *, sysfs: str | Path = "/sys") -> bool:
     on non-Linux, unknown architectures, single-node machines, unknown nodes, or when the syscall
     is refused (containers often block it with EPERM).
     """
-    nodes = sorted(_numbered_dirs(Path(sysfs) / "devices" / "system" / "node", _NODE_DIR))
+    nodes = sorted(_numbered_dirs(Path(sysfs if sysfs is not None else sysfs_root()) / "devices" / "system" / "node", _NODE_DIR))
     nr = _SYS_SET_MEMPOLICY.get(platform.machine().lower())
     reason = None
     if platform.system() != "Linux" or nr is None:

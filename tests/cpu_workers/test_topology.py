@@ -363,3 +363,18 @@ def test_bind_memory_child(tmp_path: Path) -> None:
         assert mode == 0, "a refused call leaves MPOL_DEFAULT"
     if len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) < 2:
         assert refused is False  # node 1 does not exist on this kernel: EINVAL
+
+
+def test_plan_spans_nodes_rather_than_double_up(box: Topology, caplog: pytest.LogCaptureFixture) -> None:
+    """One rank of 6 threads on two nodes of 4 cores: the machine has the cores, so the rank takes
+    node 0's four and two of node 1's, instead of six threads on node 0's four cores."""
+    with caplog.at_level(logging.INFO, logger=topo_mod.__name__):
+        plan = plan_placement(box, 1, threads_per_worker=6)
+    assert [(p.node, p.cpus) for p in plan] == [(0, (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13))]
+    assert "spans nodes [0, 1]" in caplog.text and "oversubscribed" not in caplog.text
+    plan = plan_placement(box, 2, threads_per_worker=3)  # fits: one per node, nobody spans
+    check_invariants(box, plan, 2)
+    plan = plan_placement(box, 3, threads_per_worker=2)  # 2 + 1 per node fits as well
+    check_invariants(box, plan, 3)
+    used = [cpu for p in plan_placement(box, 2, threads_per_worker=4) for cpu in p.cpus]
+    assert len(used) == len(set(used)) == 16
