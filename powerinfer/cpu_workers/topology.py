@@ -12,9 +12,8 @@ local memory on the default policy; ``bind_memory_to_node`` only makes that pref
 Everything here is best effort: missing sysfs files, containers and platforms without affinity
 calls degrade to "one node, one core per logical CPU, unpinned", with a log line, never a crash.
 
-``POWERINFER_SYSFS`` names another sysfs root (default /sys): a fake tree, such as the one
-``fake_topology.py`` writes, lets the coordinator plan and the workers pin as on a multi-socket
-machine (the kernel's own memory policy then refuses the fake nodes, which is logged and harmless).
+``POWERINFER_SYSFS`` names another sysfs root (default /sys): with a fake tree (fake_topology.py)
+the coordinator plans and the workers pin as on a multi-socket machine.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ _MPOL_PREFERRED = 1
 SYSFS_ENV = "POWERINFER_SYSFS"
 
 
-def sysfs_root() -> Path:
-    """The sysfs tree topology is read from: $POWERINFER_SYSFS, else /sys."""
+def sysfs_root() -> Path:  # $POWERINFER_SYSFS, else /sys
     return Path(os.environ.get(SYSFS_ENV) or "/sys")
 
 
@@ -274,11 +272,9 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
 
     Each worker gets ``threads_per_worker`` whole physical cores (all their hyperthread siblings)
     of its node. Worker i's node is ``result[i].node``, so shard i's weights belong on that node.
-    When the workers need more cores than some node has but the machine has enough, a worker
-    spans nodes instead (consecutive cores in node order; its node is the one holding most of
-    them): idle cores on one node beat doubled-up threads on another. When the machine as a whole
-    has too few cores, a node's cores are shared round-robin and a warning says it is
-    oversubscribed.
+    When some node is too small for its workers but the machine is not, workers span nodes instead
+    (consecutive cores in node order; idle cores beat doubled-up threads). When the machine has too
+    few cores, a node's are shared round-robin and a warning says it is oversubscribed.
     """
     if n_workers < 1:
         raise InvalidArgumentError(f"the number of CPU workers must be >= 1, got {n_workers}")
@@ -321,14 +317,13 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
 
 
 def _spanning(per_node: dict[int, tuple[Core, ...]], n_workers: int, t: int) -> list[Placement]:
-    """Workers of t cores each over the machine's cores in node order, crossing nodes where a node
-    cannot hold a whole worker (the caller checked that n_workers * t cores exist)."""
+    """Workers of t consecutive cores in node order (n_workers * t cores exist); node: most of them."""
     cores = [core for node_cores in per_node.values() for core in node_cores]
     placements: list[Placement] = []
     for w in range(n_workers):
         picked = cores[w * t : (w + 1) * t]
         by_node = Counter(core.node for core in picked)
-        node = max(by_node, key=lambda n: (by_node[n], -n))  # most of its cores; ties: the lower node
+        node = max(by_node, key=lambda n: (by_node[n], -n))  # ties: the lower node
         cpus = tuple(sorted(cpu for core in picked for cpu in core.cpus))
         if len(by_node) > 1:
             log.info("worker %d: %d threads exceed a node's free cores; it spans nodes %s (its memory on node %d)", w, t,
