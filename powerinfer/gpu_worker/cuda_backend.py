@@ -12,11 +12,18 @@ imported only when this backend is built (the optional ``gpu`` extra), never at 
 * Copies: host-to-device through a pinned staging ring, device-to-host into pinned buffers, both
   asynchronous on the worker's stream; a read's ``result()`` waits on an event recorded after
   its copy, so the host (the CPU shards, in-process) works while the GPU computes.
+* GEMV: two kernels per weight type (quant_ops.cuh): ``gemv_<t>`` decodes whole blocks per lane,
+  ``gemv_lanes_<t>`` (the first kernel, 4-16% of an H200's bandwidth) a weight per lane. In mode
+  "auto" (the default; ``POWERINFER_GPU_GEMV`` or the ``gemv`` argument choose "blocks" or
+  "lanes") the first GEMV of each type runs both on its real inputs and keeps the block kernel only
+  if the two agree (GEMV_AGREE), else warns and keeps the lane kernel: the block kernel was checked
+  on the host CPU (tests/gpu_worker/gemv_host.cu), and a GPU check per card is cheap insurance.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import numpy as np
@@ -24,17 +31,31 @@ from numpy.typing import DTypeLike
 
 from powerinfer.gpu_worker import kernels as K
 from powerinfer.gpu_worker.backend import MemoryLedger
+from powerinfer.errors import InvalidArgumentError
 from powerinfer.gpu_worker.errors import ADVICE, GpuMemoryError, GpuUnavailableError, gib, over_card
 
 log = logging.getLogger(__name__)
 
 STAGING_BYTES = 64 << 20  # pinned host ring for host-to-device copies (a call's inputs are a few MB)
 ALIGN = 256
+GEMV_MODES = ("auto", "blocks", "lanes")
+GEMV_ENV = "POWERINFER_GPU_GEMV"
+GEMV_AGREE = 1e-4  # "auto": max |blocks - lanes| over max |lanes| within which the block kernel is kept
+
+
+def gemv_disagreement(blocks: np.ndarray, lanes: np.ndarray) -> float:
+    """max |blocks - lanes| / max |lanes| (0 when both are zero; inf when blocks is not finite where lanes is)."""
+    ok = np.isfinite(lanes)
+    if not np.array_equal(np.isfinite(blocks), ok):
+        return float("inf")
+    scale = float(np.max(np.abs(lanes[ok]))) if ok.any() else 0.0
+    diff = float(np.max(np.abs(blocks[ok].astype(np.float64) - lanes[ok]))) if ok.any() else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 # pycuda prepared-call argument types (struct codes: P pointer, q int64, i int32, f float32),
 # in the order of each kernel's parameters in its .cu file (tests/gpu_worker checks they agree).
 SIGNATURES: dict[str, str] = {
-    **{f"gemv_{s}": "PqPPiPiiPi" for s in K.SUFFIX.values()},
+    **{f"{kind}_{s}": "PqPPiPiiPi" for s in K.SUFFIX.values() for kind in ("gemv", "gemv_lanes")},
     **{f"axpy_{s}": "PqPPiPiiiPi" for s in K.SUFFIX.values()},
     "rms_norm": "PiiiiPf",
     "rope": "PiPiiiiP",
@@ -83,7 +104,8 @@ class _CudaPending:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, budget: int, device: int = 0) -> None:
+    def __init__(self, budget: int, device: int = 0, gemv: str | None = None) -> None:
+        self.use_gemv(gemv or os.environ.get(GEMV_ENV) or "auto")
         try:
             import pycuda.driver as cuda  # type: ignore[import-not-found]
         except ImportError:
@@ -212,10 +234,51 @@ class CudaBackend:
 
     # -- kernels -----------------------------------------------------------------------------------
 
+    def use_gemv(self, mode: str) -> None:
+        """Which GEMV kernels to launch from now on: "auto", "blocks" or "lanes" (module docstring)."""
+        if mode not in GEMV_MODES:
+            raise InvalidArgumentError(f"GEMV kernels must be one of {', '.join(GEMV_MODES)} (${GEMV_ENV}), got {mode!r}")
+        self.gemv_mode = mode
+        self._gemv_kernel: dict[str, str] = {}  # suffix -> the kernel chosen for it
+
     def gemv(self, suffix: str, w: DeviceBuffer, row_bytes: int, rows: DeviceBuffer | None, n_dev: DeviceBuffer | None, n: int,
              x: DeviceBuffer, k: int, t: int, y: DeviceBuffer, ldy: int) -> None:
         # one warp per output row: 32 * n threads
-        self._launch(f"gemv_{suffix}", (_blocks(32 * n),), K.BLOCK, w.ptr, row_bytes, _p(rows), _p(n_dev), n, x.ptr, k, t, y.ptr, ldy)
+        args = (w.ptr, row_bytes, _p(rows), _p(n_dev), n, x.ptr, k, t)
+        name = self._gemv_kernel.get(suffix) or self._choose_gemv(suffix, args, n, t * ldy, ldy)
+        self._launch(name, (_blocks(32 * n),), K.BLOCK, *args, y.ptr, ldy)
+
+    def _choose_gemv(self, suffix: str, args: tuple[int, ...], n: int, size: int, ldy: int) -> str:
+        blocks, lanes = f"gemv_{suffix}", f"gemv_lanes_{suffix}"
+        if self.gemv_mode != "auto":
+            self._gemv_kernel[suffix] = blocks if self.gemv_mode == "blocks" else lanes
+            return self._gemv_kernel[suffix]
+        outs = []
+        for name in (blocks, lanes):  # both on this call's inputs, into zeroed scratch [size] (KBs: outside the ledger)
+            try:
+                buf = self.cuda.mem_alloc(max(size, 1) * 4)
+            except self.cuda.MemoryError:
+                log.warning("no GPU memory to compare the GEMV kernels for %s; using the weight-per-lane kernel", suffix)
+                self._gemv_kernel[suffix] = lanes
+                return lanes
+            try:
+                self.cuda.memset_d32_async(buf, 0, max(size, 1), self.stream)
+                self._launch(name, (_blocks(32 * n),), K.BLOCK, *args, int(buf), ldy)
+                self.stream.synchronize()
+                host = np.empty(max(size, 1), np.float32)
+                self.cuda.memcpy_dtoh(host, buf)
+                outs.append(host)
+            finally:
+                buf.free()
+        err = gemv_disagreement(outs[0], outs[1])
+        if err <= GEMV_AGREE:
+            log.info("GEMV %s: the block kernel agrees with the weight-per-lane kernel (%.1e); using it", suffix, err)
+            self._gemv_kernel[suffix] = blocks
+        else:
+            log.warning("GEMV %s: the block kernel differs from the weight-per-lane kernel by %.2e of the output's scale; "
+                        "using the weight-per-lane kernel (slower; please report this card)", suffix, err)
+            self._gemv_kernel[suffix] = lanes
+        return self._gemv_kernel[suffix]
 
     def axpy(self, suffix: str, w: DeviceBuffer, row_bytes: int, rows: DeviceBuffer | None, n_dev: DeviceBuffer | None, n: int,
              h: DeviceBuffer, ldh: int, k: int, t: int, y: DeviceBuffer) -> None:

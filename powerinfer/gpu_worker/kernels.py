@@ -38,7 +38,7 @@ class KernelSource:
 
 
 SOURCES: tuple[KernelSource, ...] = (
-    *(KernelSource(f"{s}.cu", (f"gemv_{s}", f"axpy_{s}")) for s in SUFFIX.values()),
+    *(KernelSource(f"{s}.cu", (f"gemv_{s}", f"gemv_lanes_{s}", f"axpy_{s}")) for s in SUFFIX.values()),
     KernelSource("norm_rope.cu", ("rms_norm", "rope")),
     KernelSource("attention.cu", ("kv_store", "attend")),
     KernelSource("ffn_ops.cu", ("bias_act", "act_mul", "act_inplace", "compact", "gather_mul")),

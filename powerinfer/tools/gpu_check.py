@@ -160,28 +160,34 @@ def _err(a: np.ndarray, b: np.ndarray) -> float:
 def check_kernels(tol: float = 2e-4) -> list[Row]:
     from powerinfer.gpu_worker.cuda_backend import CudaBackend
 
-    cuda: Backend = CudaBackend(4 << 30)
+    cuda = CudaBackend(4 << 30)
     rows = []
-    rng = np.random.default_rng(0)
     try:
-        for name, case in [*_quant_cases(rng), *_small_cases(rng)]:
-            try:
-                want, got = case(CpuBackend(4 << 30)), case(cuda)
-                err = max(_err(g, w) for g, w in zip(got, want))
-                rows.append(Row("kernels", name, f"max rel err {err:.2e}", err <= tol))
-            except Exception as e:  # noqa: BLE001 - one failing kernel is a row, the others still run
-                rows.append(Row("kernels", name, f"{type(e).__name__}: {e}"[:90], False))
-        rows += _bandwidth(cuda)
+        # every case with the block GEMV kernels, then the GEMV cases again with the weight-per-lane ones
+        for mode in ("blocks", "lanes"):
+            cuda.use_gemv(mode)
+            rng = np.random.default_rng(0)
+            cases = [*_quant_cases(rng), *_small_cases(rng)]
+            for name, case in cases if mode == "blocks" else [(n, c) for n, c in cases if n.startswith("gemv_")]:
+                label = f"{name} [{mode}]" if name.startswith("gemv_") else name
+                try:
+                    want, got = case(CpuBackend(4 << 30)), case(cuda)
+                    err = max(_err(g, w) for g, w in zip(got, want))
+                    rows.append(Row("kernels", label, f"max rel err {err:.2e}", err <= tol))
+                except Exception as e:  # noqa: BLE001 - one failing kernel is a row, the others still run
+                    rows.append(Row("kernels", label, f"{type(e).__name__}: {e}"[:90], False))
+            rows += _bandwidth(cuda, mode)
+        cuda.use_gemv("auto")
     finally:
         cuda.close()
     return rows
 
 
-def _bandwidth(b: Backend) -> list[Row]:
+def _bandwidth(b: Backend, mode: str) -> list[Row]:
     """Decode GEMV speed on a 4096 x 11008 matrix (a 7B FFN projection), for the summary."""
     out = []
     rng = np.random.default_rng(5)
-    for qtype in (QT.F16, QT.Q4_0, QT.Q8_0):
+    for qtype in (QT.F16, QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K):
         w = random_weight_rows(qtype, 11008, 4096, rng)
         W, X, Y = b.upload(w, "w"), b.upload(_f32(rng, 4096), "x"), b.alloc(11008, np.float32, "y")
         for _ in range(3):
@@ -192,7 +198,7 @@ def _bandwidth(b: Backend) -> list[Row]:
             b.gemv(SUFFIX[qtype], W, w.shape[1], None, None, 11008, X, 4096, 1, Y, 11008)
         b.synchronize()
         dt = (time.perf_counter() - t0) / reps
-        out.append(Row("kernels", f"gemv_{SUFFIX[qtype]} 11008x4096 T=1", f"{dt * 1e6:.0f} us, {w.nbytes / dt / 1e9:.0f} GB/s", None))
+        out.append(Row("kernels", f"gemv_{SUFFIX[qtype]} [{mode}] 11008x4096 T=1", f"{dt * 1e6:.0f} us, {w.nbytes / dt / 1e9:.0f} GB/s", None))
     return out
 
 

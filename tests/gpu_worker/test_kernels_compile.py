@@ -1,5 +1,6 @@
 """The CUDA sources: they compile with nvcc (no warnings), their block decoders match ggml's formats
-bit for bit (run on the host CPU), and the launch signatures the CUDA backend prepares match them.
+bit for bit and the GEMV kernels match numpy (both run on the host CPU), and the launch signatures
+the CUDA backend prepares match them.
 
 Runs in: the pytest process (nvcc subprocesses; skipped where nvcc is not on PATH). No GPU needed.
 """
@@ -18,11 +19,12 @@ from gguf.quants import dequantize
 
 from powerinfer.tools.gpu_check import random_weight_rows
 from powerinfer.gpu_worker.cuda_backend import SIGNATURES
-from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, source_files
+from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, ref_gemv, source_files
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 HARNESS = Path(__file__).with_name("dq1_host.cu")
+GEMV_HARNESS = Path(__file__).with_name("gemv_host.cu")
 # byte offsets of the float16 scale fields of each block format (random bytes there may be inf/nan)
 
 
@@ -54,18 +56,64 @@ def random_rows(qtype: QT, n: int, k: int, rng: np.random.Generator) -> np.ndarr
 
 
 @pytest.mark.parametrize("qtype", list(SUFFIX), ids=lambda q: q.name)
-def test_block_decoders_match_ggml_bit_for_bit(harness: Path, qtype: QT) -> None:
+@pytest.mark.parametrize("decoder", ["dq1", "dq32"])
+def test_block_decoders_match_ggml_bit_for_bit(harness: Path, qtype: QT, decoder: str) -> None:
+    """dq1 (weight by weight, the lane kernels) and dq32 (whole blocks, the block GEMV) both give
+    ggml's values exactly."""
     rng = np.random.default_rng(int(qtype))
     n, k = 5, 768  # three K-quant super-blocks, 24 legacy blocks per row
     raw = random_rows(qtype, n, k, rng)
-    res = subprocess.run([str(harness), SUFFIX[qtype], str(k), str(raw.shape[1]), str(n)], input=raw.tobytes(),
-                         capture_output=True, check=True)
+    res = subprocess.run([str(harness), SUFFIX[qtype], str(k), str(raw.shape[1]), str(n), *(["dq32"] if decoder == "dq32" else [])],
+                         input=raw.tobytes(), capture_output=True, check=True)
     got = np.frombuffer(res.stdout, dtype=np.float32).reshape(n, k)
     if qtype in (QT.F16, QT.F32):
         ref = raw.view(np.float16 if qtype == QT.F16 else np.float32).astype(np.float32)
     else:
         ref = dequantize(raw, qtype).reshape(n, k)  # gguf's reference decoder, independent of ours
     np.testing.assert_array_equal(got, ref)
+
+
+@pytest.fixture(scope="module")
+def gemv_harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    exe = tmp_path_factory.mktemp("gemv") / "gemv_host"
+    res = subprocess.run([NVCC, "-std=c++20", "-Werror", "all-warnings", "-I", str(KERNEL_DIR), "-o", str(exe), str(GEMV_HARNESS)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return exe
+
+
+# (K, T, ldy extra, x offset in floats, device count or -1, row list): dense batched with strided
+# output and an aligned x view (float4 loads); a sparse decode with a device count below the list's
+# length and a misaligned x (scalar loads); fewer blocks than lanes
+GEMV_CASES = [(1536, 9, 3, 4, -1, False), (1536, 1, 0, 1, 13, True), (512, 3, 0, 0, -1, True)]
+
+
+@pytest.mark.parametrize("qtype", list(SUFFIX), ids=lambda q: q.name)
+@pytest.mark.parametrize("kind", ["blocks", "lanes"])
+def test_gemv_kernels_run_on_the_host_match_numpy(gemv_harness: Path, qtype: QT, kind: str) -> None:
+    """The kernels' own code, a warp at a time on the host (gemv_host.cu), against the float64
+    oracle the GPU check uses; float rows also with a width that leaves a tail past the last block."""
+    rng = np.random.default_rng(100 + int(qtype))
+    cases = GEMV_CASES + ([(1552, 2, 1, 2, -1, False)] if qtype in (QT.F16, QT.F32) else [])
+    for k, t, extra, xoff, count, use_rows in cases:
+        n_rows = 40
+        raw = random_rows(qtype, n_rows, k, rng)
+        rows = np.sort(rng.choice(n_rows, 20, replace=False)).astype(np.int32) if use_rows else None
+        n = 20 if use_rows else n_rows
+        ldy = n + extra
+        x = rng.standard_normal(xoff + t * k).astype(np.float32)
+        stdin = raw.tobytes() + x.tobytes() + (rows.tobytes() if rows is not None else b"")
+        res = subprocess.run([str(gemv_harness), kind, SUFFIX[qtype], str(k), str(raw.shape[1]), str(n_rows), str(n), str(t),
+                              str(ldy), str(xoff), str(count), str(int(use_rows))], input=stdin, capture_output=True, check=True)
+        got = np.frombuffer(res.stdout, dtype=np.float32).reshape(t, ldy)
+        cnt = n if count < 0 else count
+        want = ref_gemv(SUFFIX[qtype], raw.ravel(), raw.shape[1], rows, None if count < 0 else np.array([count], np.int32), n,
+                        x[xoff:], k, t)
+        scale = float(np.max(np.abs(want)))
+        assert float(np.max(np.abs(got[:, :cnt] - want))) <= 1e-5 * scale, (k, t, xoff, count)
+        assert not got[:, cnt:].any(), "wrote past the count or into the stride"
 
 
 _CODE = {"float": "f", "int": "i", "long long": "q"}
@@ -94,10 +142,10 @@ def _kernels_in(text: str) -> dict[str, str]:
 def test_prepared_signatures_match_the_sources() -> None:
     declared: dict[str, str] = {}
     template = _kernels_in((KERNEL_DIR / "quant_ops.cuh").read_text())  # CAT(gemv_, SUFFIX) ...
-    assert set(template) == {"CAT(gemv_, SUFFIX)", "CAT(axpy_, SUFFIX)"}
+    assert set(template) == {"CAT(gemv_, SUFFIX)", "CAT(gemv_lanes_, SUFFIX)", "CAT(axpy_, SUFFIX)"}
     for suffix in SUFFIX.values():
-        declared[f"gemv_{suffix}"] = template["CAT(gemv_, SUFFIX)"]
-        declared[f"axpy_{suffix}"] = template["CAT(axpy_, SUFFIX)"]
+        for kind in ("gemv", "gemv_lanes", "axpy"):
+            declared[f"{kind}_{suffix}"] = template[f"CAT({kind}_, SUFFIX)"]
     for src in SOURCES:
         text = (KERNEL_DIR / src.file).read_text()
         declared.update(_kernels_in(text))

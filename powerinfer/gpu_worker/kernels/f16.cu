@@ -8,4 +8,11 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return __half2float(reinterpret_cast<const __half*>(row)[c]);  // rows start 2-byte aligned
 }
 
+// Weights 32 s .. 32 s + 31 (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const __half* h = reinterpret_cast<const __half*>(row) + 32 * s;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) w[j] = __half2float(h[j]);
+}
+
 #include "quant_ops.cuh"

@@ -7,4 +7,11 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return reinterpret_cast<const float*>(row)[c];  // rows start 4-byte aligned
 }
 
+// Weights 32 s .. 32 s + 31 (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const float* f = reinterpret_cast<const float*>(row) + 32 * s;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) w[j] = f[j];
+}
+
 #include "quant_ops.cuh"

@@ -11,4 +11,16 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return (float)(q - 8) * load_f16(b);
 }
 
+// The 32 weights of block s, as dq1 gives them (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const unsigned char* b = row + s * 18;
+    const float d = load_f16(b);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int v = b[2 + j];
+        w[j] = (float)((v & 15) - 8) * d;
+        w[j + 16] = (float)((v >> 4) - 8) * d;
+    }
+}
+
 #include "quant_ops.cuh"

@@ -21,4 +21,24 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return load_f16(b) * (float)scale * (float)q - load_f16(b + 2) * (float)mn;
 }
 
+// The 32 weights of sub-block s (super-block s / 8), as dq1 gives them (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const unsigned char* b = row + (s >> 3) * 144;
+    const unsigned char* sc = b + 4;
+    const int u = s & 7;
+    int scale, mn;
+    if (u < 4) {
+        scale = sc[u] & 63;
+        mn = sc[u + 4] & 63;
+    } else {
+        scale = (sc[u + 4] & 15) | ((sc[u - 4] >> 6) << 4);
+        mn = (sc[u + 4] >> 4) | ((sc[u] >> 6) << 4);
+    }
+    const float d = load_f16(b), dmin = load_f16(b + 2);
+    const unsigned char* q = b + 16 + 32 * (u >> 1);
+    const int shift = 4 * (u & 1);
+#pragma unroll
+    for (int l = 0; l < 32; ++l) w[l] = d * (float)scale * (float)((q[l] >> shift) & 15) - dmin * (float)mn;
+}
+
 #include "quant_ops.cuh"

@@ -12,4 +12,17 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return (float)(lo | (hi << 4)) * load_f16(b) + load_f16(b + 2);
 }
 
+// The 32 weights of block s, as dq1 gives them (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const unsigned char* b = row + s * 24;
+    const float d = load_f16(b), m = load_f16(b + 2);
+    const unsigned int qh = b[4] | (b[5] << 8) | (b[6] << 16) | ((unsigned int)b[7] << 24);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int v = b[8 + j];
+        w[j] = (float)((v & 15) | ((int)((qh >> j) & 1u) << 4)) * d + m;
+        w[j + 16] = (float)((v >> 4) | ((int)((qh >> (j + 16)) & 1u) << 4)) * d + m;
+    }
+}
+
 #include "quant_ops.cuh"

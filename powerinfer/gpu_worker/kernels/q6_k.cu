@@ -14,4 +14,18 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return load_f16(b + 208) * (float)(signed char)b[192 + (e >> 4)] * (float)((lo | (hi << 4)) - 32);
 }
 
+// The 32 weights of sub-block s (super-block s / 8), as dq1 gives them (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const unsigned char* b = row + (s >> 3) * 210;
+    const int u = s & 7, h = u >> 2, r = u & 3;
+    const float d = load_f16(b + 208);
+    const unsigned char* ql = b + 64 * h + 32 * (r & 1);
+    const unsigned char* qh = b + 128 + 32 * h;
+#pragma unroll
+    for (int l = 0; l < 32; ++l) {
+        const int lo = (ql[l] >> (4 * (r >> 1))) & 15, hi = (qh[l] >> (2 * r)) & 3;
+        w[l] = d * (float)(signed char)b[192 + 2 * u + (l >> 4)] * (float)((lo | (hi << 4)) - 32);
+    }
+}
+
 #include "quant_ops.cuh"

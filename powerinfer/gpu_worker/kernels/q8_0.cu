@@ -9,4 +9,12 @@ __host__ __device__ __forceinline__ float dq1(const unsigned char* row, int c) {
     return (float)(signed char)b[2 + (c & 31)] * load_f16(b);
 }
 
+// The 32 weights of block s, as dq1 gives them (the block GEMV's decoder).
+__host__ __device__ __forceinline__ void dq32(const unsigned char* row, int s, float* w) {
+    const unsigned char* b = row + s * 34;
+    const float d = load_f16(b);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) w[j] = (float)(signed char)b[2 + j] * d;
+}
+
 #include "quant_ops.cuh"
