@@ -9,41 +9,7 @@
 #include <cstring>
 #include <vector>
 
-namespace q4_0 {
-#include "q4_0.cu"
-}
-#undef SUFFIX
-namespace q4_1 {
-#include "q4_1.cu"
-}
-#undef SUFFIX
-namespace q5_0 {
-#include "q5_0.cu"
-}
-#undef SUFFIX
-namespace q5_1 {
-#include "q5_1.cu"
-}
-#undef SUFFIX
-namespace q8_0 {
-#include "q8_0.cu"
-}
-#undef SUFFIX
-namespace q4_k {
-#include "q4_k.cu"
-}
-#undef SUFFIX
-namespace q6_k {
-#include "q6_k.cu"
-}
-#undef SUFFIX
-namespace f16 {
-#include "f16.cu"
-}
-#undef SUFFIX
-namespace f32 {
-#include "f32.cu"
-}
+#include "kernel_types.inc"
 
 typedef float (*Dq)(const unsigned char*, int);
 typedef void (*Dq32)(const unsigned char*, int, float*);

@@ -61,41 +61,7 @@ struct host_float4 {
 };
 #define float4 host_float4
 
-namespace q4_0 {
-#include "q4_0.cu"
-}
-#undef SUFFIX
-namespace q4_1 {
-#include "q4_1.cu"
-}
-#undef SUFFIX
-namespace q5_0 {
-#include "q5_0.cu"
-}
-#undef SUFFIX
-namespace q5_1 {
-#include "q5_1.cu"
-}
-#undef SUFFIX
-namespace q8_0 {
-#include "q8_0.cu"
-}
-#undef SUFFIX
-namespace q4_k {
-#include "q4_k.cu"
-}
-#undef SUFFIX
-namespace q6_k {
-#include "q6_k.cu"
-}
-#undef SUFFIX
-namespace f16 {
-#include "f16.cu"
-}
-#undef SUFFIX
-namespace f32 {
-#include "f32.cu"
-}
+#include "kernel_types.inc"
 
 typedef void (*Gemv)(const unsigned char*, long long, const int*, const int*, int, const float*, int, int, float*, int);
 
