@@ -1,6 +1,7 @@
 """What of the CUDA backend runs without a GPU: the rule that decides, on a card's first GEMV of a
 weight type, whether the block kernel's output may replace the weight-per-lane kernel's, and the
-choice of kernels by argument or environment (refused before any CUDA call when it is wrong).
+choice of kernels by argument or environment (refused before any CUDA call when it is wrong), and
+the comparison itself on a faked pycuda.
 
 Runs in: the pytest process (no pycuda needed).
 """
