@@ -44,7 +44,7 @@ SLICE_MS = 50  # a sleeping merge wakes this often to check the abort flag and i
 DEADLINE_MS = 60_000  # a peer missing this long fails the merge (a backstop: the coordinator aborts first)
 
 
-PAGE = 4096  # comm.h's PI_PAGE: each rank's banks start on a page of their own
+PAGE = 65536  # comm.h's PI_PAGE: each rank's banks start on a page of their own (64 KiB pages included)
 
 
 def _al(n: int, to: int = 64) -> int:

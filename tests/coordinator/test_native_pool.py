@@ -102,8 +102,34 @@ def test_segment_layout_mirrors_the_native_offsets(make_model: Callable[..., Pat
         cfg = _cfg(make_model, d_model=96, n_ff=200)
         L = SegmentLayout.for_model(cfg, n, max_t, int(lib.pi_comm_hdr_bytes()))
         assert L.banks_off == lib.pi_comm_banks_off(max_t) and L.rank_stride == lib.pi_comm_rank_stride(L.cap)
-        assert L.banks_off % 4096 == 0 and L.rank_stride % 4096 == 0 and L.rank_stride >= 2 * 4 * L.cap
+        assert L.banks_off % 65536 == 0 and L.rank_stride % 65536 == 0 and L.rank_stride >= 2 * 4 * L.cap
         assert L.lat_off >= L.banks_off + n * L.rank_stride
+
+
+def test_ranks_that_disagree_on_a_row_fail_together_at_once(make_model: Callable[..., Path]) -> None:
+    """Rank 1 thinks the row is 48 wide and owns [0, 48); rank 0 owns [48, 96) of 96: rank 1 finds
+    rank 0's note outside its row and must wake rank 0 out of its wait (abort), not leave it to the
+    60 s deadline."""
+    assert lib is not None
+    cfg = _cfg(make_model, d_model=96, n_ff=96)
+    seg = create_segment(lib, cfg, 2, 1)
+    comms = [RankComm(lib, seg, r) for r in range(2)]
+    xs = [np.zeros(96, np.float32) for _ in range(2)]
+    args, rcs = [(96, 48, 96), (48, 0, 48)], [-1, -1]
+
+    def run(r: int) -> None:
+        m, a, b = args[r]
+        rcs[r] = lib.pi_comm_bench(ctypes.byref(comms[r].comm), m, a, b, 3, xs[r].ctypes.data)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 5.0
+    assert sorted(rcs) == [10, 13]  # rank 1: more floats than the row holds; rank 0: aborted
+    seg.close()
 
 
 @pytest.mark.parametrize("cols", [((0, 32), (32, 64), (64, 96)), ((0, 50), (50, 50), (50, 96))])

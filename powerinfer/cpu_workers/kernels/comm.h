@@ -89,8 +89,8 @@ typedef struct {
 } pi_shm_hdr;
 
 /* Bytes of the header; the io area (int64 [3, max_t]: ids, positions, slots) follows, 64-byte
- * aligned, then the banks: per rank [2][cap] floats, each rank's pair starting on a page. */
-#define PI_PAGE 4096u
+ * aligned, then the banks: per rank [2][cap] floats, each rank's pair starting on a page (PI_PAGE). */
+#define PI_PAGE 65536u /* the largest common base page (aarch64 may use 64 KiB): banks of two ranks never share one */
 static inline size_t pi_shm_hdr_bytes(void) { return (sizeof(pi_shm_hdr) + 63) & ~(size_t)63; }
 static inline size_t pi_shm_banks_off(int64_t max_t) {
     return (pi_shm_hdr_bytes() + 3 * 8 * (size_t)max_t + PI_PAGE - 1) & ~(size_t)(PI_PAGE - 1);
@@ -223,7 +223,11 @@ static int pi_allgather(pi_comm *c, float *x, int T, int ld, int c0, int c1) {
         const pi_rank_line *peer = &c->hdr->ranks[r];
         const int p0 = peer->c0[b], p1 = peer->c1[b];
         if (r == c->rank || p1 <= p0) continue;
-        if (p0 < 0 || p1 > ld) return c->err = PI_COMM_TOO_BIG; /* a peer with another idea of the row */
+        if (p0 < 0 || p1 > ld) { /* a peer with another idea of the row: fail every rank now, not at the deadline */
+            atomic_store(&c->hdr->abort, 1u);
+            pi_wake_all(c->hdr);
+            return c->err = PI_COMM_TOO_BIG;
+        }
         const float *bank = c->bufs + (size_t)r * stride + b * cap;
         const size_t w = (size_t)(p1 - p0);
         for (int t = 0; t < T; t++) memcpy(x + (size_t)t * ld + p0, bank + (size_t)t * w, sizeof(float) * w);
