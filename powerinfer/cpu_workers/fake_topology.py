@@ -3,8 +3,8 @@
 Runs in: a tool process (``python -m powerinfer.cpu_workers.fake_topology OUT --nodes 2``), and
 tests. Point ``POWERINFER_SYSFS`` at OUT and the coordinator plans, and the workers pin, as on a
 machine of that many sockets (topology.py): rank i lands on the cores of "its" node, and a rank
-with more threads than a node has cores spans nodes. Memory stays where the kernel puts it (it
-knows only the real nodes; ``bind_memory_to_node`` is refused there, logged at debug), so what
+with more threads than a node has cores spans nodes. Memory stays where the kernel puts it: the
+workers do not bind memory under a fake tree (its node numbers are not the kernel's), so what
 this measures is the placement and the merges between pinned ranks, not remote-memory latency.
 """
 

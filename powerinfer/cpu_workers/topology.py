@@ -1,14 +1,12 @@
 """CPU / NUMA topology discovery and placement of CPU workers on cores and memory nodes.
 
-Runs in: the coordinator (``read_topology``, ``plan_placement``, ``default_workers``) and in each
-CPU worker process (``pin_current_process``, ``bind_memory_to_node``), which calls them first
-thing after it starts, in its main thread, before it creates compute threads or allocates and
-fills its weight buffers.
+Runs in: the coordinator (``read_topology``, ``plan_placement``, ``default_workers``); each CPU
+worker process then applies its placement with ``pinning.py``.
 
 Why: a worker computes a shard of every layer and is bound by memory bandwidth. On a multi-socket
 box its weights must sit on the NUMA node whose cores run it. Linux places a page on the node of
 the CPU that first touches it, so a worker that pins itself and then fills its own buffers gets
-local memory on the default policy; ``bind_memory_to_node`` only makes that preference explicit.
+local memory on the default policy (``pinning.bind_memory_to_node`` makes it explicit).
 Everything here is best effort: missing sysfs files, containers and platforms without affinity
 calls degrade to "one node, one core per logical CPU, unpinned", with a log line, never a crash.
 
@@ -18,10 +16,8 @@ the coordinator plans and the workers pin as on a multi-socket machine.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import platform
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -39,9 +35,6 @@ _NODE_DIR = re.compile(r"node([0-9]+)")
 _CPULIST_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 # Linux caps NR_CPUS at 8192; the margin only keeps "0-99999999999" from eating all memory.
 _MAX_CPU = 1 << 16
-# set_mempolicy(2) syscall numbers; aarch64 uses the asm-generic table.
-_SYS_SET_MEMPOLICY = {"x86_64": 238, "amd64": 238, "aarch64": 237, "arm64": 237}
-_MPOL_PREFERRED = 1
 SYSFS_ENV = "POWERINFER_SYSFS"
 
 
@@ -169,6 +162,11 @@ def _allowed_cpus() -> set[int]:
     except (AttributeError, OSError, psutil.Error) as e:
         log.debug("psutil cpu_affinity unavailable: %s", e)
     return set(range(os.cpu_count() or 1))
+
+
+def node_numbers(sysfs: str | Path | None = None) -> list[int]:
+    """The NUMA node numbers a sysfs tree lists (default: :func:`sysfs_root`), sorted."""
+    return sorted(_numbered_dirs(Path(sysfs if sysfs is not None else sysfs_root()) / "devices" / "system" / "node", _NODE_DIR))
 
 
 def _node_map(node_root: Path) -> dict[int, int]:
@@ -330,67 +328,6 @@ def _spanning(per_node: dict[int, tuple[Core, ...]], n_workers: int, t: int) -> 
                      sorted(by_node), node)
         placements.append(Placement(worker=w, node=node, cpus=cpus))
     return placements
-
-
-def pin_current_process(placement: Placement) -> None:
-    """Restrict the calling process to ``placement.cpus``; on failure, warn and run unpinned.
-
-    Linux applies affinity to the calling thread, and threads started later inherit it: call this
-    in the worker's main thread before torch / OpenMP create their thread pools.
-    """
-    cpus = sorted(set(placement.cpus))
-    if not cpus:
-        log.warning("worker %d: placement has no CPUs; running unpinned", placement.worker)
-        return
-    try:
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
-        else:
-            psutil.Process().cpu_affinity(cpus)  # AttributeError where psutil cannot (macOS)
-    except (OSError, ValueError, AttributeError, psutil.Error) as e:
-        log.warning("worker %d: could not pin to CPUs %s (%s); running unpinned", placement.worker, cpus, e)
-        return
-    log.debug("worker %d pinned to CPUs %s (node %d)", placement.worker, cpus, placement.node)
-
-
-def bind_memory_to_node(node: int, *, sysfs: str | Path | None = None) -> bool:
-    """Prefer ``node`` for this thread's future page allocations (set_mempolicy MPOL_PREFERRED).
-
-    Best effort and usually redundant: after ``pin_current_process`` first-touch already puts pages
-    on the local node under the default policy; this makes it explicit and survives the scheduler
-    briefly running us elsewhere. The policy is per thread and inherited by threads created later,
-    so call it in the main thread before starting compute threads. Returns False (logged at debug)
-    on non-Linux, unknown architectures, single-node machines, unknown nodes, or when the syscall
-    is refused (containers often block it with EPERM).
-    """
-    nodes = sorted(_numbered_dirs(Path(sysfs if sysfs is not None else sysfs_root()) / "devices" / "system" / "node", _NODE_DIR))
-    nr = _SYS_SET_MEMPOLICY.get(platform.machine().lower())
-    reason = None
-    if platform.system() != "Linux" or nr is None:
-        reason = f"unsupported platform {platform.system()}/{platform.machine()}"
-    elif len(nodes) <= 1:
-        reason = "single NUMA node"
-    elif node not in nodes:
-        reason = f"no such node (nodes: {nodes})"
-    if reason is not None:
-        log.debug("not binding memory to node %d: %s", node, reason)
-        return False
-    bits = ctypes.sizeof(ctypes.c_ulong) * 8
-    mask = (ctypes.c_ulong * (node // bits + 1))()
-    mask[node // bits] = 1 << (node % bits)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        # maxnode is one more than the mask's bits: the kernel reads maxnode - 1 bits (as libnuma does).
-        rc = libc.syscall(ctypes.c_long(nr), ctypes.c_long(_MPOL_PREFERRED), mask, ctypes.c_ulong(len(mask) * bits + 1))
-    except (OSError, AttributeError) as e:
-        log.debug("not binding memory to node %d: %s", node, e)
-        return False
-    if rc != 0:
-        err = ctypes.get_errno()
-        log.debug("set_mempolicy(MPOL_PREFERRED, node %d) failed: %s", node, os.strerror(err))
-        return False
-    log.debug("memory policy: prefer node %d", node)
-    return True
 
 
 def default_workers(topo: Topology | None = None) -> int:

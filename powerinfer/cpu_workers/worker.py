@@ -21,11 +21,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from powerinfer.config import config_from_gguf
-from powerinfer.cpu_workers.topology import (
-    Placement,
-    bind_memory_to_node,
-    pin_current_process,
-)
+from powerinfer.cpu_workers.pinning import bind_memory_to_node, pin_current_process
+from powerinfer.cpu_workers.topology import Placement
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.model.sharding import plan_shards
