@@ -270,9 +270,11 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
 
     Each worker gets ``threads_per_worker`` whole physical cores (all their hyperthread siblings)
     of its node. Worker i's node is ``result[i].node``, so shard i's weights belong on that node.
-    When some node is too small for its workers but the machine is not, workers span nodes instead
-    (consecutive cores in node order; idle cores beat doubled-up threads). When the machine has too
-    few cores, a node's are shared round-robin and a warning says it is oversubscribed.
+    When some node is too small for its workers but the machine is not, each node first takes as
+    many whole workers as it holds and the rest span nodes over the cores left (idle cores beat
+    doubled-up threads). When the machine has too few cores, a node's are shared round-robin and a
+    warning says it is oversubscribed; if a node would then stay idle, the workers share all the
+    machine's cores round-robin instead.
     """
     if n_workers < 1:
         raise InvalidArgumentError(f"the number of CPU workers must be >= 1, got {n_workers}")
@@ -296,6 +298,10 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
                 counts[target] += 1
         if any(counts[node] * t > len(cores) for node, cores in per_node.items()):
             return _spanning(per_node, n_workers, t)
+    elif any(counts[node] == 0 for node in per_node):
+        log.warning("oversubscribed: %d CPU worker(s) x %d thread(s) on %d physical core(s); cores are shared", n_workers, t,
+                    topo.n_physical)
+        return _spanning(per_node, n_workers, t)
 
     placements: list[Placement] = []
     oversubscribed = False
@@ -315,14 +321,23 @@ def plan_placement(topo: Topology, n_workers: int, threads_per_worker: int = 1) 
 
 
 def _spanning(per_node: dict[int, tuple[Core, ...]], n_workers: int, t: int) -> list[Placement]:
-    """Workers of t consecutive cores in node order (n_workers * t cores exist); node: most of them."""
-    cores = [core for node_cores in per_node.values() for core in node_cores]
+    """Each node's whole workers first (as many as its cores hold, in node order), then the rest over
+    the cores left in node order, spanning nodes, wrapping round-robin when the machine is too small.
+    A worker's node is the one holding most of its cores (ties: the lower node)."""
+    groups: list[list[Core]] = []
+    left: list[Core] = []
+    for cores in per_node.values():
+        k = min(len(cores) // t, n_workers - len(groups))
+        groups += [list(cores[j * t : (j + 1) * t]) for j in range(k)]
+        left += cores[k * t :]
+    pool = left or [core for cores in per_node.values() for core in cores]
+    for j in range(n_workers - len(groups)):
+        groups.append([pool[(j * t + m) % len(pool)] for m in range(min(t, len(pool)))])
     placements: list[Placement] = []
-    for w in range(n_workers):
-        picked = cores[w * t : (w + 1) * t]
+    for w, picked in enumerate(groups):
         by_node = Counter(core.node for core in picked)
-        node = max(by_node, key=lambda n: (by_node[n], -n))  # ties: the lower node
-        cpus = tuple(sorted(cpu for core in picked for cpu in core.cpus))
+        node = max(by_node, key=lambda n: (by_node[n], -n))
+        cpus = tuple(sorted({cpu for core in picked for cpu in core.cpus}))
         if len(by_node) > 1:
             log.info("worker %d: %d threads exceed a node's free cores; it spans nodes %s (its memory on node %d)", w, t,
                      sorted(by_node), node)

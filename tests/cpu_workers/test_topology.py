@@ -300,3 +300,35 @@ def test_plan_spans_nodes_rather_than_double_up(box: Topology, caplog: pytest.Lo
     check_invariants(box, plan, 3)
     used = [cpu for p in plan_placement(box, 2, threads_per_worker=4) for cpu in p.cpus]
     assert len(used) == len(set(used)) == 16
+
+
+def _flat(nodes: list[int]) -> Topology:
+    """Nodes of the given core counts, one CPU a core, numbered consecutively."""
+    cores, cpu = [], 0
+    for node, n in enumerate(nodes):
+        for i in range(n):
+            cores.append(Core(id=i, node=node, package=node, cpus=(cpu,)))
+            cpu += 1
+    return Topology(nodes=tuple(range(len(nodes))), cores=tuple(cores))
+
+
+def test_only_the_workers_that_must_span_do() -> None:
+    """4 nodes x 6 cores, 5 workers x 4 threads: one worker per node fits, the fifth spans the
+    cores they left (review: laying every worker over consecutive cores made two of them span)."""
+    topo = _flat([6, 6, 6, 6])
+    plan = plan_placement(topo, 5, threads_per_worker=4)
+    spans = [p for p in plan if len({topo.cores[c].node for c in p.cpus}) > 1]
+    assert len(spans) == 1 and spans[0].cpus == (4, 5, 10, 11)
+    used = [cpu for p in plan for cpu in p.cpus]
+    assert len(used) == len(set(used)) == 20
+    assert [p.node for p in plan[:4]] == [0, 1, 2, 3]
+
+
+def test_an_oversubscribed_worker_uses_every_core_rather_than_leave_a_node_idle(caplog: pytest.LogCaptureFixture) -> None:
+    topo = _flat([4, 4])
+    with caplog.at_level(logging.WARNING, logger=topo_mod.__name__):
+        assert plan_placement(topo, 1, threads_per_worker=9)[0].cpus == tuple(range(8))
+        assert plan_placement(topo, 1, threads_per_worker=8)[0].cpus == tuple(range(8))  # no cliff at 8 and 9
+    assert "oversubscribed" in caplog.text
+    two = plan_placement(topo, 2, threads_per_worker=6)  # every node has a worker: each keeps its node's cores
+    assert [p.cpus for p in two] == [(0, 1, 2, 3), (4, 5, 6, 7)]
