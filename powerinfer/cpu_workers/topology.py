@@ -186,6 +186,8 @@ def read_topology(sysfs: str | Path | None = None, allowed: Iterable[int] | None
     <sysfs>/devices/system/cpu/cpu*/{online,topology/{core_id,physical_package_id,thread_siblings_list}}.
     Offline CPUs and CPUs outside ``allowed`` are dropped; a core keeps only its usable siblings.
     """
+    if sysfs is None and os.environ.get(SYSFS_ENV) and not sysfs_root().is_dir():
+        log.warning("$%s names %s, which is not a directory: every CPU counts as a core of node 0", SYSFS_ENV, sysfs_root())
     allowed_set = _allowed_cpus() if allowed is None else {int(c) for c in allowed}
     if not allowed_set:
         raise InvalidArgumentError("the allowed CPU set is empty")

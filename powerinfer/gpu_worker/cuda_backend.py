@@ -18,6 +18,10 @@ imported only when this backend is built (the optional ``gpu`` extra), never at 
   "lanes") the first GEMV of each type runs both on its real inputs and keeps the block kernel only
   if the two agree (GEMV_AGREE), else warns and keeps the lane kernel: the block kernel was checked
   on the host CPU (tests/gpu_worker/gemv_host.cu), and a GPU check per card is cheap insurance.
+  Calls too large for the scratch, or whose output is all zero, run the lane kernel and leave the
+  choice to a later call. What this cannot catch is a kernel that faults: that ends the CUDA
+  context (the worker dies and the request fails), which is why the host harness also runs the
+  kernels under an alignment check.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ ALIGN = 256
 GEMV_MODES = ("auto", "blocks", "lanes")
 GEMV_ENV = "POWERINFER_GPU_GEMV"
 GEMV_AGREE = 1e-4  # "auto": max |blocks - lanes| over max |lanes| within which the block kernel is kept
+GEMV_CHECK_FLOATS = 1 << 20  # "auto" compares on calls whose output fits this scratch (decode calls; prefill waits)
+GEMV_CHECK_TRIES = 32  # calls with an all-zero output (nothing to compare) before a type settles on the lane kernel
 
 
 def gemv_disagreement(blocks: np.ndarray, lanes: np.ndarray) -> float:
@@ -240,6 +246,7 @@ class CudaBackend:
             raise InvalidArgumentError(f"GEMV kernels must be one of {', '.join(GEMV_MODES)} (${GEMV_ENV}), got {mode!r}")
         self.gemv_mode = mode
         self._gemv_kernel: dict[str, str] = {}  # suffix -> the kernel chosen for it
+        self._gemv_tries: dict[str, int] = {}  # suffix -> uninformative comparisons so far
 
     def gemv(self, suffix: str, w: DeviceBuffer, row_bytes: int, rows: DeviceBuffer | None, n_dev: DeviceBuffer | None, n: int,
              x: DeviceBuffer, k: int, t: int, y: DeviceBuffer, ldy: int) -> None:
@@ -253,8 +260,10 @@ class CudaBackend:
         if self.gemv_mode != "auto":
             self._gemv_kernel[suffix] = blocks if self.gemv_mode == "blocks" else lanes
             return self._gemv_kernel[suffix]
+        if size > GEMV_CHECK_FLOATS:
+            return lanes  # this call only: compare on a smaller one
         outs = []
-        for name in (blocks, lanes):  # both on this call's inputs, into zeroed scratch [size] (KBs: outside the ledger)
+        for name in (blocks, lanes):  # both on this call's inputs, into zeroed scratch [size] (<= 4 MB: outside the ledger)
             try:
                 buf = self.cuda.mem_alloc(max(size, 1) * 4)
             except self.cuda.MemoryError:
@@ -270,6 +279,13 @@ class CudaBackend:
                 outs.append(host)
             finally:
                 buf.free()
+        if not np.any(outs[1]):  # nothing written or all zero (a device count of 0, x = 0): nothing learned
+            tries = self._gemv_tries[suffix] = self._gemv_tries.get(suffix, 0) + 1
+            if tries < GEMV_CHECK_TRIES:
+                return lanes  # this call only
+            log.info("GEMV %s: %d calls gave nothing to compare the kernels on; using the weight-per-lane kernel", suffix, tries)
+            self._gemv_kernel[suffix] = lanes
+            return lanes
         err = gemv_disagreement(outs[0], outs[1])
         if err <= GEMV_AGREE:
             log.info("GEMV %s: the block kernel agrees with the weight-per-lane kernel (%.1e); using it", suffix, err)

@@ -177,7 +177,6 @@ def check_kernels(tol: float = 2e-4) -> list[Row]:
                 except Exception as e:  # noqa: BLE001 - one failing kernel is a row, the others still run
                     rows.append(Row("kernels", label, f"{type(e).__name__}: {e}"[:90], False))
             rows += _bandwidth(cuda, mode)
-        cuda.use_gemv("auto")
     finally:
         cuda.close()
     return rows

@@ -7,6 +7,7 @@ Runs in: the pytest process (the pool test starts worker processes; it needs two
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -49,13 +50,18 @@ def test_bad_requests_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "exists" in capsys.readouterr().err
 
 
-def test_environment_variable_redirects_the_planner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_variable_redirects_the_planner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     root = intel_2x4x2(tmp_path)
     monkeypatch.setenv(SYSFS_ENV, str(root))
     topo = read_topology(allowed=range(16))
     assert topo.nodes == (0, 1) and topo.n_physical == 8
     monkeypatch.delenv(SYSFS_ENV)
     assert read_topology(allowed=range(16)) != topo
+    monkeypatch.setenv(SYSFS_ENV, str(tmp_path / "typo"))
+    with caplog.at_level(logging.WARNING):
+        read_topology(allowed=range(2))
+    assert "not a directory" in caplog.text
 
 
 needs_two = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or decoder_lib() is None,

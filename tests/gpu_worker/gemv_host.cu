@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
     const long rb = atol(argv[4]), n_rows = atol(argv[5]), xoff = atol(argv[9]);
     const int count = atoi(argv[10]), use_rows = atoi(argv[11]);
     std::vector<unsigned char> W(n_rows * rb);
-    std::vector<float> x(xoff + (long)T * K + 4);  // + 4: x + xoff may sit anywhere in the allocation
+    std::vector<float> x(xoff + (long)T * K);  // exactly what the kernel may read: an over-read is out of bounds
     std::vector<int> rows(use_rows ? N : 0);
     int dev_count = count;
     if (fread(W.data(), 1, W.size(), stdin) != W.size()) return 4;

@@ -132,3 +132,20 @@ def test_a_forced_mode_compares_nothing(mode: str, kernel: str) -> None:
     b, launches = _backend({}, mode)
     _call(b, "q4_1")
     assert launches == [(kernel, 0xF00D)]
+
+
+def test_auto_learns_nothing_from_an_all_zero_output_and_tries_again() -> None:
+    """A first call with nothing to compare (a device count of 0) must not settle the choice."""
+    from powerinfer.gpu_worker.cuda_backend import GEMV_CHECK_TRIES
+
+    zeros = np.zeros(6, np.float32)
+    b, launches = _backend({"gemv_q4_0": zeros + np.float32(5.0), "gemv_lanes_q4_0": zeros})  # a broken block kernel
+    _call(b)
+    assert launches[-1] == ("gemv_lanes_q4_0", 0xF00D) and "q4_0" not in b._gemv_kernel
+    b.cuda.outputs["gemv_lanes_q4_0"] = np.arange(6, dtype=np.float32)  # type: ignore[attr-defined]
+    _call(b)  # now informative: the block kernel disagrees
+    assert b._gemv_kernel["q4_0"] == "gemv_lanes_q4_0"
+    z, zl = _backend({"gemv_q4_0": zeros, "gemv_lanes_q4_0": zeros})
+    for _ in range(GEMV_CHECK_TRIES):
+        _call(z)
+    assert z._gemv_kernel["q4_0"] == "gemv_lanes_q4_0"  # never informative: settles on the safe kernel
