@@ -11,8 +11,8 @@ Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor`. Fr
 * a run of layers with no GPU part runs in the native decoder (one call, the in-process
   executor's kernels), where it can run the model; else on torch shards as below;
 * a run of layers wholly on the GPU (attention and every neuron: layer split's GPU layers) goes
-  to the GPU worker as one request (LAYERS), which runs the engine's own loop
-  (model/layer_loop.py) over them: one round trip instead of two per layer, the same numbers;
+  to the GPU worker as one request (LAYERS), which runs the engine's recipe (model/layer_loop.py)
+  over them with the residual stream on the device: one round trip instead of two per layer;
 * the FFN of every other layer is split: the GPU worker computes the hot neurons (``hot[i]``), a
   :class:`FFNShard` / :class:`SparseFFNShard` here the cold ones (the complement, any set). The
   GPU request is sent first and the CPU shard computed while the GPU works; the merge is the sum

@@ -83,6 +83,8 @@ class Backend(Protocol):
     def attend(self, qkv: Buf, ld: int, pos: Buf, slots: Buf, t: int, hq: int, hkv: int, d: int, dv: int,
                k_cache: Buf, v_cache: Buf, n_ctx: int, window: int, scale: float, out: Buf) -> None: ...
     def bias_act(self, y: Buf, ld: int, b: Buf, t: int, n: int, relu: int) -> None: ...
+    def rms_norm_rows(self, x: Buf, ldx: int, y: Buf, ldy: int, t: int, d: int, w: Buf, eps: float) -> None: ...
+    def add_rows(self, y: Buf, ldy: int, x: Buf, ldx: int, t: int, n: int) -> None: ...
     def act_mul(self, g: Buf, u: Buf, h: Buf, t: int, n: int, kind: int, thr: float, logits: Buf | None,
                 n_dev: Buf | None = None) -> None: ...
     def act_inplace(self, g: Buf, n: int, kind: int) -> None: ...
@@ -181,6 +183,14 @@ class CpuBackend:
 
     def bias_act(self, y: np.ndarray, ld: int, b: np.ndarray, t: int, n: int, relu: int) -> None:
         K.ref_bias_act(y, ld, b, t, n, relu)
+
+    def rms_norm_rows(self, x: np.ndarray, ldx: int, y: np.ndarray, ldy: int, t: int, d: int, w: np.ndarray, eps: float) -> None:
+        out = K.ref_rms_norm_rows(x, ldx, t, d, w, eps)
+        for r in range(t):
+            y[r * ldy : r * ldy + d] = out[r]
+
+    def add_rows(self, y: np.ndarray, ldy: int, x: np.ndarray, ldx: int, t: int, n: int) -> None:
+        K.ref_add_rows(y, ldy, x, ldx, t, n)
 
     def act_mul(self, g: np.ndarray, u: np.ndarray, h: np.ndarray, t: int, n: int, kind: int, thr: float,
                 logits: np.ndarray | None, n_dev: np.ndarray | None = None) -> None:

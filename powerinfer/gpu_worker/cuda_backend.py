@@ -72,6 +72,8 @@ SIGNATURES: dict[str, str] = {
     "act_inplace": "Pii",
     "compact": "PifiPP",
     "gather_mul": "PPPiPP",
+    "rms_norm_rows": "PiPiiiPf",
+    "add_rows": "PiPiii",
 }
 
 
@@ -322,6 +324,13 @@ class CudaBackend:
 
     def bias_act(self, y: DeviceBuffer, ld: int, b: DeviceBuffer, t: int, n: int, relu: int) -> None:
         self._launch("bias_act", (_blocks(t * n),), K.BLOCK, y.ptr, ld, b.ptr, t, n, relu)
+
+    def rms_norm_rows(self, x: DeviceBuffer, ldx: int, y: DeviceBuffer, ldy: int, t: int, d: int, w: DeviceBuffer,
+                      eps: float) -> None:
+        self._launch("rms_norm_rows", (t,), 32, x.ptr, ldx, y.ptr, ldy, t, d, w.ptr, np.float32(eps))  # a warp per token
+
+    def add_rows(self, y: DeviceBuffer, ldy: int, x: DeviceBuffer, ldx: int, t: int, n: int) -> None:
+        self._launch("add_rows", (_blocks(t * n),), K.BLOCK, y.ptr, ldy, x.ptr, ldx, t, n)
 
     def act_mul(self, g: DeviceBuffer, u: DeviceBuffer, h: DeviceBuffer, t: int, n: int, kind: int, thr: float,
                 logits: DeviceBuffer | None, n_dev: DeviceBuffer | None = None) -> None:

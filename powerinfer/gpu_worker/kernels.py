@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from powerinfer.model.layer_loop import rms_norm as rms_norm_f32
 from powerinfer.quants import dequantize_rows
 from powerinfer.quants.registry import REGISTRY
 
@@ -42,6 +43,7 @@ SOURCES: tuple[KernelSource, ...] = (
     KernelSource("norm_rope.cu", ("rms_norm", "rope")),
     KernelSource("attention.cu", ("kv_store", "attend")),
     KernelSource("ffn_ops.cu", ("bias_act", "act_mul", "act_inplace", "compact", "gather_mul")),
+    KernelSource("residual.cu", ("rms_norm_rows", "add_rows")),
 )
 
 
@@ -143,6 +145,20 @@ def act(x: np.ndarray, kind: int) -> np.ndarray:
     if kind == 0:
         return x / (1.0 + np.exp(-x))
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def ref_rms_norm_rows(x: np.ndarray, ldx: int, T: int, D: int, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm_rows: float32 [T, D] to store at y[t * ldy]. The engine's own float32 norm
+    (model/layer_loop.py), not float64: a run of layers on the numpy backend is then the engine's
+    loop bit for bit (the CUDA kernel is checked against it within the usual tolerance)."""
+    rows = np.stack([x[t * ldx : t * ldx + D] for t in range(T)]).astype(np.float32)
+    return rms_norm_f32(rows, w[:D].astype(np.float32), eps)
+
+
+def ref_add_rows(y: np.ndarray, ldy: int, x: np.ndarray, ldx: int, T: int, n: int) -> None:
+    """add_rows, in place on y (float32, as the engine's residual add)."""
+    for t in range(T):
+        y[t * ldy : t * ldy + n] = y[t * ldy : t * ldy + n] + x[t * ldx : t * ldx + n]
 
 
 def ref_bias_act(y: np.ndarray, ld: int, b: np.ndarray, T: int, n: int, relu: int) -> None:

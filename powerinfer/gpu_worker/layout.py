@@ -55,7 +55,9 @@ def qkv_width(cfg: ModelConfig) -> int:
 
 
 def attention_bytes(f: GGUFFile, cfg: ModelConfig, layer: int) -> int:
-    """Attention weights, biases, norms and rope table of one layer (no KV cache)."""
+    """Attention weights, biases, norms and rope table of one layer (no KV cache); with them the
+    layer's RMSNorm weights (2, or 4 with post norms, of [d]), which a run of whole layers on the
+    device uses."""
     d, D, Dv = cfg.d_model, cfg.head_dim, cfg.v_head_dim
     rows = {"attn_q": cfg.n_heads * D, "attn_k": cfg.n_kv_heads * D, "attn_v": cfg.n_kv_heads * Dv}
     total = sum(n * device_row_bytes(f.tensor(layer_tensor(layer, p)).qtype, d) for p, n in rows.items())
@@ -64,6 +66,7 @@ def attention_bytes(f: GGUFFile, cfg: ModelConfig, layer: int) -> int:
         total += qkv_width(cfg) * F32
     if cfg.qk_norm:
         total += 2 * D * F32
+    total += (4 if cfg.post_norms else 2) * d * F32
     return total + cfg.rope_dim // 2 * F64
 
 
@@ -88,7 +91,7 @@ def workspace_bytes(cfg: ModelConfig, max_tokens: int, max_rank: int) -> int:
     """Scratch of one call: x, y, positions, slots, qkv, attention output, gate/up/h (and the
     predictor's hidden layer and logits) for max_tokens tokens, the active-neuron list and count."""
     t, d, n = max_tokens, cfg.d_model, cfg.n_ff
-    floats = 2 * t * d + t * qkv_width(cfg) + t * cfg.n_heads * cfg.v_head_dim + 3 * t * n
+    floats = 4 * t * d + t * qkv_width(cfg) + t * cfg.n_heads * cfg.v_head_dim + 3 * t * n  # x, y, the stream, a normed y
     if max_rank:
         floats += t * max_rank + t * n
     return floats * F32 + 2 * t * I64 + (n + 1) * I32

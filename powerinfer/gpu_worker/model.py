@@ -16,6 +16,11 @@ The active list is compacted on the device (``compact``) and consumed through a 
 count, so a sparse step has no host round trip. ``*_begin`` enqueue the work and return a pending
 result (on CUDA: kernels and copies on a stream, the host is free meanwhile); prompts longer
 than ``max_tokens`` run in chunks (each chunk's KV is written before the next one attends).
+
+``layers`` runs a run of layers that live wholly here with the residual stream on the device
+(kernels/residual.cu): the norms and residual adds of model/layer_loop.py as kernels, one copy in
+and one copy out per chunk, where the per-layer path copies every sub-layer's input in and output
+out and waits for it (two host round trips a layer).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead
 from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS, qkv_width
 from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
-from powerinfer.model.layer_loop import LayerNorms, load_layer_norms, run_layers
+from powerinfer.model.layer_loop import LayerNorms, load_layer_norms
 from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
@@ -113,6 +118,16 @@ class _Pending:
             p.result()
 
 
+@dataclass
+class _DevNorms:
+    """A whole layer's RMSNorm weights on the device (post norms: Gemma-3's, else None)."""
+
+    attn: Buf
+    ffn: Buf
+    post_attn: Buf | None
+    post_ffn: Buf | None
+
+
 class GpuModel:
     def __init__(self, f: GGUFFile, cfg: ModelConfig, backend: Backend, plan: GpuPlan, n_ctx: int, n_slots: int = 1,
                  predictor: PredictorFile | None = None) -> None:
@@ -134,8 +149,12 @@ class GpuModel:
                 self.attn[i] = self._upload_attention(f, i)
             if len(plan.hot[i]):
                 self.ffns[i] = self._upload_ffn(f, i, np.asarray(plan.hot[i], dtype=np.int64), predictor, ranks[i])
-        # host copies of the norms, for runs of whole layers computed here (a few KiB a layer)
-        self.norms: list[LayerNorms] | None = load_layer_norms(f, cfg) if any(self.whole(i) for i in range(cfg.n_layers)) else None
+        # the norms of every layer whose attention is here (layout.attention_bytes counts them), for
+        # runs of whole layers (a few KiB a layer)
+        self.norms: list[_DevNorms | None] | None = None
+        if any(plan.gpu_layers):
+            host = load_layer_norms(f, cfg)
+            self.norms = [self._upload_norms(host[i], i) if plan.gpu_layers[i] else None for i in range(cfg.n_layers)]
         log.info("GPU (%s): %d attention layers, %d hot neurons, %.1f MiB", backend.name, sum(plan.gpu_layers),
                  sum(len(h) for h in plan.hot), self.nbytes / 2**20)
 
@@ -152,6 +171,7 @@ class GpuModel:
             "qkv": (t * qkv_width(cfg), np.float32), "att": (t * cfg.n_heads * cfg.v_head_dim, np.float32),
             "g": (t * cfg.n_ff, np.float32), "u": (t * cfg.n_ff, np.float32), "h": (t * cfg.n_ff, np.float32),
             "idx": (cfg.n_ff, np.int32), "count": (1, np.int32),
+            "res": (t * cfg.d_model, np.float32), "h2": (t * cfg.d_model, np.float32),  # a run's stream, a normed output
         }
         if max_rank:
             sizes.update(z=(t * max_rank, np.float32), logits=(t * cfg.n_ff, np.float32))
@@ -173,6 +193,11 @@ class GpuModel:
             k_cache=b.alloc(kv * cfg.head_dim, np.float16, f"layer {layer} KV cache"),
             v_cache=b.alloc(kv * cfg.v_head_dim, np.float16, f"layer {layer} KV cache"),
         )
+
+    def _upload_norms(self, n: LayerNorms, layer: int) -> _DevNorms:
+        w, up = f"layer {layer} norms", self.b.upload
+        return _DevNorms(up(n.attn, w), up(n.ffn, w), None if n.post_attn is None else up(n.post_attn, w),
+                         None if n.post_ffn is None else up(n.post_ffn, w))
 
     def _upload_ffn(self, f: GGUFFile, layer: int, hot: np.ndarray, predictor: PredictorFile | None, rank: int) -> _Ffn:
         h = hot_arrays(f, self.cfg, layer, hot)
@@ -206,6 +231,11 @@ class GpuModel:
         a = self.attn[layer]
         if a is None:
             raise InvalidArgumentError(f"layer {layer}'s attention is not on the GPU")
+        pos, sl = self._positions(x, positions, slots)
+        return _Pending([self._attention_chunk(a, x[i:j], pos[i:j], sl[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
+
+    def _positions(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """int64 positions [T] and slots [T] (None: slot 0), checked against x [T, d], the context and the slots."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         sl = np.zeros_like(pos) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
         if pos.shape[0] != x.shape[0] or sl.shape[0] != x.shape[0]:
@@ -214,14 +244,20 @@ class GpuModel:
             raise ContextOverflowError(f"position {int(pos.max())} does not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
         if sl.size and (sl.min() < 0 or sl.max() >= self.n_slots):
             raise InvalidArgumentError(f"KV-cache slot {int(sl.max())} out of range (the GPU worker holds {self.n_slots})")
-        return _Pending([self._attention_chunk(a, x[i:j], pos[i:j], sl[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
+        return pos, sl
 
     def _attention_chunk(self, a: _Attn, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> PendingRead:
-        cfg, b, ws, t = self.cfg, self.b, self.ws, x.shape[0]
-        Hq, Hkv, D, Dv, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim, qkv_width(cfg)
+        b, ws = self.b, self.ws
         b.write(ws["x"], x)
         b.write(ws["pos"], pos)
         b.write(ws["slots"], sl)
+        self._attention_dev(a, x.shape[0])
+        return b.read(ws["y"], x.shape[0] * self.cfg.d_model)
+
+    def _attention_dev(self, a: _Attn, t: int) -> None:
+        """ws.y [t, d] = the layer's attention of ws.x [t, d] (normed) at ws.pos / ws.slots."""
+        cfg, b, ws = self.cfg, self.b, self.ws
+        Hq, Hkv, D, Dv, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim, qkv_width(cfg)
         # fused activations qkv [T, W]: q heads, then k heads, then v heads
         self._gemv(a.q, ws["x"], t, ws["qkv"], W)
         self._gemv(a.k, ws["x"], t, self._tail("qkv", Hq * D), W)
@@ -236,7 +272,6 @@ class GpuModel:
         b.attend(ws["qkv"], W, ws["pos"], ws["slots"], t, Hq, Hkv, D, Dv, a.k_cache, a.v_cache, self.n_ctx, a.window,
                  cfg.attn_scale, ws["att"])
         self._gemv(a.o, ws["att"], t, ws["y"], cfg.d_model)  # [T, Hq * Dv] -> [T, d]
-        return b.read(ws["y"], t * cfg.d_model)
 
     def ffn_begin(self, layer: int, x: np.ndarray) -> _Pending:
         """x [T, d] normed -> pending partial FFN output of this layer's hot neurons [T, d]."""
@@ -255,8 +290,13 @@ class GpuModel:
         b.bias_act(ws["logits"], n, ffn.fc2_b, t, n, 0)
 
     def _ffn_chunk(self, ffn: _Ffn, x: np.ndarray) -> PendingRead:
-        b, ws, t, n, d = self.b, self.ws, x.shape[0], ffn.gate.n, self.cfg.d_model
-        b.write(ws["x"], x)
+        self.b.write(self.ws["x"], x)
+        self._ffn_dev(ffn, x.shape[0])
+        return self.b.read(self.ws["y"], x.shape[0] * self.cfg.d_model)
+
+    def _ffn_dev(self, ffn: _Ffn, t: int) -> None:
+        """ws.y [t, d] = the hot neurons' FFN partial of ws.x [t, d] (normed)."""
+        b, ws, n, d = self.b, self.ws, ffn.gate.n, self.cfg.d_model
         b.zero(self.b.view(ws["y"], 0, t * d))  # axpy accumulates into y
         if self.mode == "dense" or t > 1:
             # every hot neuron; masked (not skipped) when sparse, as the CPU's sparse shard does
@@ -285,7 +325,6 @@ class GpuModel:
                 b.act_mul(ws["g"], ws["u"], ws["h"], 1, n, self.kind, -1.0, None, count)
             # down projection over the active neurons' transposed rows only
             b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, idx, count, n, ws["h"], n, d, 1, ws["y"])
-        return b.read(ws["y"], t * d)
 
     def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         return self.attention_begin(layer, x, positions, slots).result()
@@ -300,8 +339,9 @@ class GpuModel:
 
     def layers(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         """x [T, d] the residual stream entering layer `first` -> leaving layer stop - 1, for a run of
-        layers that live wholly here (one request instead of two per layer; the same float
-        operations as the engine's loop: model/layer_loop.py)."""
+        layers that live wholly here, with the stream on the device (the module docstring): the
+        recipe of model/layer_loop.py, the norms and adds as kernels (on the numpy backend the same
+        float32 operations, so the same bits as the engine's loop)."""
         if not 0 <= first < stop <= self.cfg.n_layers:
             raise InvalidArgumentError(f"a run of layers [{first}, {stop}) is empty or outside the model's {self.cfg.n_layers} layers")
         if not all(self.whole(i) for i in range(first, stop)):
@@ -309,19 +349,45 @@ class GpuModel:
             raise InvalidArgumentError(f"layers {first}..{stop - 1} do not all live wholly on the GPU (not: {part[:8]})")
         if self.norms is None:
             raise InvalidArgumentError("this GPU runtime was built without the layers' norms")
-        pos = np.asarray(positions, dtype=np.int64)
-        sl = np.zeros_like(pos) if slots is None else np.asarray(slots, dtype=np.int64)
-        at = [first]  # the layer being computed, for an error's report (protocol/worker_runtime.py reads failed_layer)
-
-        def attention(layer: int, h: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
-            at[0] = layer
-            return self.attention(layer, h, p, s)
-
+        x = np.asarray(x, dtype=np.float32)
+        pos, sl = self._positions(x, positions, slots)
+        b, ws, d = self.b, self.ws, self.cfg.d_model
+        out = np.empty_like(x)
+        layer = first  # the layer being computed, for an error's report (protocol/worker_runtime.py reads failed_layer)
         try:
-            return run_layers(self.cfg, self.norms, first, stop, np.asarray(x, dtype=np.float32), pos, sl, attention, self.ffn)
+            for i, j in self._chunks(x):
+                t = j - i
+                b.write(ws["res"], x[i:j])
+                b.write(ws["pos"], pos[i:j])
+                b.write(ws["slots"], sl[i:j])
+                for layer in range(first, stop):
+                    n, a, ffn = self.norms[layer], self.attn[layer], self.ffns[layer]
+                    assert n is not None and a is not None and ffn is not None  # whole(), checked above
+                    self._norm(n.attn, t)
+                    self._attention_dev(a, t)
+                    self._add(n.post_attn, t)
+                    self._norm(n.ffn, t)
+                    self._ffn_dev(ffn, t)
+                    self._add(n.post_ffn, t)
+                out[i:j] = b.read(ws["res"], t * d).result().reshape(t, d)
         except Exception as e:
-            e.failed_layer = at[0]  # type: ignore[attr-defined]
+            e.failed_layer = layer  # type: ignore[attr-defined]
             raise
+        return out
+
+    def _norm(self, w: Buf, t: int) -> None:
+        """ws.x [t, d] = rms_norm(the stream ws.res) * w: a sub-layer's input."""
+        d = self.cfg.d_model
+        self.b.rms_norm_rows(self.ws["res"], d, self.ws["x"], d, t, d, w, self.cfg.norm_eps)
+
+    def _add(self, post: Buf | None, t: int) -> None:
+        """The stream ws.res += the sub-layer's output ws.y (post-normed first when the layer has a post norm)."""
+        b, ws, d = self.b, self.ws, self.cfg.d_model
+        out = ws["y"]
+        if post is not None:
+            b.rms_norm_rows(ws["y"], d, ws["h2"], d, t, d, post, self.cfg.norm_eps)
+            out = ws["h2"]
+        b.add_rows(ws["res"], d, out, d, t, d)
 
     def close(self) -> None:
         self.attn = [None] * self.cfg.n_layers

@@ -1,8 +1,9 @@
 """The residual stream through a run of layers: norms, the two sub-layers and their residual adds.
 
-Runs in: the coordinator (the engine's loop over every layer) and the GPU worker process (a run of
-layers that lives wholly on the GPU, computed in one request). Both call :func:`run_layers`, so a
-run computed in the GPU worker is the same sequence of float operations as the engine's loop.
+Runs in: the coordinator (the engine's loop over every layer). The GPU worker runs the same recipe
+over a run of layers that lives wholly on the GPU with the stream on the device
+(gpu_worker/model.py ``layers``); its numpy backend's norm is :func:`rms_norm` itself, so there the
+run is the engine's float operations bit for bit.
 """
 
 from __future__ import annotations

@@ -110,6 +110,13 @@ def _small_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
         b.rms_norm(Y, 4096, 2, 1, 4096, W, 1e-5)  # whole rows
         return [b.read(X, X.size).result(), b.read(Y, Y.size).result()]
 
+    def residual(b: Backend) -> list[np.ndarray]:
+        # a run of layers' stream on the device: norm rows of 1000 (strided) into rows of 1001, then add them back
+        X, W, Y = b.upload(x, "x"), b.upload(w, "w"), b.alloc(4 * 1001, np.float32, "y")
+        b.rms_norm_rows(X, 1000, Y, 1001, 4, 1000, W, 1e-6)
+        b.add_rows(X, 1000, Y, 1001, 4, 1000)
+        return [b.read(Y, Y.size).result(), b.read(X, X.size).result()]
+
     def rope(b: Backend) -> list[np.ndarray]:
         X, P, F = b.upload(x, "x"), b.upload(pos, "pos"), b.upload(inv, "inv")
         b.rope(X, 1000, P, 4, 7, 128, 128, F)
@@ -145,6 +152,7 @@ def _small_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
         return [count.astype(np.float32), b.read(I, int(count[0])).result().astype(np.float32), b.read(H, int(count[0])).result()]
 
     yield "rms_norm heads + rows", norm
+    yield "rms_norm_rows + add_rows (the stream on the device)", residual
     yield "rope full + partial", rope
     yield "act_mul/bias_act/act_inplace", ffn
     yield "compact + gather_mul", compact

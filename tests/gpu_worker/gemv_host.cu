@@ -7,59 +7,7 @@
 //   stdin: W (N_ROWS * ROW_BYTES bytes), x (XOFF + T * K float32; the kernel gets x + XOFF),
 //          rows (N int32, when USE_ROWS); COUNT >= 0: the device count, else none
 //   stdout: y (T * LDY float32, zero where the kernel writes nothing)
-#include <atomic>
-#include <barrier>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <thread>
-#include <vector>
-
-struct HostDim {
-    unsigned x = 0, y = 0, z = 0;
-};
-static thread_local HostDim host_block_idx, host_thread_idx;
-static HostDim host_block_dim;
-static float shfl_slots[32];
-static std::barrier<>* warp_barrier = nullptr;
-
-static float host_shfl_xor(unsigned, float v, int offset) {
-    const unsigned lane = host_thread_idx.x & 31u;
-    shfl_slots[lane] = v;
-    warp_barrier->arrive_and_wait();
-    const float got = shfl_slots[lane ^ (unsigned)offset];
-    warp_barrier->arrive_and_wait();
-    return got;
-}
-
-#include "common.cuh"  // first, as the device build sees it; then the kernels become host functions
-#undef __global__
-#define __global__
-#undef __device__
-#define __device__
-#define blockIdx host_block_idx
-#define threadIdx host_thread_idx
-#define blockDim host_block_dim
-#define __shfl_xor_sync host_shfl_xor
-#define warp_sum host_warp_sum
-__host__ __forceinline__ float host_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-using std::min;
-static float host_atomic_add(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }  // axpy (compiled, not run)
-#define atomicAdd host_atomic_add
-// A float4 load the GPU would fault on (an address not 16-byte aligned) aborts here: x86 would not.
-struct host_float4 {
-    float x, y, z, w;
-    host_float4(const host_float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {
-        if (reinterpret_cast<unsigned long long>(&o) & 15ull) {
-            fprintf(stderr, "misaligned float4 load at %p\n", static_cast<const void*>(&o));
-            abort();
-        }
-    }
-};
-#define float4 host_float4
+#include "host_warp.h"
 
 #include "kernel_types.inc"
 
@@ -88,21 +36,9 @@ int main(int argc, char** argv) {
     if (use_rows && fread(rows.data(), sizeof(int), N, stdin) != (size_t)N) return 4;
     std::vector<float> y((long)T * ldy, 0.0f);
     // x's allocation is 16-byte aligned (vector<float> from operator new), so XOFF % 4 != 0 takes the scalar path
-    host_block_dim.x = 128;
-    const long warps = ((long)N * 32 + 127) / 128 * 4;  // the backend launches ceil(32 N / 128) blocks of 128
-    std::barrier<> bar(32);
-    warp_barrier = &bar;
-    for (long w = 0; w < warps; ++w) {
-        std::vector<std::thread> lanes_run;
-        for (int lane = 0; lane < 32; ++lane)
-            lanes_run.emplace_back([&, w, lane] {
-                host_block_idx.x = (unsigned)(w / 4);
-                host_thread_idx.x = (unsigned)((w % 4) * 32 + lane);
-                fn(W.data(), rb, use_rows ? rows.data() : nullptr, count >= 0 ? &dev_count : nullptr, N, x.data() + xoff, K, T,
-                   y.data(), ldy);
-            });
-        for (auto& t : lanes_run) t.join();
-    }
+    run_warps(((long)N * 32 + 127) / 128, 128, [&] {  // the backend launches ceil(32 N / 128) blocks of 128
+        fn(W.data(), rb, use_rows ? rows.data() : nullptr, count >= 0 ? &dev_count : nullptr, N, x.data() + xoff, K, T, y.data(), ldy);
+    });
     fwrite(y.data(), sizeof(float), y.size(), stdout);
     return 0;
 }

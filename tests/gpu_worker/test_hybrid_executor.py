@@ -153,7 +153,8 @@ def test_a_cpu_failure_between_gpu_request_and_result_leaves_the_executor_usable
 @pytest.mark.parametrize("process", [False, True])
 def test_whole_gpu_layers_go_as_one_request_with_the_same_numbers(make_model: Callable[..., Path], process: bool) -> None:
     # layer split with room for every layer: one LAYERS request per step instead of two per layer,
-    # computed by the engine's own loop in the GPU runtime, so the logits are the same bits
+    # computed with the stream on the device, whose norms and adds are the engine's own float32
+    # operations on the numpy backend, so the logits are the same bits
     path = make_model(arch="gemma3", qtype=QT.Q4_0)  # post-attention and post-FFN norms too
     f, cfg = load(path)
     ex = build_hybrid_executor(path, f, cfg, CTX, GpuOptions(backend="cpu", split="layer", vram_budget_gib=0.5, process=process, max_tokens=8))

@@ -19,12 +19,13 @@ from gguf.quants import dequantize
 
 from powerinfer.tools.gpu_check import random_weight_rows
 from powerinfer.gpu_worker.cuda_backend import SIGNATURES
-from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, ref_gemv, source_files
+from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, ref_add_rows, ref_gemv, ref_rms_norm_rows, source_files
 
 NVCC = shutil.which("nvcc")
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 HARNESS = Path(__file__).with_name("dq1_host.cu")
 GEMV_HARNESS = Path(__file__).with_name("gemv_host.cu")
+RESIDUAL_HARNESS = Path(__file__).with_name("residual_host.cu")
 # byte offsets of the float16 scale fields of each block format (random bytes there may be inf/nan)
 
 
@@ -75,13 +76,7 @@ def test_block_decoders_match_ggml_bit_for_bit(harness: Path, qtype: QT, decoder
 
 @pytest.fixture(scope="module")
 def gemv_harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if NVCC is None:
-        pytest.skip("nvcc is not on PATH")
-    exe = tmp_path_factory.mktemp("gemv") / "gemv_host"
-    res = subprocess.run([NVCC, "-std=c++20", "-Werror", "all-warnings", "-I", str(KERNEL_DIR), "-o", str(exe), str(GEMV_HARNESS)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    return exe
+    return _host_exe(tmp_path_factory, GEMV_HARNESS)
 
 
 # (K, T, ldy extra, x offset in floats, device count or -1, row list): dense batched with strided
@@ -114,6 +109,41 @@ def test_gemv_kernels_run_on_the_host_match_numpy(gemv_harness: Path, qtype: QT,
         scale = float(np.max(np.abs(want)))
         assert float(np.max(np.abs(got[:, :cnt] - want))) <= 1e-5 * scale, (k, t, xoff, count)
         assert not got[:, cnt:].any(), "wrote past the count or into the stride"
+
+
+def _host_exe(tmp_path_factory: pytest.TempPathFactory, src: Path) -> Path:
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    exe = tmp_path_factory.mktemp(src.stem) / src.stem
+    res = subprocess.run([NVCC, "-std=c++20", "-Werror", "all-warnings", "-I", str(KERNEL_DIR), "-o", str(exe), str(src)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return exe
+
+
+@pytest.fixture(scope="module")
+def residual_harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _host_exe(tmp_path_factory, RESIDUAL_HARNESS)
+
+
+@pytest.mark.parametrize("t,d,ldx,ldy", [(1, 576, 576, 576), (5, 100, 130, 101), (3, 17, 17, 20)])
+def test_residual_kernels_run_on_the_host_match_numpy(residual_harness: Path, t: int, d: int, ldx: int, ldy: int) -> None:
+    """rms_norm_rows (a warp per token, rows wider and narrower than a warp, strided in and out) and
+    add_rows, the kernels of a run of layers on the device, against the engine's own float32 norm."""
+    rng = np.random.default_rng(t * d)
+    x = rng.standard_normal(t * ldx).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    res = subprocess.run([str(residual_harness), "norm", str(t), str(d), str(ldx), str(ldy), "1e-6"], input=x.tobytes() + w.tobytes(),
+                         capture_output=True, check=True)
+    got = np.frombuffer(res.stdout, dtype=np.float32).reshape(t, ldy)
+    np.testing.assert_allclose(got[:, :d], ref_rms_norm_rows(x, ldx, t, d, w, 1e-6), rtol=2e-6, atol=2e-6)
+    assert not got[:, d:].any()
+    y = rng.standard_normal(t * ldy).astype(np.float32)
+    res = subprocess.run([str(residual_harness), "add", str(t), str(d), str(ldx), str(ldy)], input=x.tobytes() + y.tobytes(),
+                         capture_output=True, check=True)
+    want = y.copy()
+    ref_add_rows(want, ldy, x, ldx, t, d)
+    np.testing.assert_array_equal(np.frombuffer(res.stdout, dtype=np.float32), want)
 
 
 _CODE = {"float": "f", "int": "i", "long long": "q"}

@@ -152,14 +152,14 @@ def test_a_failure_inside_a_run_of_layers_names_its_layer(make_model: Callable[.
     # the worker runtime reports failed_layer in its ERROR, not the run's first layer
     f, cfg = load(make_model(arch="llama", qtype=QT.Q4_0))
     gm = gpu_model(f, cfg)
-    ffn = gm.ffn
+    ffn_dev = gm._ffn_dev
 
-    def failing(layer: int, h: np.ndarray) -> np.ndarray:
-        if layer == 1:
+    def failing(ffn: object, t: int) -> None:
+        if ffn is gm.ffns[1]:
             raise RuntimeError("boom")
-        return ffn(layer, h)
+        ffn_dev(ffn, t)  # type: ignore[arg-type]
 
-    gm.ffn = failing  # type: ignore[method-assign]
+    gm._ffn_dev = failing  # type: ignore[method-assign]
     x = np.random.default_rng(0).standard_normal((1, cfg.d_model)).astype(np.float32)
     with pytest.raises(RuntimeError, match="boom") as info:
         gm.layers(0, 2, x, np.zeros(1, np.int64))

@@ -19,7 +19,7 @@ from powerinfer.tools.gpu_check import _print_table, _quant_cases, _small_cases
 def test_every_kernel_case_runs_on_the_numpy_backend() -> None:
     rng = np.random.default_rng(0)
     cases = [*_quant_cases(rng), *_small_cases(rng)]
-    assert len(cases) == 3 * 9 + 6
+    assert len(cases) == 3 * 9 + 7
     for name, case in cases:
         out = case(CpuBackend(1 << 30))
         assert out and all(o.size and np.isfinite(o).all() for o in out), name
