@@ -8,12 +8,15 @@ Per offloaded layer (fixed cost):
   * q, k, v rows and the output projection in the file's own block format when a kernel reads it
     (kernels.SUFFIX), else dequantized once to F16 (BF16, Q5_K); q/k rows permuted for NEOX rope;
   * q/k/v biases (qwen2) and q/k norm weights (gemma3) as float32, the rope frequencies as float64;
+  * the layer's RMSNorm weights (attention and FFN norms, and Gemma-3's post norms), float32 [d]
+    each, for runs of whole layers with the residual stream on the device;
   * the KV cache, float16 [n_slots, Hkv, n_ctx, D] for k and [.., Dv] for v;
   * in predictor mode, the predictor's first layer fc1 [r, d] + bias, float32.
 Per hot neuron: its gate and up rows (file format), its row of the transposed down projection
 (Q8_0 for quantized files: requantized from the exact values in blocks of 32 along d, the format
 ggml uses for activations; F16/F32 for float files), and in predictor mode its fc2 row + bias.
-Once, when any layer is offloaded: the scratch buffers for up to ``max_tokens`` tokens per call.
+Once, when any layer is offloaded: the scratch buffers for up to ``max_tokens`` tokens per call
+(among them a run's residual stream and a normed sub-layer output, [max_tokens, d] each).
 """
 
 from __future__ import annotations

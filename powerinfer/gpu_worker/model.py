@@ -18,9 +18,9 @@ result (on CUDA: kernels and copies on a stream, the host is free meanwhile); pr
 than ``max_tokens`` run in chunks (each chunk's KV is written before the next one attends).
 
 ``layers`` runs a run of layers that live wholly here with the residual stream on the device
-(kernels/residual.cu): the norms and residual adds of model/layer_loop.py as kernels, one copy in
-and one copy out per chunk, where the per-layer path copies every sub-layer's input in and output
-out and waits for it (two host round trips a layer).
+(kernels/residual.cu): the norms and residual adds of model/layer_loop.py as kernels; per chunk
+the stream, positions and slots are copied in and the stream out once, where the per-layer path
+copies every sub-layer's input in and output out and waits for it (two host round trips a layer).
 """
 
 from __future__ import annotations
@@ -240,10 +240,13 @@ class GpuModel:
         sl = np.zeros_like(pos) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
         if pos.shape[0] != x.shape[0] or sl.shape[0] != x.shape[0]:
             raise InvalidArgumentError(f"{x.shape[0]} tokens but {pos.shape[0]} positions and {sl.shape[0]} slots")
-        if pos.size and (pos.min() < 0 or pos.max() >= self.n_ctx):
+        if pos.size and pos.min() < 0:
+            raise InvalidArgumentError(f"position {int(pos.min())} is negative")
+        if pos.size and pos.max() >= self.n_ctx:
             raise ContextOverflowError(f"position {int(pos.max())} does not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
         if sl.size and (sl.min() < 0 or sl.max() >= self.n_slots):
-            raise InvalidArgumentError(f"KV-cache slot {int(sl.max())} out of range (the GPU worker holds {self.n_slots})")
+            bad = int(sl.min()) if sl.min() < 0 else int(sl.max())
+            raise InvalidArgumentError(f"KV-cache slot {bad} out of range (the GPU worker holds {self.n_slots})")
         return pos, sl
 
     def _attention_chunk(self, a: _Attn, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> PendingRead:
@@ -356,7 +359,7 @@ class GpuModel:
         layer = first  # the layer being computed, for an error's report (protocol/worker_runtime.py reads failed_layer)
         try:
             for i, j in self._chunks(x):
-                t = j - i
+                t, layer = j - i, first
                 b.write(ws["res"], x[i:j])
                 b.write(ws["pos"], pos[i:j])
                 b.write(ws["slots"], sl[i:j])
@@ -369,6 +372,7 @@ class GpuModel:
                     self._norm(n.ffn, t)
                     self._ffn_dev(ffn, t)
                     self._add(n.post_ffn, t)
+                # on CUDA a kernel's asynchronous error surfaces here, charged to the run's last layer
                 out[i:j] = b.read(ws["res"], t * d).result().reshape(t, d)
         except Exception as e:
             e.failed_layer = layer  # type: ignore[attr-defined]
@@ -392,5 +396,6 @@ class GpuModel:
     def close(self) -> None:
         self.attn = [None] * self.cfg.n_layers
         self.ffns = [None] * self.cfg.n_layers
+        self.norms = None
         self.ws = {}
         self.b.close()

@@ -20,6 +20,7 @@ from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gpu_worker.backend import CpuBackend
 from powerinfer.gpu_worker.errors import GpuMemoryError
 from powerinfer.gpu_worker.weights import neox_perm
+from powerinfer.model.layer_loop import load_layer_norms, run_layers
 from powerinfer.model.ops import RopeTable, neox_to_norm_perm
 from powerinfer.model.sharding import HeadRange, cold_neurons
 from powerinfer.coordinator.placement import layer_costs
@@ -129,6 +130,11 @@ def test_budget_beyond_the_device_and_bad_requests_are_clear_errors(make_model: 
         gm.attention(0, x, np.array([16]))
     with pytest.raises(InvalidArgumentError, match="slot 2"):
         gm.attention(0, x, np.array([0]), np.array([2]))
+    x2 = np.zeros((2, cfg.d_model), np.float32)  # the bad value is named, not the largest (review)
+    with pytest.raises(InvalidArgumentError, match="position -1 is negative"):
+        gm.attention(0, x2, np.array([-1, 5]))
+    with pytest.raises(InvalidArgumentError, match="slot -1 out of range"):
+        gm.attention(0, x2, np.array([0, 1]), np.array([-1, 0]))
     with pytest.raises(InvalidArgumentError, match="not on the GPU"):
         gm.attention(1, x, np.array([0]))
     with pytest.raises(InvalidArgumentError, match="no hot neurons"):
@@ -164,3 +170,25 @@ def test_a_failure_inside_a_run_of_layers_names_its_layer(make_model: Callable[.
     with pytest.raises(RuntimeError, match="boom") as info:
         gm.layers(0, 2, x, np.zeros(1, np.int64))
     assert info.value.failed_layer == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("mode", [None, "gate", "predictor"])
+def test_a_run_on_the_device_is_the_engines_loop(make_model: Callable[..., Path], arch: str, mode: str | None) -> None:
+    """layers() keeps the stream on the device; on the numpy backend it is run_layers over the same
+    sub-layers bit for bit: prompts longer than max_tokens (chunks through every layer), decode
+    steps, slots out of order, and a run that starts past layer 0 (review, trimmed)."""
+    f, cfg = load(make_model(arch=arch, qtype=QT.Q4_0, n_layers=3))
+    pf = make_predictor(f, cfg, mode) if mode else None
+    host, dev = gpu_model(f, cfg, predictor=pf, n_slots=2, max_tokens=4), gpu_model(f, cfg, predictor=pf, n_slots=2, max_tokens=4)
+    norms = load_layer_norms(f, cfg)
+    rng = np.random.default_rng(7)
+    steps = [(11, np.arange(11), np.zeros(11, np.int64)), (1, np.array([11]), np.zeros(1, np.int64)),
+             (5, np.array([0, 1, 12, 2, 3]), np.array([1, 1, 0, 1, 1]))]
+    for t, pos, sl in steps:
+        x = rng.standard_normal((t, cfg.d_model)).astype(np.float32) * 3
+        want = run_layers(cfg, norms, 0, cfg.n_layers, x, pos, sl, host.attention, host.ffn)
+        np.testing.assert_array_equal(dev.layers(0, cfg.n_layers, x, pos, sl), want)
+    x = rng.standard_normal((5, cfg.d_model)).astype(np.float32)
+    pos, sl = np.arange(20, 25), np.zeros(5, np.int64)
+    np.testing.assert_array_equal(dev.layers(1, 3, x, pos, sl), run_layers(cfg, norms, 1, 3, x, pos, sl, host.attention, host.ffn))
