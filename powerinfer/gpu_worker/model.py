@@ -245,8 +245,7 @@ class GpuModel:
         if pos.size and pos.max() >= self.n_ctx:
             raise ContextOverflowError(f"position {int(pos.max())} does not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
         if sl.size and (sl.min() < 0 or sl.max() >= self.n_slots):
-            bad = int(sl.min()) if sl.min() < 0 else int(sl.max())
-            raise InvalidArgumentError(f"KV-cache slot {bad} out of range (the GPU worker holds {self.n_slots})")
+            raise InvalidArgumentError(f"KV-cache slot {int(sl.min() if sl.min() < 0 else sl.max())} out of range (the GPU worker holds {self.n_slots})")
         return pos, sl
 
     def _attention_chunk(self, a: _Attn, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> PendingRead:
