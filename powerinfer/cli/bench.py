@@ -161,6 +161,8 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             row["merge_median_us"] = round(float(np.median(lat)), 2) if lat.size else 0.0
             row["merge_p99_us"] = round(float(np.percentile(lat, 99)), 2) if lat.size else 0.0
             row["merge_wait_share"] = round(stats.wait_share, 3)
+            row["merge_wait_share_per_rank"] = [round(w, 3) for w in stats.rank_wait_shares]
+            row["outside_native_share"] = round(stats.outside_share, 3)
         elif stats is not None:
             # per layer and decode step: one attention and one FFN round trip
             calls = max(1, stats.attention.calls)

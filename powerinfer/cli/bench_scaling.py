@@ -34,6 +34,8 @@ class ConfigResult:
     merge_p99_us: float = 0.0
     wait_share: float = 0.0
     syncs_per_step: float = 0.0
+    rank_wait_shares: list[float] = field(default_factory=list)
+    outside_share: float = 0.0  # of a decode step, outside the slowest rank's native code
 
 
 @dataclass
@@ -54,14 +56,19 @@ class ScalingResult:
         lines = [f"model: {self.model}  prompt: {self.prompt_tokens} tokens  decode: {self.gen_tokens} tokens  rounds: {self.rounds} "
                  "(alternating; ratios are medians of per-round ratios, quartiles in brackets)",
                  f"{'configuration':<28}{'decode tok/s':>13}{'prefill tok/s':>14}{'vs in-process':>22}{'vs ' + first.name:>26}"
-                 f"{'merge med/p99 us':>18}{'wait':>7}"]
+                 f"{'merge med/p99 us':>18}{'wait':>7}{'per rank':>12}{'outside':>9}"]
         for c in self.configs:
             vs_ref = "%.3f (%.3f-%.3f)" % self.ratio(c, ref)
             vs_first = "%.3f (%.3f-%.3f)" % self.ratio(c, first)
             merge = f"{c.merge_median_us:.1f}/{c.merge_p99_us:.1f}" if c.syncs_per_step else "-"
             wait = f"{100 * c.wait_share:.0f}%" if c.syncs_per_step else "-"
+            per_rank = "/".join(f"{100 * w:.0f}" for w in c.rank_wait_shares) + "%" if c.syncs_per_step else "-"
+            outside = f"{100 * c.outside_share:.0f}%" if c.syncs_per_step else "-"
             lines.append(f"{c.name:<28}{statistics.median(c.decode_tps):>13.1f}{statistics.median(c.prefill_tps):>14.1f}{vs_ref:>22}"
-                         f"{vs_first:>26}{merge:>18}{wait:>7}")
+                         f"{vs_first:>26}{merge:>18}{wait:>7}{per_rank:>12}{outside:>9}")
+        lines.append("wait: the ranks' native time spent in merges waiting for a peer (per rank: one rank always waiting is an "
+                     "imbalance of work); outside: a decode step's wall time outside the slowest rank's native code (doorbell, "
+                     "coordinator)")
         lines.append("memory: `powerinfer bench --workers ...` (without --paired) measures each configuration alone, all its processes")
         return "\n".join(lines)
 
@@ -112,6 +119,8 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
                     res.merge_median_us, res.merge_p99_us = float(np.median(lat)), float(np.percentile(lat, 99))
                     res.wait_share = ex.stats.wait_share
                     res.syncs_per_step = ex.stats.syncs / max(1, ex.stats.calls)
+                    res.rank_wait_shares = ex.stats.rank_wait_shares
+                    res.outside_share = ex.stats.outside_share
         name = first.config.name
     finally:
         for llm in llms.values():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -47,21 +47,51 @@ STEP = "running a step"  # the phase a rank that fails inside a step is said to 
 @dataclass
 class PoolStats:
     """Accumulated over calls: wall time of each call, the ranks' time in native code and, of it,
-    waiting in merges (summed over ranks), and the merges themselves."""
+    waiting in merges (summed over ranks, and per rank), and the merges themselves."""
 
     calls: int = 0
     round_trip_us: float = 0.0
     compute_us: float = 0.0  # summed over ranks
     wait_us: float = 0.0  # summed over ranks
     syncs: int = 0  # per rank
+    rank_compute_us: list[float] = field(default_factory=list)
+    rank_wait_us: list[float] = field(default_factory=list)
+    slowest_us: float = 0.0  # per call, the rank longest in native code: the rest of the wall time is outside it
 
     def reset(self) -> None:
         self.calls, self.round_trip_us, self.compute_us, self.wait_us, self.syncs = 0, 0.0, 0.0, 0.0, 0
+        self.rank_compute_us, self.rank_wait_us, self.slowest_us = [], [], 0.0
 
     @property
     def wait_share(self) -> float:
         """Share of the ranks' native time spent waiting for peers in the merges."""
         return self.wait_us / self.compute_us if self.compute_us else 0.0
+
+    @property
+    def rank_wait_shares(self) -> list[float]:
+        """Per rank: its share of native time spent waiting. One rank always waiting for another is
+        an imbalance of work; all ranks waiting a little is jitter."""
+        return [w / c if c else 0.0 for w, c in zip(self.rank_wait_us, self.rank_compute_us)]
+
+    @property
+    def outside_share(self) -> float:
+        """Share of the calls' wall time outside the slowest rank's native code: the doorbell's round
+        trip, the coordinator's own work, the ranks' return to and from the step loop."""
+        return 1.0 - self.slowest_us / self.round_trip_us if self.round_trip_us else 0.0
+
+    def add(self, wall_us: float, compute_us: Sequence[float], wait_us: Sequence[float], syncs: int) -> None:
+        """One call: its wall time, and per rank the time in native code and of it in merges."""
+        if len(self.rank_compute_us) != len(compute_us):
+            self.rank_compute_us, self.rank_wait_us = [0.0] * len(compute_us), [0.0] * len(compute_us)
+        self.calls += 1
+        self.round_trip_us += wall_us
+        self.compute_us += sum(compute_us)
+        self.wait_us += sum(wait_us)
+        self.syncs += syncs
+        self.slowest_us += max(compute_us, default=0.0)
+        for i, (c, w) in enumerate(zip(compute_us, wait_us)):
+            self.rank_compute_us[i] += c
+            self.rank_wait_us[i] += w
 
 
 class NativePoolExecutor:
@@ -256,17 +286,9 @@ class NativePoolExecutor:
         except BaseException:
             self.abort()  # wake every rank still waiting in a merge
             raise
-        self._account((time.perf_counter() - t0) * 1e6, out[:, 1].sum() / 1e3, out[:, 2].sum() / 1e3, int(out[:, 3].max()))
+        self.stats.add((time.perf_counter() - t0) * 1e6, (out[:, 1] / 1e3).tolist(), (out[:, 2] / 1e3).tolist(), int(out[:, 3].max()))
         if deferred is not None:
             raise deferred
-
-    def _account(self, wall_us: float, compute_us: float, wait_us: float, syncs: int) -> None:
-        s = self.stats
-        s.calls += 1
-        s.round_trip_us += wall_us
-        s.compute_us += compute_us
-        s.wait_us += wait_us
-        s.syncs += syncs
 
     def _call(self, make: Callable[[int], Message], what: str) -> None:
         """The same message (made for this request id) to every rank; wait for every RESULT."""
@@ -284,8 +306,8 @@ class NativePoolExecutor:
             raise
         # an interrupted wait needs no abort: every rank got the message and finishes it, and
         # the pool ignores replies to an older request
-        res = [r for r in replies.values() if isinstance(r, ResultMsg)]
-        self._account((time.perf_counter() - t0) * 1e6, sum(r.compute_us for r in res), sum(r.wait_us for r in res), max(r.syncs for r in res))
+        res = [r for _, r in sorted(replies.items()) if isinstance(r, ResultMsg)]  # in rank order
+        self.stats.add((time.perf_counter() - t0) * 1e6, [r.compute_us for r in res], [r.wait_us for r in res], max(r.syncs for r in res))
 
     def abort(self) -> None:
         """Wake every rank waiting in a merge with an error (a rank died, or the call was abandoned)."""

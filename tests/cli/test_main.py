@@ -88,6 +88,8 @@ def test_bench_prints_measured_table(make_model: Callable[..., Path], tmp_path: 
         assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["total_pss_mib"] > 0 and r["peak_rss_mib"] >= r["total_rss_mib"] * 0.9
         assert r["decode_step_us"] > 0 and r["merge_median_us"] > 0 and r["merge_p99_us"] >= r["merge_median_us"]
         assert 0 <= r["merge_wait_share"] < 1
+        assert len(r["merge_wait_share_per_rank"]) == r["workers"] and all(0 <= w < 1 for w in r["merge_wait_share_per_rank"])
+        assert 0 <= r["outside_native_share"] < 1
     assert data["ceiling_tps"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

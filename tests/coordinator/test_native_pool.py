@@ -314,3 +314,16 @@ def test_sparse_ranks_equal_the_sparse_decoder_in_process(tmp_path: Path, mode: 
             assert llm.complete(ids, max_tokens=8, temperature=0)[0] == text  # decode: the chosen rows one quad at a time
         finally:
             llm.close()
+
+
+def test_pool_stats_tell_imbalance_from_jitter_and_time_outside_native_code() -> None:
+    from powerinfer.coordinator.native_pool import PoolStats
+
+    s = PoolStats()
+    s.add(100.0, [90.0, 80.0], [18.0, 1.0], 120)  # rank 0 waits for rank 1 every time: imbalance
+    s.add(100.0, [90.0, 80.0], [18.0, 1.0], 120)
+    assert s.calls == 2 and s.syncs == 240 and s.wait_share == pytest.approx(38 / 340)
+    assert s.rank_wait_shares == pytest.approx([0.2, 0.0125])
+    assert s.outside_share == pytest.approx(0.1)  # 10 us of each 100 us call outside the slower rank's native code
+    s.reset()
+    assert (s.calls, s.rank_wait_shares, s.outside_share) == (0, [], 0.0)
