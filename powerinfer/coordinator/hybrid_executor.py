@@ -39,7 +39,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuHandle, GpuSetup, GpuWorkerProcess, LocalGpuWorker, NoGpu
 from powerinfer.gpu_worker.errors import GIB, gib, over_card
 from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS
-from powerinfer.gpu_worker.model import GpuPlan
+from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.model.sharding import HeadRange, ShardPlan, cold_neurons, plan_shards
 from powerinfer.coordinator.placement import Placement, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
 from powerinfer.predictors.predictor_file import PredictorFile

@@ -57,6 +57,22 @@ class PendingRead(Protocol):
         ...
 
 
+class PendingRows:
+    """Chunks of a [T, d] result still being computed / copied back (GpuModel's *_begin)."""
+
+    def __init__(self, parts: list[PendingRead], d: int) -> None:
+        self.parts, self.d = parts, d
+
+    def result(self) -> np.ndarray:
+        outs = [p.result().reshape(-1, self.d) for p in self.parts]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def abandon(self) -> None:
+        """Finish the copies anyway: they write into buffers the next call reuses."""
+        for p in self.parts:
+            p.result()
+
+
 class Backend(Protocol):
     name: str
     ledger: MemoryLedger

@@ -27,7 +27,8 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, CpuBackend
 from powerinfer.gpu_worker.errors import GpuMemoryError, GpuUnavailableError
-from powerinfer.gpu_worker.model import GpuModel, GpuPlan
+from powerinfer.gpu_worker.layout import GpuPlan
+from powerinfer.gpu_worker.model import GpuModel
 from powerinfer.protocol import (
     AttnMsg,
     ErrorMsg,

@@ -21,6 +21,10 @@ Once, when any layer is offloaded: the scratch buffers for up to ``max_tokens`` 
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
+import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
@@ -98,3 +102,23 @@ def workspace_bytes(cfg: ModelConfig, max_tokens: int, max_rank: int) -> int:
     if max_rank:
         floats += t * max_rank + t * n
     return floats * F32 + 2 * t * I64 + (n + 1) * I32
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What the GPU holds: per layer the hot neurons and whether attention (+ KV cache) is there."""
+
+    hot: tuple[np.ndarray, ...]  # per layer: sorted int neuron ids on the GPU
+    gpu_layers: tuple[bool, ...]
+    sparse: bool = True  # compute hot neurons sparsely when a predictor file is given
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def to_json(self) -> str:
+        return json.dumps({"hot": [h.tolist() for h in self.hot], "gpu_layers": list(self.gpu_layers),
+                           "sparse": self.sparse, "max_tokens": self.max_tokens})
+
+    @classmethod
+    def from_json(cls, text: str) -> GpuPlan:
+        d = json.loads(text)
+        return cls(tuple(np.array(h, dtype=np.int64) for h in d["hot"]), tuple(bool(g) for g in d["gpu_layers"]),
+                   bool(d["sparse"]), int(d["max_tokens"]))

@@ -25,7 +25,6 @@ copies every sub-layer's input in and output out and waits for it (two host roun
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -35,35 +34,15 @@ import numpy as np
 from powerinfer.config import ModelConfig
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead
-from powerinfer.gpu_worker.layout import DEFAULT_MAX_TOKENS, qkv_width
+from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead, PendingRows
+from powerinfer.gpu_worker.layout import GpuPlan, qkv_width
 from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
-from powerinfer.model.layer_loop import LayerNorms, load_layer_norms
+from powerinfer.model.layer_loop import LayerNorms, load_layer_norms, run_layers
 from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 
 ACT_KIND = {"silu": 0, "gelu_tanh": 1}
-
-
-@dataclass(frozen=True)
-class GpuPlan:
-    """What the GPU holds: per layer the hot neurons and whether attention (+ KV cache) is there."""
-
-    hot: tuple[np.ndarray, ...]  # per layer: sorted int neuron ids on the GPU
-    gpu_layers: tuple[bool, ...]
-    sparse: bool = True  # compute hot neurons sparsely when a predictor file is given
-    max_tokens: int = DEFAULT_MAX_TOKENS
-
-    def to_json(self) -> str:
-        return json.dumps({"hot": [h.tolist() for h in self.hot], "gpu_layers": list(self.gpu_layers),
-                           "sparse": self.sparse, "max_tokens": self.max_tokens})
-
-    @classmethod
-    def from_json(cls, text: str) -> GpuPlan:
-        d = json.loads(text)
-        return cls(tuple(np.array(h, dtype=np.int64) for h in d["hot"]), tuple(bool(g) for g in d["gpu_layers"]),
-                   bool(d["sparse"]), int(d["max_tokens"]))
 
 
 @dataclass(frozen=True)
@@ -102,22 +81,6 @@ class _Ffn:
     fc2_b: Buf | None = None
 
 
-class _Pending:
-    """Chunks of a [T, d] result still being computed / copied back."""
-
-    def __init__(self, parts: list[PendingRead], d: int) -> None:
-        self.parts, self.d = parts, d
-
-    def result(self) -> np.ndarray:
-        outs = [p.result().reshape(-1, self.d) for p in self.parts]
-        return outs[0] if len(outs) == 1 else np.concatenate(outs)
-
-    def abandon(self) -> None:
-        """Finish the copies anyway: they write into buffers the next call reuses."""
-        for p in self.parts:
-            p.result()
-
-
 @dataclass
 class _DevNorms:
     """A whole layer's RMSNorm weights on the device (post norms: Gemma-3's, else None)."""
@@ -152,9 +115,11 @@ class GpuModel:
         # the norms of every layer whose attention is here (layout.attention_bytes counts them), for
         # runs of whole layers (a few KiB a layer)
         self.norms: list[_DevNorms | None] | None = None
+        self.host_norms: list[LayerNorms] = []
+        self._device_run: bool | None = None  # None: the first run of whole layers checks the device path
         if any(plan.gpu_layers):
-            host = load_layer_norms(f, cfg)
-            self.norms = [self._upload_norms(host[i], i) if plan.gpu_layers[i] else None for i in range(cfg.n_layers)]
+            self.host_norms = load_layer_norms(f, cfg)
+            self.norms = [self._upload_norms(self.host_norms[i], i) if plan.gpu_layers[i] else None for i in range(cfg.n_layers)]
         log.info("GPU (%s): %d attention layers, %d hot neurons, %.1f MiB", backend.name, sum(plan.gpu_layers),
                  sum(len(h) for h in plan.hot), self.nbytes / 2**20)
 
@@ -226,13 +191,13 @@ class GpuModel:
         mt = self.plan.max_tokens
         return [(i, min(i + mt, x.shape[0])) for i in range(0, x.shape[0], mt)]
 
-    def attention_begin(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> _Pending:
+    def attention_begin(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> PendingRows:
         """x [T, d] normed, positions [T], slots [T] (None: slot 0) -> pending attention output [T, d]."""
         a = self.attn[layer]
         if a is None:
             raise InvalidArgumentError(f"layer {layer}'s attention is not on the GPU")
         pos, sl = self._positions(x, positions, slots)
-        return _Pending([self._attention_chunk(a, x[i:j], pos[i:j], sl[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
+        return PendingRows([self._attention_chunk(a, x[i:j], pos[i:j], sl[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
 
     def _positions(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """int64 positions [T] and slots [T] (None: slot 0), checked against x [T, d], the context and the slots."""
@@ -275,12 +240,12 @@ class GpuModel:
                  cfg.attn_scale, ws["att"])
         self._gemv(a.o, ws["att"], t, ws["y"], cfg.d_model)  # [T, Hq * Dv] -> [T, d]
 
-    def ffn_begin(self, layer: int, x: np.ndarray) -> _Pending:
+    def ffn_begin(self, layer: int, x: np.ndarray) -> PendingRows:
         """x [T, d] normed -> pending partial FFN output of this layer's hot neurons [T, d]."""
         ffn = self.ffns[layer]
         if ffn is None:
             raise InvalidArgumentError(f"layer {layer} has no hot neurons on the GPU")
-        return _Pending([self._ffn_chunk(ffn, x[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
+        return PendingRows([self._ffn_chunk(ffn, x[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
 
     def _predict(self, ffn: _Ffn, t: int) -> None:
         """ws.logits [T, n_hot] = fc2(relu(fc1(x))) for the hot neurons (active where > 0)."""
@@ -343,7 +308,8 @@ class GpuModel:
         """x [T, d] the residual stream entering layer `first` -> leaving layer stop - 1, for a run of
         layers that live wholly here, with the stream on the device (the module docstring): the
         recipe of model/layer_loop.py, the norms and adds as kernels (on the numpy backend the same
-        float32 operations, so the same bits as the engine's loop)."""
+        float32 operations, so the same bits as the engine's loop). The first run also runs the
+        per-layer path and keeps the device path only if the two agree."""
         if not 0 <= first < stop <= self.cfg.n_layers:
             raise InvalidArgumentError(f"a run of layers [{first}, {stop}) is empty or outside the model's {self.cfg.n_layers} layers")
         if not all(self.whole(i) for i in range(first, stop)):
@@ -353,6 +319,35 @@ class GpuModel:
             raise InvalidArgumentError("this GPU runtime was built without the layers' norms")
         x = np.asarray(x, dtype=np.float32)
         pos, sl = self._positions(x, positions, slots)
+        if self._device_run is False:
+            return self._host_run(first, stop, x, pos, sl)
+        if self._device_run is None:
+            # the first run: residual.cu has run on the host CPU only, so the device path must agree
+            # with the per-layer path on this card before it is trusted (both rewrite the same KV)
+            host, dev = self._host_run(first, stop, x, pos, sl), self._device_layers(first, stop, x, pos, sl)
+            err = float(np.max(np.abs(dev - host))) / max(float(np.max(np.abs(host))), 1e-30) if host.size else 0.0
+            self._device_run = bool(err <= 1e-3)
+            if not self._device_run:
+                log.warning("runs of whole layers with the stream on the device differ from the per-layer path by %.2e of its "
+                            "scale on %s; using the per-layer path (slower; please report this card)", err, self.b.name)
+            return dev if self._device_run else host
+        return self._device_layers(first, stop, x, pos, sl)
+
+    def _host_run(self, first: int, stop: int, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> np.ndarray:
+        """The per-layer path: the engine's loop (model/layer_loop.py) over attention() and ffn()."""
+        at = [first]
+
+        def attention(layer: int, h: np.ndarray, p: np.ndarray, s: np.ndarray) -> np.ndarray:
+            at[0] = layer
+            return self.attention(layer, h, p, s)
+
+        try:
+            return run_layers(self.cfg, self.host_norms, first, stop, x, pos, sl, attention, self.ffn)
+        except Exception as e:
+            e.failed_layer = at[0]  # type: ignore[attr-defined]
+            raise
+
+    def _device_layers(self, first: int, stop: int, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> np.ndarray:
         b, ws, d = self.b, self.ws, self.cfg.d_model
         out = np.empty_like(x)
         layer = first  # the layer being computed, for an error's report (protocol/worker_runtime.py reads failed_layer)
@@ -395,6 +390,6 @@ class GpuModel:
     def close(self) -> None:
         self.attn = [None] * self.cfg.n_layers
         self.ffns = [None] * self.cfg.n_layers
-        self.norms = None
+        self.norms, self.host_norms = None, []
         self.ws = {}
         self.b.close()

@@ -13,7 +13,8 @@ from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import CpuBackend
 from powerinfer.gpu_worker.kernels import act
-from powerinfer.gpu_worker.model import GpuModel, GpuPlan
+from powerinfer.gpu_worker.layout import GpuPlan
+from powerinfer.gpu_worker.model import GpuModel
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import dequantize_rows
 from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint

@@ -192,3 +192,23 @@ def test_a_run_on_the_device_is_the_engines_loop(make_model: Callable[..., Path]
     x = rng.standard_normal((5, cfg.d_model)).astype(np.float32)
     pos, sl = np.arange(20, 25), np.zeros(5, np.int64)
     np.testing.assert_array_equal(dev.layers(1, 3, x, pos, sl), run_layers(cfg, norms, 1, 3, x, pos, sl, host.attention, host.ffn))
+
+
+def test_the_first_run_checks_the_device_path_against_the_per_layer_path(make_model: Callable[..., Path],
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """The device path is trusted after its first run agrees with the per-layer path; one that
+    disagrees (as a miscompiled kernel on an untried card would) is dropped with a warning."""
+    f, cfg = load(make_model(arch="gemma3", qtype=QT.Q4_0))
+    x, pos = np.random.default_rng(3).standard_normal((3, cfg.d_model)).astype(np.float32), np.arange(3)
+    good = gpu_model(f, cfg)
+    first = good.layers(0, 2, x, pos)
+    assert good._device_run is True
+    np.testing.assert_array_equal(good.layers(0, 2, x, pos), first)
+    bad = gpu_model(f, cfg)
+    device = bad._device_layers
+    bad._device_layers = lambda *a: device(*a) + np.float32(1.0)  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        out = bad.layers(0, 2, x, pos)
+    assert bad._device_run is False and "differ from the per-layer path" in caplog.text
+    np.testing.assert_array_equal(out, first)  # the per-layer path's numbers, now and after
+    np.testing.assert_array_equal(bad.layers(0, 2, x, pos), first)

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.gpu_worker.client import GpuSetup, GpuWorkerProcess, LocalGpuWorker
 from powerinfer.gpu_worker.errors import GpuMemoryError
-from powerinfer.gpu_worker.model import GpuPlan
+from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.predictors.predictor_file import write_predictor
 from tests.gpu_worker.helpers import load, make_predictor
