@@ -186,12 +186,13 @@ def read_topology(sysfs: str | Path | None = None, allowed: Iterable[int] | None
     <sysfs>/devices/system/cpu/cpu*/{online,topology/{core_id,physical_package_id,thread_siblings_list}}.
     Offline CPUs and CPUs outside ``allowed`` are dropped; a core keeps only its usable siblings.
     """
-    if sysfs is None and os.environ.get(SYSFS_ENV) and not sysfs_root().is_dir():
-        log.warning("$%s names %s, which is not a directory: every CPU counts as a core of node 0", SYSFS_ENV, sysfs_root())
+    root = Path(sysfs) if sysfs is not None else sysfs_root()
+    if sysfs is None and os.environ.get(SYSFS_ENV) and not root.is_dir():
+        log.warning("$%s names %s, which is not a directory: every CPU counts as a core of node 0", SYSFS_ENV, root)
     allowed_set = _allowed_cpus() if allowed is None else {int(c) for c in allowed}
     if not allowed_set:
         raise InvalidArgumentError("the allowed CPU set is empty")
-    system = Path(sysfs if sysfs is not None else sysfs_root()) / "devices" / "system"
+    system = root / "devices" / "system"
     cpu_root = system / "cpu"
     node_of = _node_map(system / "node")
     cpu_dirs = _numbered_dirs(cpu_root, _CPU_DIR)

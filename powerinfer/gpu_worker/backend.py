@@ -57,6 +57,18 @@ class PendingRead(Protocol):
         ...
 
 
+def disagreement(got: np.ndarray, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref| over the entries where ref is finite (0 when both are zero; inf
+    when got is not finite where ref is, or ref is zero where got is not): how a new kernel path
+    is held against the one it replaces on a card's first use (cuda_backend GEMV, GpuModel.layers)."""
+    ok = np.isfinite(ref)
+    if not np.array_equal(np.isfinite(got), ok):
+        return float("inf")
+    scale = float(np.max(np.abs(ref[ok]))) if ok.any() else 0.0
+    diff = float(np.max(np.abs(got[ok].astype(np.float64) - ref[ok]))) if ok.any() else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
 class PendingRows:
     """Chunks of a [T, d] result still being computed / copied back (GpuModel's *_begin)."""
 

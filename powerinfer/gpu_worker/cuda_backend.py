@@ -34,7 +34,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from powerinfer.gpu_worker import kernels as K
-from powerinfer.gpu_worker.backend import MemoryLedger
+from powerinfer.gpu_worker.backend import MemoryLedger, disagreement
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gpu_worker.errors import ADVICE, GpuMemoryError, GpuUnavailableError, gib, over_card
 
@@ -48,15 +48,6 @@ GEMV_AGREE = 1e-4  # "auto": max |blocks - lanes| over max |lanes| within which 
 GEMV_CHECK_FLOATS = 1 << 20  # "auto" compares on calls whose output fits this scratch (decode calls; prefill waits)
 GEMV_CHECK_TRIES = 32  # calls with an all-zero output (nothing to compare) before a type settles on the lane kernel
 
-
-def gemv_disagreement(blocks: np.ndarray, lanes: np.ndarray) -> float:
-    """max |blocks - lanes| / max |lanes| (0 when both are zero; inf when blocks is not finite where lanes is)."""
-    ok = np.isfinite(lanes)
-    if not np.array_equal(np.isfinite(blocks), ok):
-        return float("inf")
-    scale = float(np.max(np.abs(lanes[ok]))) if ok.any() else 0.0
-    diff = float(np.max(np.abs(blocks[ok].astype(np.float64) - lanes[ok]))) if ok.any() else 0.0
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 # pycuda prepared-call argument types (struct codes: P pointer, q int64, i int32, f float32),
 # in the order of each kernel's parameters in its .cu file (tests/gpu_worker checks they agree).
@@ -264,19 +255,19 @@ class CudaBackend:
             return self._gemv_kernel[suffix]
         if size > GEMV_CHECK_FLOATS:
             return lanes  # this call only: compare on a smaller one
-        outs = []
+        outs, floats = [], max(size, 1)
         for name in (blocks, lanes):  # both on this call's inputs, into zeroed scratch [size] (<= 4 MB: outside the ledger)
             try:
-                buf = self.cuda.mem_alloc(max(size, 1) * 4)
+                buf = self.cuda.mem_alloc(floats * 4)
             except self.cuda.MemoryError:
                 log.warning("no GPU memory to compare the GEMV kernels for %s; using the weight-per-lane kernel", suffix)
                 self._gemv_kernel[suffix] = lanes
                 return lanes
             try:
-                self.cuda.memset_d32_async(buf, 0, max(size, 1), self.stream)
+                self.cuda.memset_d32_async(buf, 0, floats, self.stream)
                 self._launch(name, (_blocks(32 * n),), K.BLOCK, *args, int(buf), ldy)
                 self.stream.synchronize()
-                host = np.empty(max(size, 1), np.float32)
+                host = np.empty(floats, np.float32)
                 self.cuda.memcpy_dtoh(host, buf)
                 outs.append(host)
             finally:
@@ -288,7 +279,7 @@ class CudaBackend:
             log.info("GEMV %s: %d calls gave nothing to compare the kernels on; using the weight-per-lane kernel", suffix, tries)
             self._gemv_kernel[suffix] = lanes
             return lanes
-        err = gemv_disagreement(outs[0], outs[1])
+        err = disagreement(outs[0], outs[1])
         if err <= GEMV_AGREE:
             log.info("GEMV %s: the block kernel agrees with the weight-per-lane kernel (%.1e); using it", suffix, err)
             self._gemv_kernel[suffix] = blocks

@@ -34,7 +34,7 @@ import numpy as np
 from powerinfer.config import ModelConfig
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead, PendingRows
+from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead, PendingRows, disagreement
 from powerinfer.gpu_worker.layout import GpuPlan, qkv_width
 from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
 from powerinfer.model.layer_loop import LayerNorms, load_layer_norms, run_layers
@@ -43,6 +43,7 @@ from powerinfer.predictors.predictor_file import PredictorFile
 log = logging.getLogger(__name__)
 
 ACT_KIND = {"silu": 0, "gelu_tanh": 1}
+DEVICE_RUN_AGREE = 1e-3  # the first run of whole layers: the device path's tolerance against the per-layer path
 
 
 @dataclass(frozen=True)
@@ -325,8 +326,8 @@ class GpuModel:
             # the first run: residual.cu has run on the host CPU only, so the device path must agree
             # with the per-layer path on this card before it is trusted (both rewrite the same KV)
             host, dev = self._host_run(first, stop, x, pos, sl), self._device_layers(first, stop, x, pos, sl)
-            err = float(np.max(np.abs(dev - host))) / max(float(np.max(np.abs(host))), 1e-30) if host.size else 0.0
-            self._device_run = bool(err <= 1e-3)
+            err = disagreement(dev, host)
+            self._device_run = bool(err <= DEVICE_RUN_AGREE)
             if not self._device_run:
                 log.warning("runs of whole layers with the stream on the device differ from the per-layer path by %.2e of its "
                             "scale on %s; using the per-layer path (slower; please report this card)", err, self.b.name)

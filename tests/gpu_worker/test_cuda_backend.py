@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.gpu_worker.cuda_backend import GEMV_AGREE, GEMV_ENV, CudaBackend, gemv_disagreement
+from powerinfer.gpu_worker.backend import disagreement as gemv_disagreement
+from powerinfer.gpu_worker.cuda_backend import GEMV_AGREE, GEMV_ENV, CudaBackend
 
 
 def test_disagreement_is_relative_to_the_outputs_scale() -> None:

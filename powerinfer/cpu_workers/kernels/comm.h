@@ -21,10 +21,10 @@
  * so the split changes no rounding (a sum of partial dot products moved the logits by up to ~1
  * through the 8-bit activations of later layers, measured on SmolLM2).
  * Two banks (and two column notes) per rank suffice: a rank can only write bank gen & 1 again at
- * gen + 2, which needs every peer past gen + 1, i.e. done reading gen. Waiting checks, every slice_ms, the abort flag (set by
- * the coordinator when a rank dies), the peers' liveness (/proc/<pid>/stat: gone or zombie) and a
- * deadline, so a dead or stopped rank fails the sync instead of hanging it. Latencies (ns, per
- * sync) go to a ring the benchmark reads.
+ * gen + 2, which needs every peer past gen + 1, i.e. done reading gen. Waiting checks, every
+ * slice_ms, the abort flag (set by the coordinator when a rank dies), the peers' liveness
+ * (/proc/<pid>/stat: gone or zombie) and a deadline, so a dead or stopped rank fails the sync
+ * instead of hanging it. Latencies (ns, per sync) go to a ring the benchmark reads.
  */
 #ifndef PI_COMM_H
 #define PI_COMM_H
