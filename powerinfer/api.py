@@ -143,17 +143,8 @@ class LLM:
         self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
         use = self.predictor if sparse else None
         ex: Executor
-        if gpu is not None:
-            from powerinfer.coordinator.hybrid_executor import build_hybrid_executor
-
-            # hot neurons (and the attention of offloaded layers) on the GPU worker, cold ones here
-            if n_threads is not None:
-                import torch
-
-                torch.set_num_threads(n_threads)
-            ex = build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
-                                       predictor_path=predictor, sparse=sparse, n_slots=n_slots, progress=progress,
-                                       log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        if gpu is not None and (gpu.split != "layer" or not gpu.process or executor != "process" or transport == "zmq"):
+            ex = self._hybrid(gpu, n_ctx, n_threads, predictor, sparse, n_slots, progress)
         elif executor == "inprocess" and (lib := self._native_lib(native, n_shards == 1)) is not None:
             from powerinfer.coordinator.native_executor import NativeExecutor
             from powerinfer.cpu_workers.topology import default_workers
@@ -166,8 +157,8 @@ class LLM:
 
                 torch.set_num_threads(n_threads)
             ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use, n_slots=n_slots)
-        else:
-            ex = self._process_executor(transport, use is not None, predictor, n_ctx, n_threads, worker_threads, pin, n_slots, n_batch)
+        else:  # with a GPU in layer split, it joins the native pool as a rank (coordinator/gpu_rank.py)
+            ex = self._process_executor(transport, use is not None, predictor, n_ctx, n_threads, worker_threads, pin, n_slots, n_batch, gpu)
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch, n_slots=n_slots)
         except BaseException:
@@ -187,24 +178,45 @@ class LLM:
         with self.core.guard():
             return self.engine.eval(ids, all_logits=all_logits)
 
+    def _hybrid(self, gpu: "GpuOptions", n_ctx: int, n_threads: int | None, predictor: "str | os.PathLike[str] | None", sparse: bool,
+                n_slots: int, progress: bool) -> Executor:
+        """Hot neurons (and the attention of offloaded layers) on the GPU worker, cold ones in this process."""
+        from powerinfer.coordinator.hybrid_executor import build_hybrid_executor
+
+        if n_threads is not None:
+            import torch
+
+            torch.set_num_threads(n_threads)
+        return build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor, predictor_path=predictor,
+                                     sparse=sparse, n_slots=n_slots, progress=progress,
+                                     log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+
     def _process_executor(self, transport: str, sparse: bool, predictor: "str | os.PathLike[str] | None", n_ctx: int, n_threads: int | None,
-                          worker_threads: int, pin: bool, n_slots: int, n_batch: int) -> Executor:
-        """Worker processes: native ranks merging in shared memory, or torch shards over ZeroMQ."""
+                          worker_threads: int, pin: bool, n_slots: int, n_batch: int, gpu: "GpuOptions | None" = None) -> Executor:
+        """Worker processes: native ranks merging in shared memory (and a GPU rank in layer split),
+        or torch shards over ZeroMQ."""
+        from powerinfer.coordinator.native_pool import shm_blocker
         from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
 
         n_workers = n_threads or default_workers()
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         if transport != "zmq":
-            why = self._shm_blocker(n_workers, sparse)
+            why = shm_blocker(self.file, self.config, n_workers, sparse)
             if why is None:
+                from powerinfer.coordinator.gpu_rank import layer_split_rank
                 from powerinfer.coordinator.native_pool import NativePoolExecutor
                 from powerinfer.cpu_workers.native_lib import decoder_lib
 
+                rank = None if gpu is None else layer_split_rank(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
+                                                                  predictor_path=predictor, sparse=sparse, n_slots=n_slots, log_level=level)
                 placements = tuple(plan_placement(read_topology(), n_workers, worker_threads)) if pin else ()
                 return NativePoolExecutor(decoder_lib(), self.file, str(self.path), self.config, n_ctx, n_workers, worker_threads,  # type: ignore[arg-type]
-                                          placements, level, n_slots, n_batch, predictor=str(predictor) if sparse else "")
+                                          placements, level, n_slots, n_batch, predictor=str(predictor) if sparse else "", gpu=rank)
             if transport == "shm":
                 raise InvalidArgumentError(f"--transport shm is not possible here: {why}")
+            if gpu is not None:  # the GPU rank needs native CPU ranks: the hybrid executor instead
+                log.warning("the GPU worker cannot join native worker ranks (%s): hybrid executor", why)
+                return self._hybrid(gpu, n_ctx, n_threads, predictor, sparse, n_slots, False)
             log.warning("worker processes exchange each layer over ZeroMQ (slower): %s", why)
         from powerinfer.coordinator.process_executor import ProcessExecutor
 
@@ -212,23 +224,6 @@ class LLM:
         # and never imports torch; the workers hold every matrix, the output head included.
         return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
-
-    def _shm_blocker(self, n_workers: int, sparse: bool = False) -> str | None:
-        """None when native ranks can run this model (dense or sparse) on n_workers, else why not."""
-        from powerinfer.cpu_workers.native_lib import decoder_lib
-        from powerinfer.cpu_workers.native_model import supports
-        from powerinfer.model.sharding import plan_ranks
-
-        if decoder_lib() is None:
-            return "the native decoder is unavailable (POWERINFER_NATIVE=0, or no C compiler)"
-        why = supports(self.file, self.config)
-        if why is not None:
-            return f"the native decoder cannot run this model ({why})"
-        try:
-            plan_ranks(self.config, n_workers, sparse=sparse)
-        except InvalidArgumentError as e:
-            return str(e)
-        return None
 
     def _native_lib(self, native: bool | None, applies: bool) -> "ctypes.CDLL | None":
         """The native decoder library when the in-process executor should use it, else None."""

@@ -19,14 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from powerinfer.cpu_workers.native_lib import decoder_lib
-from powerinfer.cpu_workers.shm_segment import (
-    RankComm,
-    Segment,
-    SegmentLayout,
-    create_segment_with,
-    merge_latencies_ns,
-)
+from powerinfer.cpu_workers.shm_segment import RankComm, create_segment_with, merge_latencies_ns
 from powerinfer.errors import PowerInferError
+from powerinfer.native.segment import Segment, SegmentLayout
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,16 @@ class GpuOptions:
             raise InvalidArgumentError(f"max_tokens must be positive, got {self.max_tokens}")
 
 
+def gpu_budget(opts: GpuOptions) -> int:
+    """Bytes of device memory to place weights in: --vram-budget, or the card's default; raises
+    GpuMemoryError when the budget exceeds the device's free memory."""
+    name, free, default = _device_room(opts)
+    budget = default if opts.vram_budget_gib is None else int(opts.vram_budget_gib * GIB)
+    if budget > free:
+        raise over_card(budget, free, name)
+    return budget
+
+
 def _device_room(opts: GpuOptions) -> tuple[str, int, int]:
     """(device name, free bytes, default budget) of the chosen backend."""
     from powerinfer.gpu_worker.device import DeviceMemory, device_memory
@@ -338,10 +348,7 @@ def build_hybrid_executor(model_path: str | Path, f: GGUFFile, cfg: ModelConfig,
     budget exceeds the device's free memory, GpuUnavailableError without a usable GPU (cuda).
     ``native`` False keeps the CPU-only layers on torch shards (the oracle) instead of the native decoder.
     """
-    name, free, default = _device_room(opts)
-    budget = default if opts.vram_budget_gib is None else int(opts.vram_budget_gib * GIB)
-    if budget > free:
-        raise over_card(budget, free, name)
+    budget = gpu_budget(opts)
     use = predictor if sparse else None
     pl = solve_placement(model_path, f, cfg, n_ctx, opts, budget, predictor=predictor, sparse=sparse, n_slots=n_slots)
     empty = not any(pl.gpu_layers) and not any(len(h) for h in pl.hot)

@@ -5,7 +5,7 @@ Runs in: the coordinator process (numpy and ctypes; no torch).
 Every worker is a rank that runs every layer on its shard (query heads with their KV cache, FFN
 neurons, rows of the output and down projections and of the head) in the native decoder and
 holds a replica of the residual stream; the ranks gather each other's slices through the
-shared-memory all-gather (kernels/comm.h) four times per layer, so every number equals the
+shared-memory all-gather (native/kernels/comm.h) four times per layer, so every number equals the
 in-process decoder's bit for bit. A forward pass is one ring of the segment's doorbell
 (cpu_workers/shm_segment.py; a STEP message over ZeroMQ with step_channel "zmq"), answered by
 every rank in the segment, where the outputs are too: rank 0's final hidden states and every
@@ -29,13 +29,16 @@ from typing import Callable, Sequence
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.coordinator.gpu_rank import GpuRankSpec
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
 from powerinfer.cpu_workers.native_model import weight
-from powerinfer.cpu_workers.shm_segment import Segment, comm_error, create_segment, merge_latencies_ns
+from powerinfer.cpu_workers.shm_segment import comm_error, create_segment, merge_latencies_ns
 from powerinfer.cpu_workers.topology import Placement
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.gpu_worker.client import GpuWorkerProcess
 from powerinfer.model.sharding import RankShard, ShardPlan, plan_ranks, plan_shards
+from powerinfer.native.segment import Segment
 from powerinfer.protocol import LogitsMsg, Message, ResultMsg, StepMsg, WorkerDiedError, WorkerError
 
 log = logging.getLogger(__name__)
@@ -99,11 +102,12 @@ class NativePoolExecutor:
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
                  placements: tuple[Placement, ...] = (), log_level: str = "WARNING", n_slots: int = 1, max_tokens: int = 512,
-                 step_channel: str = "shm", predictor: str = "") -> None:
+                 step_channel: str = "shm", predictor: str = "", gpu: GpuRankSpec | None = None) -> None:
         """step_channel "shm": steps through the segment's doorbell (the default); "zmq": a STEP
         message per pass (the protocol's portable form; measured slower, see docs/protocol.md).
         predictor: a .predictor file; each rank then computes its neurons' gate and up rows
-        sparsely (kernels/sparse_rows.h); the merge is the dense one."""
+        sparsely (kernels/sparse_rows.h); the merge is the dense one.
+        gpu: the GPU worker joins as a rank that computes these whole layers (coordinator/gpu_rank.py)."""
         if max_tokens < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
@@ -112,7 +116,10 @@ class NativePoolExecutor:
         self.head = weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight")  # file rows, for refinement
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
         self._cand = np.empty(self.head.rows, dtype=np.int32)
-        self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, predictor, n_slots, "shm", "", max_tokens)
+        self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, predictor, n_slots, "shm", "", max_tokens,
+                                  gpu.layers if gpu is not None else ())
+        self.gpu_spec = gpu
+        self.gpu: GpuWorkerProcess | None = None
         self.max_tokens = max_tokens
         self.step_channel = step_channel
         self._answers = np.zeros((n_workers, 4), dtype=np.int64)  # pi_door_wait: rc, compute ns, wait ns, syncs per rank
@@ -124,12 +131,13 @@ class NativePoolExecutor:
 
     def _start(self) -> None:
         c = self._config
-        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t)
+        self.seg = create_segment(self.lib, self.cfg, c.n_workers, c.max_t, gpu=self.gpu_spec is not None)
         try:
             self.pool = WorkerPool(replace(c, shm=self.seg.path))
+            if self.gpu_spec is not None:
+                self.gpu = self.gpu_spec.start(self.lib, self.seg, c.n_workers, c.max_t)
         except BaseException:
-            self.seg.close()
-            self.seg = None
+            self.close()
             raise
         self.seg.unlink()  # every rank has it mapped: from here a killed coordinator leaves no file behind
         seg = self.seg
@@ -140,11 +148,17 @@ class NativePoolExecutor:
 
     @property
     def weight_bytes(self) -> int:
+        """Bytes of weights the CPU ranks compute from (the GPU rank's device bytes: gpu_bytes)."""
         return sum(r.weight_bytes for r in self._pool.ready)
 
     @property
+    def gpu_bytes(self) -> int:
+        return self.gpu.weight_bytes if self.gpu is not None else 0
+
+    @property
     def pids(self) -> list[int]:
-        return self._pool.pids
+        """The CPU ranks' processes, then the GPU rank's when there is one."""
+        return self._pool.pids + (self.gpu.pids if self.gpu is not None else [])
 
     @property
     def logit_rows(self) -> int:
@@ -211,8 +225,11 @@ class NativePoolExecutor:
         self.stats.reset()
         self._seg.lat[:] = 0
 
-    def check_health(self) -> None:
-        self._pool.check_health()
+    def check_health(self, what: str = "idle") -> None:
+        """Raise WorkerDiedError when a rank, the GPU rank included, exited or stopped beating."""
+        self._pool.check_health(what)
+        if self.gpu is not None:
+            self.gpu.check_health(what)
 
     def restart(self) -> None:
         log.warning("restarting the worker pool")
@@ -220,6 +237,9 @@ class NativePoolExecutor:
         self._start()
 
     def close(self) -> None:
+        if self.gpu is not None:
+            self.gpu.close(timeout=1.0)
+            self.gpu = None
         if self.pool is not None:
             self.pool.close(timeout=1.0)
             self.pool = None
@@ -253,7 +273,7 @@ class NativePoolExecutor:
             t = (np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64))
             self._call(lambda req: StepMsg(req=req, step=self.step_no, mode=mode, tensors=t), "computing a step")
             return
-        seg, pool = self._seg, self._pool
+        seg = self._seg
         T = len(ids)
         seg.io[0, :T] = ids
         seg.io[1, :T] = positions
@@ -270,9 +290,9 @@ class NativePoolExecutor:
                     self.lib.pi_door_post(seg.base, self._gen, T, mode)
                     while (rc := self.lib.pi_door_wait(seg.base, self._gen, WAIT_SLICE_MS, out.ctypes.data)) != 0:
                         if rc != 1:  # a rank aborted the pool (its peer died): name the dead one if any
-                            _name_the_dead(pool)
+                            _name_the_dead(self)
                             raise WorkerError(f"the step was aborted ({comm_error(rc)})")
-                        pool.check_health(STEP)  # a slow step, or a dead / stopped rank: WorkerDiedError
+                        self.check_health(STEP)  # a slow step, or a dead / stopped rank: WorkerDiedError
                     break
                 except KeyboardInterrupt as e:
                     # Ctrl+C mid-step: the ranks are inside the pass; let it finish (milliseconds)
@@ -280,7 +300,7 @@ class NativePoolExecutor:
                     deferred = e
             bad = [(i, int(out[i, 0])) for i in range(len(self.ranks)) if out[i, 0]]
             if bad:
-                _name_the_dead(pool)  # a rank that saw its peer die: name the dead one
+                _name_the_dead(self)  # a rank that saw its peer die: name the dead one
                 i, rc = bad[0]
                 raise WorkerError(f"worker {i} failed the step: {comm_error(rc) if rc >= 10 else f'input refused (code {rc})'}")
         except BaseException:
@@ -302,7 +322,7 @@ class NativePoolExecutor:
         except (WorkerDiedError, WorkerError) as e:
             self.abort()
             if isinstance(e, WorkerError):
-                _name_the_dead(pool)  # a rank that saw its peer die: name the dead one
+                _name_the_dead(self)  # a rank that saw its peer die: name the dead one
             raise
         # an interrupted wait needs no abort: every rank got the message and finishes it, and
         # the pool ignores replies to an older request
@@ -315,12 +335,29 @@ class NativePoolExecutor:
             self.lib.pi_comm_abort(self.seg.base)
 
 
-def _name_the_dead(pool: WorkerPool, grace_s: float = 0.5) -> None:
-    """Raise WorkerDiedError for a worker that is gone. A rank saw its peer die through /proc;
-    the exit can reach this process's waitpid a moment later, so look for up to grace_s."""
+def _name_the_dead(ex: NativePoolExecutor, grace_s: float = 0.5) -> None:
+    """Raise WorkerDiedError for a worker (or the GPU rank) that is gone. A rank saw its peer die
+    through /proc; the exit can reach this process's waitpid a moment later, so look for up to grace_s."""
     deadline = time.monotonic() + grace_s
     while True:
-        pool.check_health(STEP)
+        ex.check_health(STEP)
         if time.monotonic() >= deadline:
             return
         time.sleep(0.01)
+
+
+def shm_blocker(f: GGUFFile, cfg: ModelConfig, n_workers: int, sparse: bool = False) -> str | None:
+    """None when native ranks can run this model (dense or sparse) on n_workers, else why not."""
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.cpu_workers.native_model import supports
+
+    if decoder_lib() is None:
+        return "the native decoder is unavailable (POWERINFER_NATIVE=0, or no C compiler)"
+    why = supports(f, cfg)
+    if why is not None:
+        return f"the native decoder cannot run this model ({why})"
+    try:
+        plan_ranks(cfg, n_workers, sparse=sparse)
+    except InvalidArgumentError as e:
+        return str(e)
+    return None

@@ -46,6 +46,7 @@ class PoolConfig:
     transport: str = "zmq"  # "shm": native ranks, one STEP per pass (LOAD.transport); "zmq": per-layer torch shards
     shm: str = ""  # transport "shm": the segment's path (made by the executor before the pool starts)
     max_t: int = 1  # transport "shm": most tokens per STEP
+    gpu_layers: tuple[int, ...] = ()  # transport "shm": layers of the pool's GPU rank (the CPU ranks skip them)
 
 
 class WorkerPool:
@@ -81,7 +82,7 @@ class WorkerPool:
             pl = cfg.placements[i] if i < len(cfg.placements) else None
             sup.send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
                                 cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor,
-                                n_slots=cfg.n_slots, transport=cfg.transport, shm=cfg.shm, max_t=cfg.max_t))
+                                n_slots=cfg.n_slots, transport=cfg.transport, shm=cfg.shm, max_t=cfg.max_t, gpu_layers=cfg.gpu_layers))
         replies = sup.gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "loading")
         self.ready = []
         for i in range(cfg.n_workers):

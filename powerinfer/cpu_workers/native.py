@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer.cpu_workers.cbuild import load_library
+from powerinfer.native.cbuild import load_library
 from powerinfer.cpu_workers.neuron_major import ACTIVATIONS, MODES, PiCall, pack_layer
 from powerinfer.quants.grouped import Grouped
 

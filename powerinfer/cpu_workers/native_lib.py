@@ -1,5 +1,5 @@
 """The native decoder's library: build kernels/decoder.c per instruction set, load it with ctypes,
-declare its entry points and the C structs they take (mirrors of kernels/model.h and comm.h).
+declare its entry points and the C structs they take (mirrors of kernels/model.h and native/kernels/comm.h).
 
 Runs in: every process that computes with the native decoder (the in-process executor's
 coordinator, the native pool's CPU workers) and the coordinator of that pool (refinement, the
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer.cpu_workers.cbuild import load_library
+from powerinfer.native.cbuild import load_library
+from powerinfer.native.comm_lib import COMM_HEADERS, COMM_KERNELS
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.quants.registry import REGISTRY
 
@@ -30,9 +31,9 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h", "comm.h",
-                                      "sparse_rows.h"))
-BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h",
+                                      "sparse_rows.h")) + COMM_HEADERS  # the segment's merge and hand-off: powerinfer/native/kernels
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{COMM_KERNELS}")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
     "avx2": ("-mavx2", "-mfma", "-mf16c", "-DPI_AVX2"),
@@ -75,7 +76,7 @@ class PiModel(ctypes.Structure):
         ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
         ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
         *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "sparse")], ("comm", ctypes.c_void_p),
-        ("ffn_active", ctypes.c_void_p)]
+        ("ffn_active", ctypes.c_void_p), ("on_gpu", ctypes.c_void_p)]
 
 
 class PiComm(ctypes.Structure):
@@ -83,7 +84,8 @@ class PiComm(ctypes.Structure):
 
     _fields_ = [("hdr", ctypes.c_void_p), ("bufs", ctypes.c_void_p), ("rank", ctypes.c_int32), ("spin_us", ctypes.c_int32),
                 ("slice_ms", ctypes.c_int32), ("deadline_ms", ctypes.c_int32), ("gen", ctypes.c_uint32), ("err", ctypes.c_int32),
-                ("n_syncs", ctypes.c_uint64), ("wait_ns", ctypes.c_uint64), ("lat", ctypes.c_void_p)]
+                ("n_syncs", ctypes.c_uint64), ("wait_ns", ctypes.c_uint64), ("handoffs", ctypes.c_uint32), ("pad", ctypes.c_uint32),
+                ("gpu_ns", ctypes.c_uint64), ("lat", ctypes.c_void_p)]
 
 
 class PiRankCtx(ctypes.Structure):
@@ -94,9 +96,9 @@ class PiRankCtx(ctypes.Structure):
         ("last_gen", ctypes.c_uint32), ("last_control", ctypes.c_uint32)]
 
 
-LAT_RING = 8192  # comm.h's PI_LAT_RING: latencies kept per rank
 COMM_ERRORS = {10: "aborted by the coordinator (a rank died)", 11: "a peer rank died", 12: "a peer rank did not arrive in time",
-               13: "more floats than the segment holds"}
+               13: "more floats than the segment holds", 14: "the GPU worker failed its layers (its log says why)",
+               15: "the segment has no GPU rank for this model's GPU layers"}
 
 
 # decoder.c's profile phases, in its order (pi_phases() of them)
@@ -202,6 +204,18 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_rank_serve.argtypes = [ctypes.POINTER(PiRankCtx), i32, i32]
     lib.pi_rank_serve.restype = i32
     lib.pi_rank_ctx_size.restype = i32
+    lib.pi_gpu_setup.argtypes = [ptr, i64, i64]  # the GPU rank's hand-off (handoff.h)
+    lib.pi_gpu_setup.restype = None
+    lib.pi_gpu_control.argtypes = [ptr]
+    lib.pi_gpu_control.restype = None
+    lib.pi_gpu_attach.argtypes = [ptr, i32]
+    lib.pi_gpu_attach.restype = u32
+    lib.pi_gpu_next.argtypes = [ptr, u32, ctypes.POINTER(u32), i32, i32]
+    lib.pi_gpu_next.restype = i32
+    lib.pi_gpu_task.argtypes = [ptr, ptr]
+    lib.pi_gpu_task.restype = None
+    lib.pi_gpu_answer.argtypes = [ptr, u32, i32]
+    lib.pi_gpu_answer.restype = None
     if lib.pi_comm_size() != ctypes.sizeof(PiComm) or lib.pi_rank_ctx_size() != ctypes.sizeof(PiRankCtx):
         log.warning("native decoder comm layout differs from native_lib.py: not used")
         return None

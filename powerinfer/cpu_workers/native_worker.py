@@ -7,7 +7,7 @@ decoder (query heads with their KV cache, FFN neurons, output-head rows; weights
 from the memory-mapped GGUF, the eight-row types repacked for its slice only) and a replica of
 the residual stream. A STEP runs the whole forward pass in ``pi_rank_step``: the ranks sum their
 slices of the attention output, its projection, the FFN's hidden and its projection through the
-shared-memory all-gather (kernels/comm.h) four times per layer,
+shared-memory all-gather (native/kernels/comm.h) four times per layer,
 with no Python and no message per layer. Rank 0 writes the final hidden states into the
 segment, every rank its columns of the logits; RESULT tells the coordinator the step is done.
 """
@@ -27,15 +27,10 @@ from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
 from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
-from powerinfer.cpu_workers.shm_segment import (
-    SPIN_US,
-    RankComm,
-    Segment,
-    SegmentLayout,
-    comm_error,
-)
+from powerinfer.cpu_workers.shm_segment import SPIN_US, RankComm, comm_error
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
+from powerinfer.native.segment import Segment, SegmentLayout
 from powerinfer.model.sharding import plan_ranks
 from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.protocol import (
@@ -74,13 +69,21 @@ class NativeRank:
         if why is not None:
             raise UnsupportedModelError(f"the native decoder cannot run this model: {why}")
         self.shard = plan_ranks(cfg, load.n_workers, sparse=bool(load.predictor))[rank]
+        gpu = frozenset(load.gpu_layers)
+        if any(not 0 <= i < cfg.n_layers for i in gpu):
+            raise ValueError(f"LOAD names GPU layers outside the model's {cfg.n_layers}: {sorted(gpu)}")
+        # the GPU rank's layers are not built here: the stream is handed over around them (kernels/handoff.h)
+        only = frozenset(range(cfg.n_layers)) - gpu if gpu else None
         sparse = None
         if load.predictor:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
             sparse = NativeSparseFFNs(lib, f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1),
-                                      (self.shard.d0, self.shard.d1))
+                                      (self.shard.d0, self.shard.d1), only=only)
         self.sparse = sparse
-        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse)
-        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()))
+        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse, only)
+        if gpu:
+            self.on_gpu = np.array([i in gpu for i in range(cfg.n_layers)], dtype=np.int8)
+            self.dec.model.on_gpu = self.on_gpu.ctypes.data
+        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), bool(gpu))
         self.seg = Segment(load.shm, layout, create=False)
         oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) > n_cpus
         if oversubscribed:

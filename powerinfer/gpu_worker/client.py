@@ -18,7 +18,7 @@ import json
 import logging
 import subprocess
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -71,6 +71,17 @@ class GpuSetup:
     def from_json(cls, text: str) -> GpuSetup:
         d = json.loads(text)
         return cls(d["backend"], int(d["budget"]), GpuPlan.from_json(d["plan"]), d["capacity"])
+
+
+@dataclass(frozen=True)
+class RankSeat:
+    """Where a GPU worker serving as a rank of a native pool sits: the segment, its CPU ranks, the
+    tokens per step and the layers it computes (LOAD's transport "shm" fields)."""
+
+    shm: str
+    n_ranks: int
+    max_t: int
+    gpu_layers: tuple[int, ...]
 
 
 def make_backend(setup: GpuSetup) -> Backend:
@@ -180,8 +191,11 @@ class GpuWorkerProcess:
     """``python -m powerinfer.gpu_worker.worker`` supervised like a CPU worker (identity ``w0``)."""
 
     def __init__(self, model: str, setup: GpuSetup, n_ctx: int, n_slots: int = 1, predictor: str = "",
-                 log_level: str = "WARNING", start_timeout: float = START_TIMEOUT_S) -> None:
-        self._args = (model, setup, n_ctx, n_slots, predictor, log_level, start_timeout)  # for restarted()
+                 log_level: str = "WARNING", start_timeout: float = START_TIMEOUT_S, rank: RankSeat | None = None) -> None:
+        """rank: serve as a rank of that native pool segment (gpu_worker/rank.py) instead of ATTN/FFN/LAYERS."""
+        self._args = (model, setup, n_ctx, n_slots, predictor, log_level, start_timeout, rank)  # for restarted()
+        self._rank = rank
+        self.after_send: Callable[[], None] | None = None  # a rank: rings its control word (coordinator/gpu_rank.py)
         # the setup file lands in the supervisor's private socket directory (mode 0700)
         self._sup = Supervisor("powerinfer.gpu_worker.worker", 1, log_level, lambda i: "the GPU worker", prefix="powerinfer-gpu-",
                                extra_args=lambda i: ["{dir}/setup.json"], files={"setup.json": setup.to_json()})
@@ -200,8 +214,10 @@ class GpuWorkerProcess:
         hello = self._sup.gather({0}, timeout, "starting")[0]
         if not isinstance(hello, HelloMsg):
             raise ProtocolError(f"GPU worker: expected HELLO, got {type(hello).__name__}")
-        self._sup.send(0, LoadMsg(model=model, worker=0, n_workers=1, n_ctx=n_ctx, threads=0, cpus=(), node=-1, predictor=predictor,
-                                  n_slots=n_slots))
+        r = self._rank
+        self._sup.send(0, LoadMsg(model=model, worker=0, n_workers=r.n_ranks if r else 1, n_ctx=n_ctx, threads=0, cpus=(), node=-1,
+                                  predictor=predictor, n_slots=n_slots, transport="shm" if r else "zmq", shm=r.shm if r else "",
+                                  max_t=r.max_t if r else 1, gpu_layers=r.gpu_layers if r else ()))
         ready = self._sup.gather({0}, timeout, "loading")[0]
         if isinstance(ready, ErrorMsg):
             raise _TYPED.get(ready.kind, WorkerError)(ready.message if ready.kind in _TYPED else
@@ -254,9 +270,9 @@ class GpuWorkerProcess:
         return self._start(LayersMsg, first, (np.ascontiguousarray(x, dtype=np.float32), pos, sl), f"computing layers {first}..{stop - 1}",
                            stop=stop)
 
-    def check_health(self) -> None:
-        """Between requests: raise WorkerDiedError if the worker exited or stopped beating."""
-        self._sup.check_health()
+    def check_health(self, what: str = "idle") -> None:
+        """Raise WorkerDiedError if the worker exited or stopped beating (what: the phase named)."""
+        self._sup.check_health(what)
 
     @property
     def pids(self) -> list[int]:
@@ -274,7 +290,7 @@ class GpuWorkerProcess:
         return GpuWorkerProcess(*self._args)
 
     def close(self, timeout: float = 5.0) -> None:
-        self._sup.close(timeout)
+        self._sup.close(timeout, self.after_send)
 
 
 def _gpu_error(name: str, msg: ErrorMsg) -> Exception:

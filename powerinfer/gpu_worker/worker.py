@@ -7,7 +7,8 @@ Life cycle, as a CPU worker's (docs/protocol.md): HELLO -> LOAD (model path, con
 KV slots) -> build the backend from the setup file (``cpu`` or ``cuda``, the VRAM budget, the hot
 neurons of each layer), upload -> READY (weight_bytes = device bytes in use) or ERROR (e.g.
 GpuMemoryError, whose message the coordinator shows as is) -> ATTN / FFN / LAYERS -> PARTIAL until
-SHUTDOWN. The life cycle (sockets, heartbeat thread, the per-layer loop) is
+SHUTDOWN; or, with LOAD transport "shm", a rank of the native pool's segment (rank.py) that takes
+its runs of layers there until SHUTDOWN. The life cycle (sockets, heartbeat thread, the per-layer loop) is
 protocol/worker_runtime.py's, shared with the CPU workers. No torch here: numpy, pyzmq and
 (for ``cuda``) pycuda.
 """
@@ -24,6 +25,7 @@ from powerinfer.config import config_from_gguf
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuSetup, make_backend
 from powerinfer.gpu_worker.model import GpuModel
+from powerinfer.gpu_worker.rank import GpuRank, serve_rank
 from powerinfer.protocol import (
     AttnMsg,
     FfnMsg,
@@ -70,6 +72,18 @@ def _compute(model: GpuModel, msg: Message) -> np.ndarray:
 
 def _prepare(load: LoadMsg, setup_path: str) -> Loaded:
     model = _load(load, GpuSetup.from_json(Path(setup_path).read_text()))
+    if load.transport == "shm":  # a rank of the native pool's segment: runs of layers handed over there (rank.py)
+        try:
+            rank = GpuRank(load, model.cfg, model)
+        except BaseException:
+            model.close()
+            raise
+
+        def close() -> None:
+            rank.close()
+            model.close()
+
+        return Loaded(model.nbytes, lambda sock, busy: serve_rank(sock, rank, INDEX, busy), close)
     return Loaded(model.nbytes, lambda sock, busy: serve_layers(sock, INDEX, busy, (AttnMsg, FfnMsg, LayersMsg), lambda m: _compute(model, m)),
                   model.close)
 

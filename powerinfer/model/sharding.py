@@ -87,7 +87,7 @@ class RankShard:
     heads [kv0, kv1) they read (a group split between two ranks has its kv head on both), FFN
     neurons [n0, n1) (rows of gate and up), rows [d0, d1) of the model dimension (of the output
     and down projections) and output-head rows [v0, v1). The ranks gather each other's slices,
-    so every output element is one rank's whole dot product (kernels/comm.h)."""
+    so every output element is one rank's whole dot product (native/kernels/comm.h)."""
 
     q0: int
     q1: int

@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 6  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
-# 5: LAYERS (a run of whole layers in one request); 6: the shm segment's banks per rank
+PROTOCOL_VERSION: int = 7  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
+# 5: LAYERS (a run of whole layers in one request); 6: the shm segment's banks per rank; 7: LOAD gpu_layers, the GPU worker
+# as a rank of the segment (its hand-off around runs of GPU layers)
 MAX_BODY = 64 * 1024  # bytes of frame 0 (type byte + msgpack body)
 MAX_STR = 4096  # characters of a str field (two of them at 4 B/char stay well under MAX_BODY)
 MAX_LIST = 4096  # elements of a list field (LOAD.cpus)
@@ -112,6 +113,7 @@ class LoadMsg:
     transport: str = "zmq"  # "zmq": per-layer ATTN/FFN/LOGITS with PARTIAL replies; "shm": STEP/RESULT, partials merged in shm
     shm: str = ""  # transport "shm": path of the pool's shared-memory segment
     max_t: int = 1  # transport "shm": most tokens in one STEP (the segment is sized for them)
+    gpu_layers: tuple[int, ...] = ()  # transport "shm": layers the pool's GPU rank computes (the CPU ranks hand the stream over)
     TYPE: ClassVar[MsgType] = MsgType.LOAD
 
 

@@ -24,7 +24,8 @@ from powerinfer.coordinator.native_pool import NativePoolExecutor
 from powerinfer.coordinator.process_executor import ProcessExecutor
 from powerinfer.cpu_workers.native_lib import decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder
-from powerinfer.cpu_workers.shm_segment import RankComm, SegmentLayout, create_segment
+from powerinfer.cpu_workers.shm_segment import RankComm, create_segment
+from powerinfer.native.segment import SegmentLayout
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import plan_ranks

@@ -358,9 +358,10 @@ BAD: dict[str, tuple[list[Any], str]] = {
     "float step": (raw(5, step_body([["f32", [1, 1]]], step=1.0), bytes(4)), "field 'step' must be an int in"),
     "NaN float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("nan")}), "field 'load_s' must be a finite float"),
     "inf float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("inf")}), "field 'load_s' must be a finite float"),
-    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1}), "field 'cpus'"),
-    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1}), "field 'n_ctx'"),
-    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1}), "field 'n_slots'"),
+    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": []}), "field 'cpus'"),
+    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": []}), "field 'n_ctx'"),
+    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": []}), "field 'n_slots'"),
+    "bad gpu layers": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [3, -1]}), "field 'gpu_layers'"),
     "bad step mode": (raw(11, {"req": 1, "step": 1, "mode": 3, "t": [["i64", [1]], ["i64", [1]], ["i64", [1]]]}, bytes(8), bytes(8), bytes(8)), "field 'mode'"),
     "long str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": "k", "message": "m" * (MAX_STR + 1)}), "field 'message'"),
     "bin for str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": b"k", "message": "m"}), "not valid msgpack"),
@@ -405,9 +406,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 7, this side speaks version 6") as info:
-        decode(raw(1, {"version": 7, "worker": 0, "pid": 1, "features": ["x"]}))  # a v7 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (7, 6)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 8, this side speaks version 7") as info:
+        decode(raw(1, {"version": 8, "worker": 0, "pid": 1, "features": ["x"]}))  # a v8 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (8, 7)
 
 
 def test_encode_rejects_what_decode_would() -> None:

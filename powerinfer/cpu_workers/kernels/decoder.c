@@ -26,6 +26,7 @@
 #include "qsplit.h"
 #include "dequant.h"
 #include "comm.h"
+#include "handoff.h"
 
 /* Rows [ra, rb) from the file's layout: groups of eight, then four tokens through the type's
  * several-token kernels (qtile.h), so the rows stay in L1 while the groups pass; then one token
@@ -269,6 +270,7 @@ int pi_forward_range(const pi_model *m, float *x, const int64_t *pos, const int6
                      int out_norm) {
     if (T < 1 || T > m->max_t) return 1;
     if (first < 0 || stop > m->n_layers || first > stop) return 3;
+    if (m->on_gpu && !m->comm) return 3; /* GPU layers need the pool's segment */
     for (int t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= m->n_ctx || slot[t] < 0 || slot[t] >= m->n_slots) return 2;
     pi_scratch s;
@@ -276,7 +278,18 @@ int pi_forward_range(const pi_model *m, float *x, const int64_t *pos, const int6
 #pragma omp parallel num_threads(m->n_threads)
     {
         double last = omp_get_wtime();
-        for (int l = first; l < stop; l++) layer_forward(m, &m->layers[l], x, pos, slot, T, &s, &last);
+        for (int l = first; l < stop; l++) {
+            if (m->on_gpu && m->on_gpu[l]) { /* a run of layers on the GPU rank (handoff.h) */
+                int e = l + 1;
+                while (e < stop && m->on_gpu[e]) e++;
+#pragma omp barrier
+#pragma omp single
+                pi_gpu_run((pi_comm *)m->comm, x, T, m->d, l, e);
+                l = e - 1;
+                continue;
+            }
+            layer_forward(m, &m->layers[l], x, pos, slot, T, &s, &last);
+        }
         if (out_norm) {
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * m->d, m->out_norm, m->d, m->eps, x + (size_t)t * m->d);

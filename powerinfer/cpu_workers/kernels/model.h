@@ -72,6 +72,7 @@ typedef struct {
     int32_t q0, kv0, grp, n_head_all, n_ff_all, n0, d0, sparse; /* sparse: some layer has a rule (the scratch holds its lists) */
     void *comm;
     int64_t *ffn_active; /* NULL, or [n_layers] neurons computed by each sparse FFN, summed over tokens and calls */
+    const int8_t *on_gpu; /* NULL, or [n_layers]: 1 for a layer of the GPU rank (a rank of a pool with one: handoff.h) */
 } pi_model;
 
 /* Query heads per kv head of the whole model (grp, or what the local counts imply). */

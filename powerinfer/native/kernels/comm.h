@@ -75,6 +75,16 @@ typedef struct {
     uint8_t pad2[24];
 } pi_done_line;
 
+/* The GPU rank's hand-off (handoff.h): CPU rank 0 writes the stream [T, d] at `off` bytes from
+ * the segment's base, the run [first, stop) and T here, and stores in; the GPU rank computes the
+ * run, writes the stream back there, rc, and stores out; every CPU rank copies it back. seq is
+ * bumped by each hand-off and each control ring (the GPU rank sleeps on it). off 0: no GPU rank. */
+typedef struct {
+    _Atomic uint32_t in, out, seq, sleepers, out_sleepers, control;
+    int32_t T, first, stop, rc, pid, pad;
+    int64_t off, d;
+} pi_gpu_line;
+
 typedef struct {
     uint32_t magic, n_ranks;
     _Atomic uint32_t abort; /* nonzero: every wait fails (the coordinator saw a rank die) */
@@ -86,6 +96,7 @@ typedef struct {
     pi_rank_line ranks[PI_MAX_RANKS];
     pi_done_line done[PI_MAX_RANKS];
     int32_t pids[PI_MAX_RANKS];
+    _Alignas(64) pi_gpu_line gpu; /* a cache line of its own */
 } pi_shm_hdr;
 
 /* Bytes of the header; the io area (int64 [3, max_t]: ids, positions, slots) follows, 64-byte
@@ -105,10 +116,13 @@ typedef struct {
     uint32_t gen;
     int32_t err; /* sticky: 0, or why a sync failed (PI_COMM_*) */
     uint64_t n_syncs, wait_ns;
+    uint32_t handoffs, pad; /* runs handed to the GPU rank (handoff.h) */
+    uint64_t gpu_ns;        /* time waiting for them */
     uint32_t *lat; /* PI_LAT_RING latencies in ns, ring */
 } pi_comm;
 
-enum { PI_COMM_OK = 0, PI_COMM_ABORT = 10, PI_COMM_PEER_DEAD = 11, PI_COMM_TIMEOUT = 12, PI_COMM_TOO_BIG = 13 };
+enum { PI_COMM_OK = 0, PI_COMM_ABORT = 10, PI_COMM_PEER_DEAD = 11, PI_COMM_TIMEOUT = 12, PI_COMM_TOO_BIG = 13, PI_COMM_GPU_FAILED = 14,
+       PI_COMM_NO_GPU = 15 };
 
 static inline uint64_t pi_now_ns(void) {
     struct timespec ts;
@@ -181,6 +195,9 @@ static void pi_wake_all(pi_shm_hdr *h) {
         syscall(SYS_futex, (uint32_t *)&h->ranks[r].gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
         syscall(SYS_futex, (uint32_t *)&h->done[r].done, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
     }
+    atomic_fetch_add(&h->gpu.seq, 1u);
+    syscall(SYS_futex, (uint32_t *)&h->gpu.seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+    syscall(SYS_futex, (uint32_t *)&h->gpu.out, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
 static void pi_publish(pi_comm *c, uint32_t gen) {

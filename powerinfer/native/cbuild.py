@@ -1,6 +1,6 @@
 """Compile a C kernel once per machine and load it: the system compiler, a cache keyed by content.
 
-Runs in: any process that loads a native kernel (CPU workers, the in-process executor).
+Runs in: any process that loads a native kernel (CPU workers, the in-process executor, the GPU rank's comm library).
 
 The shared library lands in the user cache directory (``$POWERINFER_CACHE/native``) under a name
 that hashes the sources, the flags and the compiler's version, so an upgrade rebuilds and two

@@ -1,0 +1,124 @@
+"""The GPU worker as a rank of the native pool's segment (layer split): runs of GPU layers handed over in shared memory.
+
+Runs in: the GPU worker process (LOAD with transport "shm"), or the coordinator for tests
+(``process=False`` in :class:`powerinfer.coordinator.gpu_rank.GpuRank`). numpy and ctypes (its waits: native/kernels/handoff.h); no torch.
+
+The CPU ranks of the pool run every other layer and hand the residual stream over around each run
+of the GPU's layers (kernels/handoff.h): CPU rank 0 writes x [T, d] and the run into the segment
+and rings; this rank runs :meth:`GpuModel.layers` over it (the stream stays on the device for the
+whole run), writes the result back and answers; every CPU rank copies it. Its wait for the next
+run is native code (``pi_gpu_next``: spin, then a futex), so no Python loop polls; between runs,
+when the coordinator rings the control word, it reads its ZeroMQ socket (SHUTDOWN). A run that
+raises is answered with rc 1, which fails the step on every CPU rank; the error is logged here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from powerinfer.config import ModelConfig
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.gpu_worker.model import GpuModel
+from powerinfer.native.comm_lib import comm_lib
+from powerinfer.native.segment import Segment, SegmentLayout
+from powerinfer.protocol import ErrorMsg, LoadMsg, ProtocolError, ShutdownMsg, recv, send
+
+log = logging.getLogger(__name__)
+
+IDLE_MS = 1000  # an idle GPU rank wakes this often to read its socket
+CONTROL_WAIT_MS = 2000  # how long a rung rank waits for the ZeroMQ message
+SPIN_US = int(os.environ.get("POWERINFER_GPU_SPIN_US", "0"))  # spin for the next run before sleeping (0: the CPU ranks need the cores)
+ABORTED = 10  # comm.h's PI_COMM_ABORT
+
+
+class GpuRank:
+    """This process's hand-off endpoint: the segment, the model and the next hand-off awaited."""
+
+    def __init__(self, load: LoadMsg, cfg: ModelConfig, model: GpuModel, spin_us: int = SPIN_US) -> None:
+        lib = comm_lib()  # its waits in native code (kernels/handoff.h); BuildError without a C compiler
+        gpu = sorted(set(load.gpu_layers))
+        if not gpu:
+            raise InvalidArgumentError("a GPU rank was loaded with no GPU layers")
+        missing = [i for i in gpu if not (0 <= i < cfg.n_layers and model.whole(i))]
+        if missing:
+            raise InvalidArgumentError(f"layers {missing[:8]} of LOAD's GPU layers do not live wholly on this GPU (layer split only)")
+        self.lib, self.model, self.spin_us = lib, model, spin_us
+        self.gpu_layers = frozenset(gpu)
+        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), gpu=True)
+        self.seg = Segment(load.shm, layout, create=False)
+        self.want = int(lib.pi_gpu_attach(self.seg.base, os.getpid())) + 1
+        self.control = ctypes.c_uint32(0)
+        self._task = np.zeros(3, dtype=np.int64)
+        self.runs, self.busy_s = 0, 0.0
+
+    def next(self, idle_ms: int = IDLE_MS) -> int:
+        """Wait for the next hand-off and answer it: 0 when one was served, else pi_gpu_next's code
+        (1 idle, 2 control, ABORTED)."""
+        rc = int(self.lib.pi_gpu_next(self.seg.base, self.want, ctypes.byref(self.control), self.spin_us, idle_ms))
+        if rc:
+            return rc
+        self.serve_one()
+        return 0
+
+    def serve_one(self) -> None:
+        """Hand-off `want` is posted: run its layers over the stream and answer."""
+        t0 = time.perf_counter()
+        self.lib.pi_gpu_task(self.seg.base, self._task.ctypes.data)
+        T, first, stop = (int(v) for v in self._task)
+        code = 0
+        try:
+            if not (1 <= T <= self.seg.layout.max_t and all(i in self.gpu_layers for i in range(first, stop)) and first < stop):
+                raise InvalidArgumentError(f"a hand-off of layers [{first}, {stop}) over {T} tokens is not this rank's")
+            io = self.seg.io
+            x = self.seg.handoff[:T]
+            # x [T, d] f32 in the segment; positions and slots of the step's tokens from its io area
+            y = self.model.layers(first, stop, x, io[1, :T], io[2, :T])
+            x[...] = y
+        except Exception:  # noqa: BLE001 - answered as a failed run (every CPU rank fails the step); logged here
+            log.exception("GPU rank: layers %d..%d over %d tokens failed", first, stop - 1, T)
+            code = 1
+        self.lib.pi_gpu_answer(self.seg.base, self.want, code)
+        self.want += 1
+        self.runs += 1
+        self.busy_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+def serve_rank(sock: zmq.Socket, rank: GpuRank, index: int, busy: threading.Event) -> None:
+    """Serve hand-offs until SHUTDOWN (read when the coordinator rings the control word, or when idle)."""
+    while True:
+        busy.clear()
+        rc = rank.next()
+        if rc == 0:
+            continue
+        # 1 (idle): a message rung for earlier may have come after its wait ran out. 2: one waits.
+        # ABORTED: the pool is being torn down and SHUTDOWN follows.
+        if sock.poll(0 if rc == 1 else CONTROL_WAIT_MS) and not _message(sock, index):
+            return
+        while sock.poll(0):
+            if not _message(sock, index):
+                return
+
+
+def _message(sock: zmq.Socket, index: int) -> bool:
+    """One ZeroMQ message; False on SHUTDOWN (a GPU rank takes no other request)."""
+    try:
+        msg = recv(sock)
+    except ProtocolError as e:
+        log.error("GPU rank: dropped a malformed message: %s", e)
+        send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=str(e)))
+        return True
+    if isinstance(msg, ShutdownMsg):
+        return False
+    send(sock, ErrorMsg(req=int(getattr(msg, "req", -1)), step=-1, layer=-1, worker=index, kind="ProtocolError",
+                        message=f"a GPU rank takes no {type(msg).__name__}: its layers come through the segment"))
+    return True

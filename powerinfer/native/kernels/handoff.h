@@ -1,0 +1,134 @@
+/* The GPU worker as a rank of the native pool (layer split): the hand-off of the residual stream
+ * around a run of layers that live on the GPU.
+ *
+ * Runs in: every CPU worker process of the native pool (pi_gpu_run, inside its forward pass), the
+ * GPU worker process (pi_gpu_next / pi_gpu_task / pi_gpu_answer through ctypes, its wait in native
+ * code) and the coordinator (pi_gpu_setup, pi_gpu_control). Included by decoder.c after comm.h.
+ *
+ * The CPU ranks hold a replica of the stream x [T, d]. At a run of GPU layers [first, stop) they
+ * all arrive here (pi_forward_range); rank 0 copies x into the hand-off area (pi_gpu_line.off),
+ * notes T and the run, stores in = k (the k-th hand-off since the segment was made) and wakes the
+ * GPU rank; every CPU rank then waits for out >= k (spin, then futex; checking the abort flag, the
+ * GPU worker's liveness and a deadline, as a merge does) and copies the area back into its x. One
+ * area suffices: rank 0 writes it again only at the next hand-off, which comes after a merge of
+ * the CPU layers between two runs (every rank has copied the previous answer before it publishes
+ * there) or after the coordinator saw every rank finish the step.
+ * The GPU layers' weights and KV cache live on the GPU rank alone; the CPU ranks build nothing
+ * for them (native_model.py's `only`).
+ */
+#ifndef PI_HANDOFF_H
+#define PI_HANDOFF_H
+
+#include "comm.h"
+
+#define PI_GPU_DEADLINE_FACTOR 10 /* a run of layers may take longer than a merge's wait */
+
+static void pi_wake_word(_Atomic uint32_t *word) { syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
+
+/* A CPU rank (one thread, the others at a barrier): layers [first, stop) of x [T, d] on the GPU
+ * rank. 0, or a PI_COMM_* code (sticky, as a failed merge). */
+static int pi_gpu_run(pi_comm *c, float *x, int T, int d, int first, int stop) {
+    if (c->err) return c->err;
+    pi_shm_hdr *h = c->hdr;
+    pi_gpu_line *g = &h->gpu;
+    if (!g->off || g->d != d || (int64_t)T > h->max_t) return c->err = PI_COMM_NO_GPU;
+    float *area = (float *)((uint8_t *)h + g->off);
+    const uint32_t k = ++c->handoffs;
+    const uint64_t t0 = pi_now_ns();
+    if (c->rank == 0) {
+        memcpy(area, x, sizeof(float) * (size_t)T * d);
+        g->T = T;
+        g->first = first;
+        g->stop = stop;
+        atomic_store_explicit(&g->in, k, memory_order_seq_cst); /* the area and the run are visible before in */
+        atomic_fetch_add_explicit(&g->seq, 1u, memory_order_seq_cst);
+        if (atomic_load_explicit(&g->sleepers, memory_order_seq_cst)) pi_wake_word(&g->seq);
+    }
+    int rc = pi_wait_word(h, &g->out, &g->out_sleepers, k, c->spin_us, c->slice_ms, c->deadline_ms * PI_GPU_DEADLINE_FACTOR, g->pid);
+    if (rc) { /* the GPU rank died or stalled: fail the other ranks' waits too */
+        atomic_store(&h->abort, 1u);
+        pi_wake_all(h);
+        return c->err = rc;
+    }
+    if (g->rc) return c->err = PI_COMM_GPU_FAILED; /* every CPU rank reads the same answer */
+    memcpy(x, area, sizeof(float) * (size_t)T * d);
+    c->gpu_ns += pi_now_ns() - t0;
+    return 0;
+}
+
+/* --- entry points (ctypes) -------------------------------------------------------------------- */
+
+/* Coordinator: this segment has a GPU rank; its hand-off area [max_t, d] f32 is `off` bytes in. */
+void pi_gpu_setup(void *base, int64_t off, int64_t d) {
+    pi_shm_hdr *h = (pi_shm_hdr *)base;
+    h->gpu.off = off;
+    h->gpu.d = d;
+}
+
+/* Coordinator: a ZeroMQ message waits for the GPU rank (it returns to Python to read it). */
+void pi_gpu_control(void *base) {
+    pi_gpu_line *g = &((pi_shm_hdr *)base)->gpu;
+    atomic_fetch_add(&g->control, 1u);
+    atomic_fetch_add(&g->seq, 1u);
+    pi_wake_word(&g->seq);
+}
+
+/* The GPU rank attaches: its pid for the CPU ranks' liveness checks; returns the last hand-off
+ * answered (a fresh segment: 0), so that it waits for the next. */
+uint32_t pi_gpu_attach(void *base, int32_t pid) {
+    pi_gpu_line *g = &((pi_shm_hdr *)base)->gpu;
+    g->pid = pid;
+    return atomic_load(&g->out);
+}
+
+/* The GPU rank: wait for hand-off `want` or a control ring, spinning spin_us, then sleeping on seq.
+ * 0: it is there; 2: control (*control updated); 1: idle_ms passed; PI_COMM_ABORT. */
+int pi_gpu_next(void *base, uint32_t want, uint32_t *control, int spin_us, int idle_ms) {
+    pi_shm_hdr *h = (pi_shm_hdr *)base;
+    pi_gpu_line *g = &h->gpu;
+    uint32_t now;
+    const uint64_t spin_end = pi_now_ns() + (uint64_t)(spin_us > 0 ? spin_us : 0) * 1000u;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if ((int32_t)(atomic_load_explicit(&g->in, memory_order_acquire) - want) >= 0) return 0;
+            PI_PAUSE();
+        }
+        if ((now = atomic_load(&g->control)) != *control) {
+            *control = now;
+            return 2;
+        }
+        if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
+        if (pi_now_ns() >= spin_end) break;
+    }
+    atomic_fetch_add_explicit(&g->sleepers, 1, memory_order_seq_cst);
+    const uint32_t seen = atomic_load_explicit(&g->seq, memory_order_seq_cst);
+    if ((int32_t)(atomic_load(&g->in) - want) < 0 && atomic_load(&g->control) == *control && !atomic_load(&h->abort)) {
+        struct timespec ts = {idle_ms / 1000, (long)(idle_ms % 1000) * 1000000L};
+        syscall(SYS_futex, (uint32_t *)&g->seq, FUTEX_WAIT, seen, &ts, NULL, 0);
+    }
+    atomic_fetch_sub_explicit(&g->sleepers, 1, memory_order_seq_cst);
+    if ((int32_t)(atomic_load_explicit(&g->in, memory_order_acquire) - want) >= 0) return 0;
+    if ((now = atomic_load(&g->control)) != *control) {
+        *control = now;
+        return 2;
+    }
+    if (atomic_load_explicit(&h->abort, memory_order_relaxed)) return PI_COMM_ABORT;
+    return 1;
+}
+
+/* The GPU rank: the posted run. out [3] int64: T, first, stop. */
+void pi_gpu_task(void *base, int64_t *out) {
+    const pi_gpu_line *g = &((const pi_shm_hdr *)base)->gpu;
+    out[0] = g->T;
+    out[1] = g->first;
+    out[2] = g->stop;
+}
+
+/* The GPU rank: hand-off k answered (the area holds the stream after the run; rc nonzero: it failed). */
+void pi_gpu_answer(void *base, uint32_t k, int rc) {
+    pi_gpu_line *g = &((pi_shm_hdr *)base)->gpu;
+    g->rc = rc;
+    pi_post_word(&g->out, &g->out_sleepers, k);
+}
+
+#endif
