@@ -76,10 +76,16 @@ def load_summary(llm: LLM) -> str:
         where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in placements) or "not pinned"
         ranks = getattr(ex, "ranks", None)
         if ranks is not None:  # the native pool
-            lines.append(f"placement  {len(pids)} CPU worker processes ({where}), each a native rank of every layer, merging in shared "
+            lines.append(f"placement  {len(ranks)} CPU worker processes ({where}), each a native rank of every layer, merging in shared "
                          "memory; coordinator: steps, refinement of the best logits, sampling")
             lines.append("shards     " + ", ".join(f"w{i}: q heads {r.q0}-{r.q1 - 1}, neurons {r.n0}-{r.n1 - 1}, rows {r.d0}-{r.d1 - 1}"
                                                    for i, r in enumerate(ranks)))
+            spec = getattr(ex, "gpu_spec", None)
+            if spec is not None:  # layer split: the GPU worker is one more rank (coordinator/gpu_rank.py)
+                on = spec.layers
+                lines.append(f"placement  GPU worker (pid {pids[-1]}) as a rank of the pool, layer split: {len(on)}/{cfg.n_layers} layers "
+                             f"({_runs(on)}) on the GPU, {_mib(ex.gpu_bytes)} of a {_mib(spec.setup.budget)} budget; the CPU ranks hand "
+                             "the residual stream over around them")
         else:
             lines.append(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling")
             plan = ex.plan
@@ -90,6 +96,17 @@ def load_summary(llm: LLM) -> str:
     rss = _memory_of([os.getpid(), *pids])
     lines.append(f"memory     packed weights and KV cache {_mib(llm.engine.weight_bytes)}; resident {_mib(rss)} in {1 + len(pids)} process(es)")
     return "\n".join(lines)
+
+
+def _runs(layers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> "0-2, 5"."""
+    out: list[str] = []
+    for i in layers:
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
 
 
 def timing_summary(llm: LLM) -> str:
@@ -147,10 +164,12 @@ def layer_figures(llm: LLM) -> str:
         lat = merge() / 1e3
         med = f"{float(np.median(lat)):.1f}" if lat.size else "-"
         p99 = f"{float(np.percentile(lat, 99)):.1f}" if lat.size else "-"
+        gpu = [f"GPU rank's runs of layers (hand-off both ways and its compute): {stats.gpu_us / n:.1f} µs a step"] * bool(stats.gpu_us)
         return "\n".join([
             f"per step (n={stats.calls}): round trip {stats.round_trip_us / n:.1f} µs, a rank's native time {stats.compute_us / n / ranks:.1f} µs, "
             f"of it {100 * stats.wait_share:.1f}% waiting in merges ({stats.syncs / n:.0f} merges a step)",
             f"merge latency per sync: median {med} µs, p99 {p99} µs",
+            *gpu,
         ])
     rows = ["per request (averaged over this run)   calls   round trip µs   worker compute µs   IPC µs"]
     for name in ("attention", "ffn", "head"):

@@ -46,8 +46,9 @@ class GpuRankSpec:
         plan = self.setup.plan
         if not any(plan.gpu_layers):
             raise InvalidArgumentError("a GPU rank needs at least one GPU layer")
+        n_ff = max(len(h) for h in plan.hot)  # every neuron of a GPU layer (the GPU rank checks it against the model too)
         for i, on in enumerate(plan.gpu_layers):
-            if on != (len(plan.hot[i]) > 0) or (on and len(plan.hot[i]) != len(plan.hot[0])):
+            if len(plan.hot[i]) != (n_ff if on else 0):
                 raise InvalidArgumentError(f"layer {i} is split between the GPU and the CPU: a GPU rank takes whole layers (layer split)")
 
     @property

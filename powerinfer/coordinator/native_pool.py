@@ -60,10 +60,11 @@ class PoolStats:
     rank_compute_us: list[float] = field(default_factory=list)
     rank_wait_us: list[float] = field(default_factory=list)
     slowest_us: float = 0.0  # per call, the rank longest in native code: the rest of the wall time is outside it
+    gpu_us: float = 0.0  # per call, the longest a CPU rank waited for the GPU rank's runs of layers (hand-off and its compute)
 
     def reset(self) -> None:
         self.calls, self.round_trip_us, self.compute_us, self.wait_us, self.syncs = 0, 0.0, 0.0, 0.0, 0
-        self.rank_compute_us, self.rank_wait_us, self.slowest_us = [], [], 0.0
+        self.rank_compute_us, self.rank_wait_us, self.slowest_us, self.gpu_us = [], [], 0.0, 0.0
 
     @property
     def wait_share(self) -> float:
@@ -82,8 +83,9 @@ class PoolStats:
         trip, the coordinator's own work, the ranks' return to and from the step loop."""
         return 1.0 - self.slowest_us / self.round_trip_us if self.round_trip_us else 0.0
 
-    def add(self, wall_us: float, compute_us: Sequence[float], wait_us: Sequence[float], syncs: int) -> None:
-        """One call: its wall time, and per rank the time in native code and of it in merges."""
+    def add(self, wall_us: float, compute_us: Sequence[float], wait_us: Sequence[float], syncs: int, gpu_us: float = 0.0) -> None:
+        """One call: its wall time, and per rank the time in native code and of it in merges; the
+        longest wait for the GPU rank."""
         if len(self.rank_compute_us) != len(compute_us):
             self.rank_compute_us, self.rank_wait_us = [0.0] * len(compute_us), [0.0] * len(compute_us)
         self.calls += 1
@@ -92,6 +94,7 @@ class PoolStats:
         self.wait_us += sum(wait_us)
         self.syncs += syncs
         self.slowest_us += max(compute_us, default=0.0)
+        self.gpu_us += gpu_us
         for i, (c, w) in enumerate(zip(compute_us, wait_us)):
             self.rank_compute_us[i] += c
             self.rank_wait_us[i] += w
@@ -113,6 +116,7 @@ class NativePoolExecutor:
         self.lib, self.cfg = lib, cfg
         self.plan: ShardPlan = plan_shards(cfg, n_workers)
         self.ranks: tuple[RankShard, ...] = plan_ranks(cfg, n_workers, sparse=bool(predictor))
+        self.f = f  # the head below points into its mapping: keep it alive as long as this executor
         self.head = weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight")  # file rows, for refinement
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
         self._cand = np.empty(self.head.rows, dtype=np.int32)
@@ -122,7 +126,7 @@ class NativePoolExecutor:
         self.gpu: GpuWorkerProcess | None = None
         self.max_tokens = max_tokens
         self.step_channel = step_channel
-        self._answers = np.zeros((n_workers, 4), dtype=np.int64)  # pi_door_wait: rc, compute ns, wait ns, syncs per rank
+        self._answers = np.zeros((n_workers, 5), dtype=np.int64)  # pi_door_wait: rc, compute ns, wait ns, syncs, GPU-wait ns per rank
         self.stats = PoolStats()
         self.step_no = 0
         self.seg: Segment | None = None
@@ -306,7 +310,8 @@ class NativePoolExecutor:
         except BaseException:
             self.abort()  # wake every rank still waiting in a merge
             raise
-        self.stats.add((time.perf_counter() - t0) * 1e6, (out[:, 1] / 1e3).tolist(), (out[:, 2] / 1e3).tolist(), int(out[:, 3].max()))
+        self.stats.add((time.perf_counter() - t0) * 1e6, (out[:, 1] / 1e3).tolist(), (out[:, 2] / 1e3).tolist(), int(out[:, 3].max()),
+                       float(out[:, 4].max()) / 1e3)
         if deferred is not None:
             raise deferred
 

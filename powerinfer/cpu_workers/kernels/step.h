@@ -127,13 +127,13 @@ int pi_rank_serve(pi_rank_ctx *ctx, int spin_us, int idle_ms) {
         const uint32_t gen = atomic_load_explicit(&h->door.gen, memory_order_acquire);
         ctx->last_gen = gen;
         const int T = h->door.T, mode = h->door.mode;
-        const uint64_t t0 = pi_now_ns(), w0 = c->wait_ns, s0 = c->n_syncs;
+        const uint64_t t0 = pi_now_ns(), w0 = c->wait_ns, s0 = c->n_syncs, g0 = c->gpu_ns;
         if (mode < 0 || mode > 2 || T < 1 || T > h->max_t || ((mode == 2) && T > ctx->logit_rows))
             rc = 1;
         else
             rc = pi_rank_step(ctx->m, ctx->embd, ctx->embed_scale, io, io + h->max_t, io + 2 * h->max_t, T, mode, ctx->x, ctx->logits, ctx->ld,
                               ctx->hidden, ctx->scratch);
-        pi_rank_done(c, gen, rc, (int64_t)(pi_now_ns() - t0), (int64_t)(c->wait_ns - w0), (int64_t)(c->n_syncs - s0));
+        pi_rank_done(c, gen, rc, (int64_t)(pi_now_ns() - t0), (int64_t)(c->wait_ns - w0), (int64_t)(c->n_syncs - s0), (int64_t)(c->gpu_ns - g0));
     }
 }
 

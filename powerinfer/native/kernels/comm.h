@@ -71,8 +71,8 @@ typedef struct {
 typedef struct {
     _Atomic uint32_t done, sleepers;
     int32_t rc, pad;
-    int64_t compute_ns, wait_ns, syncs;
-    uint8_t pad2[24];
+    int64_t compute_ns, wait_ns, syncs, gpu_ns; /* gpu_ns: waiting for the GPU rank's runs (handoff.h) */
+    uint8_t pad2[16];
 } pi_done_line;
 
 /* The GPU rank's hand-off (handoff.h): CPU rank 0 writes the stream [T, d] at `off` bytes from
@@ -355,7 +355,7 @@ static int pi_door_next(pi_shm_hdr *h, uint32_t want, uint32_t *control, int spi
 
 /* Coordinator: wait up to slice_ms for every rank to finish step gen (no spinning: the ranks need
  * the cores). 0: all done; 1: not yet (the caller checks the ranks' health and waits again);
- * PI_COMM_ABORT. out [R, 4] int64: rc, compute ns, wait ns, syncs of each rank. */
+ * PI_COMM_ABORT. out [R, 5] int64: rc, compute ns, wait ns, syncs, GPU-wait ns of each rank. */
 int pi_door_wait(void *base, uint32_t gen, int slice_ms, int64_t *out) {
     pi_shm_hdr *h = (pi_shm_hdr *)base;
     for (uint32_t r = 0; r < h->n_ranks; r++) {
@@ -364,21 +364,23 @@ int pi_door_wait(void *base, uint32_t gen, int slice_ms, int64_t *out) {
         if (rc) return rc;
     }
     for (uint32_t r = 0; r < h->n_ranks; r++) {
-        out[4 * r] = h->done[r].rc;
-        out[4 * r + 1] = h->done[r].compute_ns;
-        out[4 * r + 2] = h->done[r].wait_ns;
-        out[4 * r + 3] = h->done[r].syncs;
+        out[5 * r] = h->done[r].rc;
+        out[5 * r + 1] = h->done[r].compute_ns;
+        out[5 * r + 2] = h->done[r].wait_ns;
+        out[5 * r + 3] = h->done[r].syncs;
+        out[5 * r + 4] = h->done[r].gpu_ns;
     }
     return 0;
 }
 
 /* One rank's answer to step gen. */
-static void pi_rank_done(pi_comm *c, uint32_t gen, int rc, int64_t compute_ns, int64_t wait_ns, int64_t syncs) {
+static void pi_rank_done(pi_comm *c, uint32_t gen, int rc, int64_t compute_ns, int64_t wait_ns, int64_t syncs, int64_t gpu_ns) {
     pi_done_line *d = &c->hdr->done[c->rank];
     d->rc = rc;
     d->compute_ns = compute_ns;
     d->wait_ns = wait_ns;
     d->syncs = syncs;
+    d->gpu_ns = gpu_ns;
     pi_post_word(&d->done, &d->sleepers, gen);
 }
 
