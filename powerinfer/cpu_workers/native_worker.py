@@ -26,7 +26,7 @@ import zmq
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
-from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
+from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, NativeSparseFFNs
 from powerinfer.cpu_workers.shm_segment import SPIN_US, RankComm, comm_error
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
@@ -76,8 +76,11 @@ class NativeRank:
         only = frozenset(range(cfg.n_layers)) - gpu if gpu else None
         sparse = None
         if load.predictor:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
+            # with a GPU rank every layer applies the predictor's rule, as the GPU's layers do (and the
+            # hybrid executor): the "too dense to pay, run dense" cut would make the text depend on
+            # where a layer lives
             sparse = NativeSparseFFNs(lib, f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1),
-                                      (self.shard.d0, self.shard.d1), only=only)
+                                      (self.shard.d0, self.shard.d1), only=only, max_share=1.0 if gpu else MAX_SPARSE_SHARE)
         self.sparse = sparse
         self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse, only)
         if gpu:

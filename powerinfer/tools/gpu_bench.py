@@ -151,32 +151,30 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
 
 
 def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_layers: int = 30) -> list[Row]:
-    """Decode speed of a SmolLM2-shaped file with every layer on the GPU, three ways in alternating
-    rounds: the GPU worker in its own process sent two requests per layer (protocol 4's path), the
-    same worker sent one LAYERS request per step (the default since protocol 5), and the runtime in
-    the coordinator's process (``--gpu-worker inprocess``): what the process boundary costs a step
-    when the kernels themselves are short, and how much of it LAYERS removes."""
-    from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
-
+    """Decode speed of a SmolLM2-shaped file in alternating rounds. Every layer on the GPU, four
+    ways: the GPU worker in its own process sent two requests per layer (protocol 4's path), the
+    same worker sent one LAYERS request per step (the hybrid executor's default), the runtime in
+    the coordinator's process (``--gpu-worker inprocess``), and the GPU worker as a rank of the
+    native pool (the default since protocol 7: the stream handed over in shared memory). Then half
+    the layers on the GPU, the hybrid (LAYERS) against the pool with the GPU rank: what the process
+    boundary costs a step when the kernels are short, and what each design removes."""
     t0 = time.perf_counter()
     path = make_model(workdir, "tiny", n_layers, "Q4_0", tag="smollm2-shape", **SMOLLM2_SHAPE)
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    rows = [Row("overhead", "model", f"SmolLM2 shape, {cfg.n_layers} layers Q4_0, every layer on the GPU ({time.perf_counter() - t0:.0f}s)", None)]
-    names = {"per-layer": "GPU worker process, 2 requests a layer", "layers": "GPU worker process, LAYERS", "inprocess": "GPU runtime in-process"}
+    rows = [Row("overhead", "model", f"SmolLM2 shape, {cfg.n_layers} layers Q4_0 ({time.perf_counter() - t0:.0f}s)", None)]
+    half = cfg.n_layers // 2
+    names = {"per-layer": "all on the GPU: GPU worker process, 2 requests a layer", "layers": "all on the GPU: GPU worker process, LAYERS",
+             "inprocess": "all on the GPU: GPU runtime in-process", "rank": "all on the GPU: GPU worker as a rank of the pool",
+             "layers-half": f"{half} layers on the GPU: hybrid, LAYERS", "rank-half": f"{half} layers on the GPU: pool with a GPU rank"}
     speeds: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(2):  # alternating rounds
         for way in names:
-            opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=way != "inprocess")
-            ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, sparse=False)
+            ex = _overhead_executor(way, path, f, cfg, backend, half)
             try:
-                if not all(ex.placement.gpu_layers) or (way != "inprocess" and not ex.pids):
-                    raise RuntimeError(f"expected every layer on the GPU ({way})")
-                if way == "per-layer":
-                    ex.layer_runs = ()  # the engine then sends attention and FFN of each layer
                 _, decode = _decode(ex, f, cfg, n_tokens)
             finally:
-                ex.close()
+                ex.close()  # type: ignore[attr-defined]
             speeds[way].append(decode)
     for way, name in names.items():
         rows.append(Row("overhead", f"{name} decode", " / ".join(f"{v:.1f}" for v in speeds[way]) + " tokens/s", None))
@@ -186,4 +184,33 @@ def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_l
 
     rows.append(Row("overhead", "LAYERS vs 2 requests a layer", f"{ratio('per-layer', 'layers'):.2f}x decode speed (median of rounds)", None))
     rows.append(Row("overhead", "in-process vs LAYERS", f"{ratio('layers', 'inprocess'):.2f}x decode speed (median of rounds)", None))
+    rows.append(Row("overhead", "GPU rank vs LAYERS, all layers", f"{ratio('layers', 'rank'):.2f}x decode speed (median of rounds)", None))
+    rows.append(Row("overhead", f"GPU rank vs LAYERS, {half} layers", f"{ratio('layers-half', 'rank-half'):.2f}x decode speed (median of rounds)",
+                    None))
     return rows
+
+
+def _overhead_executor(way: str, path: Path, f: GGUFFile, cfg: ModelConfig, backend: str, half: int) -> object:
+    """One arm of run_worker_overhead, built and checked (see its docstring)."""
+    from powerinfer.coordinator.gpu_rank import layer_split_rank
+    from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
+    from powerinfer.coordinator.native_pool import NativePoolExecutor
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.cpu_workers.topology import default_workers
+
+    ngl = half if way.endswith("-half") else -1
+    opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=way != "inprocess", n_gpu_layers=ngl)
+    if way.startswith("rank"):
+        lib = decoder_lib()
+        spec = layer_split_rank(path, f, cfg, N_CTX, opts, sparse=False)
+        if lib is None or spec is None or len(spec.layers) != (half if ngl > 0 else cfg.n_layers):
+            raise RuntimeError(f"expected a native pool with {ngl if ngl > 0 else 'every'} GPU layers ({way})")
+        return NativePoolExecutor(lib, f, str(path), cfg, N_CTX, min(8, default_workers()), max_tokens=64, gpu=spec)
+    ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, sparse=False)
+    want = half if ngl > 0 else cfg.n_layers
+    if sum(ex.placement.gpu_layers) != want or (way != "inprocess" and not ex.pids):
+        ex.close()
+        raise RuntimeError(f"expected {want} layers on the GPU ({way})")
+    if way == "per-layer":
+        ex.layer_runs = ()  # the engine then sends attention and FFN of each layer
+    return ex

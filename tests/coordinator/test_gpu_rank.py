@@ -33,8 +33,10 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuSetup, LocalGpuWorker
 from powerinfer.gpu_worker.layout import GpuPlan
+from powerinfer.predictors.predictor_file import read_predictor, write_predictor
 from powerinfer.protocol import WorkerDiedError, WorkerError
 from tests.coordinator.helpers import gone
+from tests.gpu_worker.helpers import make_predictor
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 CTX = 64
@@ -47,20 +49,21 @@ def _setup(cfg: ModelConfig, layers: set[int]) -> GpuSetup:
     return GpuSetup("cpu", 1 << 30, GpuPlan(hot, tuple(i in layers for i in range(cfg.n_layers)), True, 8))
 
 
-def _pool(path: Path, layers: set[int], n_workers: int = 2, gpu_ctx: int = CTX, n_slots: int = 1) -> NativePoolExecutor:
+def _pool(path: Path, layers: set[int], n_workers: int = 2, gpu_ctx: int = CTX, n_slots: int = 1, predictor: str = "") -> NativePoolExecutor:
     assert lib is not None
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    spec = GpuRankSpec(str(path), _setup(cfg, layers), gpu_ctx, n_slots)
-    return NativePoolExecutor(lib, f, str(path), cfg, CTX, n_workers, n_slots=n_slots, max_tokens=8, gpu=spec)
+    spec = GpuRankSpec(str(path), _setup(cfg, layers), gpu_ctx, n_slots, predictor)
+    return NativePoolExecutor(lib, f, str(path), cfg, CTX, n_workers, n_slots=n_slots, max_tokens=8, predictor=predictor, gpu=spec)
 
 
-def _hybrid(path: Path, layers: set[int]) -> HybridExecutor:
+def _hybrid(path: Path, layers: set[int], predictor: str = "") -> HybridExecutor:
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
     setup = _setup(cfg, layers)
     pl = Placement("layer", setup.budget, setup.plan.hot, setup.plan.gpu_layers, 0, 0.0)
-    return HybridExecutor(f, cfg, CTX, pl, LocalGpuWorker(f, cfg, setup, CTX))
+    pf = read_predictor(predictor, model=f) if predictor else None
+    return HybridExecutor(f, cfg, CTX, pl, LocalGpuWorker(f, cfg, setup, CTX, predictor=pf), predictor=pf)
 
 
 def _decode(path: Path, ex: object, ids: list[int]) -> np.ndarray:
@@ -92,6 +95,20 @@ def test_pool_with_a_gpu_rank_equals_the_hybrid(make_model: Callable[..., Path],
         ex.close()
     oracle = _decode(path, _hybrid(path, layers), IDS)
     _same_best(ours, oracle)
+
+
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_sparse_layers_on_both_sides_equal_the_hybrid(make_model: Callable[..., Path], tmp_path: Path, mode: str) -> None:
+    path = make_model(arch="qwen2", qtype=QT.Q8_0, n_layers=4)
+    f = GGUFFile(path)
+    ppath = str(tmp_path / "m.predictor")
+    write_predictor(ppath, make_predictor(f, config_from_gguf(f), mode))
+    ex = _pool(path, {1, 2}, predictor=ppath)
+    try:
+        ours = _decode(path, ex, IDS)
+    finally:
+        ex.close()
+    _same_best(ours, _decode(path, _hybrid(path, {1, 2}, ppath), IDS))
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3])
