@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the default executor at each --workers count and the in-process decoder in alternating rounds of one run "
                         "(--rounds): paired ratios, merge latency, wait share, memory; --plot draws the scaling")
     p.add_argument("--merge", action="store_true",
-                   help="the shared-memory merge alone between real rank processes (first --workers value, at least 2): "
+                   help="the shared-memory merge alone between real rank processes (first --workers value, at least 2), then the GPU rank's "
+                        "hand-off with as many CPU ranks: "
                         "latency per sync")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
@@ -200,15 +201,16 @@ def run_bench(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     report_paths(args.json, args.plot)
     if args.merge:
-        from powerinfer.cli.bench_merge import bench_merge
+        from powerinfer.cli.bench_merge import bench_handoff, bench_merge
 
         if args.workers[0] < 2:
             raise CLIError(f"--merge measures a merge between ranks: give --workers 2 or more, got {args.workers[0]}")
-        mb = bench_merge(ranks=args.workers[0])
+        mb, hb = bench_merge(ranks=args.workers[0]), bench_handoff(ranks=args.workers[0])
         print(mb.report())
+        print(hb.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(mb.__dict__, fh, indent=2)
+                json.dump({**mb.__dict__, "handoff": hb.__dict__}, fh, indent=2)
         return 0
     if not args.model:
         raise PowerInferError("powerinfer bench needs -m MODEL")

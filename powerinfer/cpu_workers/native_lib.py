@@ -216,6 +216,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_gpu_task.restype = None
     lib.pi_gpu_answer.argtypes = [ptr, u32, i32]
     lib.pi_gpu_answer.restype = None
+    lib.pi_gpu_bench.argtypes = [ptr, ptr, i32, i32, ptr]
+    lib.pi_gpu_bench.restype = i32
     if lib.pi_comm_size() != ctypes.sizeof(PiComm) or lib.pi_rank_ctx_size() != ctypes.sizeof(PiRankCtx):
         log.warning("native decoder comm layout differs from native_lib.py: not used")
         return None

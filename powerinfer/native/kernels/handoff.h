@@ -58,6 +58,25 @@ static int pi_gpu_run(pi_comm *c, float *x, int T, int d, int first, int stop) {
 
 /* --- entry points (ctypes) -------------------------------------------------------------------- */
 
+/* The hand-off micro-benchmark (`powerinfer bench --merge`), a CPU rank's side: n runs of "layers
+ * [0, 1)" on x [1, d], each followed by a merge of one column per rank (the CPU layers between two
+ * runs, which is what lets rank 0 reuse the area); lat [n] receives each run's round trip in ns.
+ * 0, or the failing code. */
+int pi_gpu_bench(pi_comm *c, float *x, int d, int n, uint32_t *lat) {
+    float col[PI_MAX_RANKS];
+    const int R = (int)c->hdr->n_ranks;
+    for (int i = 0; i < n; i++) {
+        const uint64_t t0 = pi_now_ns();
+        int rc = pi_gpu_run(c, x, 1, d, 0, 1);
+        if (rc) return rc;
+        const uint64_t t = pi_now_ns() - t0;
+        lat[i] = (uint32_t)(t > 0xffffffffu ? 0xffffffffu : t);
+        col[c->rank] = x[0];
+        if ((rc = pi_allgather(c, col, 1, R, c->rank, c->rank + 1))) return rc;
+    }
+    return 0;
+}
+
 /* Coordinator: this segment has a GPU rank; its hand-off area [max_t, d] f32 is `off` bytes in. */
 void pi_gpu_setup(void *base, int64_t off, int64_t d) {
     pi_shm_hdr *h = (pi_shm_hdr *)base;
