@@ -29,6 +29,7 @@ from powerinfer.native.segment import Segment, SegmentLayout
 
 
 WARMUP = 200  # hand-off runs not counted: the stand-in GPU rank process may still be starting
+TIMEOUT_S = 120  # a benchmark's processes all end well within this; past it they are killed
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def bench_merge(ranks: int = 2, width: int = 576, syncs: int = 20000) -> MergeBe
         procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", str(r), seg.path, str(ranks), str(width), str(syncs),
                                    str(cpus[r % len(cpus)])]) for r in range(ranks)]
         t0 = time.perf_counter()
-        codes = [p.wait() for p in procs]
+        codes = _wait_all(lib, seg, procs)
         wall = time.perf_counter() - t0
         lat = merge_latencies_ns(seg) / 1e3
     finally:
@@ -91,7 +92,7 @@ def bench_handoff(ranks: int = 2, width: int = 576, runs: int = 5000) -> MergeBe
                  for r in range(ranks)]
         procs.append(subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", "gpu", "-1", *args, str(cpus[ranks % len(cpus)])]))
         t0 = time.perf_counter()
-        codes = [p.wait() for p in procs]
+        codes = _wait_all(lib, seg, procs)
         wall = time.perf_counter() - t0
         lat = merge_latencies_ns(seg) / 1e3
     finally:
@@ -99,6 +100,20 @@ def bench_handoff(ranks: int = 2, width: int = 576, runs: int = 5000) -> MergeBe
     if any(codes):
         raise PowerInferError(f"a hand-off rank failed (exit codes {codes})")
     return MergeBench(ranks, width, runs, float(np.median(lat)), float(np.percentile(lat, 99)), float(lat.mean()), wall, "handoff")
+
+
+def _wait_all(lib: ctypes.CDLL, seg: Segment, procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """The processes' exit codes. One that fails aborts the segment's waits (its peers then fail at
+    once instead of at their deadline); past TIMEOUT_S every process left is killed."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode for p in procs) or time.monotonic() > deadline:
+            lib.pi_comm_abort(seg.base)
+            if time.monotonic() > deadline + 5:
+                for p in procs:
+                    p.kill()
+        time.sleep(0.01)
+    return [int(p.returncode) for p in procs]
 
 
 def _handoff_main(role: str, rank: int, path: str, ranks: int, width: int, runs: int, cpu: int) -> int:
@@ -114,8 +129,10 @@ def _handoff_main(role: str, rank: int, path: str, ranks: int, width: int, runs:
         seg = Segment(path, SegmentLayout(ranks, 1, width, 8, width, int(clib.pi_comm_hdr_bytes()), gpu=True), create=False)
         want, control = int(clib.pi_gpu_attach(seg.base, os.getpid())) + 1, ctypes.c_uint32(0)
         for _ in range(runs):
+            idle = 0
             while (rc := clib.pi_gpu_next(seg.base, want, ctypes.byref(control), 0, 1000)) != 0:
-                if rc != 1:
+                idle += 1
+                if rc != 1 or idle > TIMEOUT_S:  # aborted, or the CPU ranks are gone
                     return 1
             seg.handoff[:1] += 1.0  # "the layers"
             clib.pi_gpu_answer(seg.base, want, 0)

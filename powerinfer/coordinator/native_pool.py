@@ -273,15 +273,15 @@ class NativePoolExecutor:
     def _step(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray, mode: int) -> None:
         """One forward pass through the doorbell (or, with step_channel "zmq", a STEP message)."""
         self.step_no += 1
+        seg = self._seg
+        T = len(ids)
+        seg.io[0, :T] = ids
+        seg.io[1, :T] = positions  # also what a GPU rank reads, whichever channel the step takes
+        seg.io[2, :T] = slots
         if self.step_channel == "zmq":
             t = (np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64), np.asarray(slots, dtype=np.int64))
             self._call(lambda req: StepMsg(req=req, step=self.step_no, mode=mode, tensors=t), "computing a step")
             return
-        seg = self._seg
-        T = len(ids)
-        seg.io[0, :T] = ids
-        seg.io[1, :T] = positions
-        seg.io[2, :T] = slots
         self._gen += 1
         t0 = time.perf_counter()
         out = self._answers

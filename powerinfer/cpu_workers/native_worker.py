@@ -88,7 +88,8 @@ class NativeRank:
             self.dec.model.on_gpu = self.on_gpu.ctypes.data
         layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), bool(gpu))
         self.seg = Segment(load.shm, layout, create=False)
-        oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) > n_cpus
+        # the GPU rank's process needs a core too (to answer its hand-offs)
+        oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) + (1 if gpu else 0) > n_cpus
         if oversubscribed:
             log.info("worker %d: %d ranks x %d threads on %d CPUs: merges and steps sleep without spinning", rank, load.n_workers,
                      max(1, load.threads), n_cpus)

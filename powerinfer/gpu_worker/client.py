@@ -284,7 +284,10 @@ class GpuWorkerProcess:
         return self._sup.procs[0]
 
     def restarted(self) -> "GpuWorkerProcess":
-        """Stop this worker (SIGKILL if it does not answer, e.g. SIGSTOPped) and start a fresh one."""
+        """Stop this worker (SIGKILL if it does not answer, e.g. SIGSTOPped) and start a fresh one.
+        A rank of a native pool cannot: its segment is gone; the pool restarts it with a new one."""
+        if self._rank is not None:
+            raise RuntimeError("a GPU rank is restarted by its pool (NativePoolExecutor.restart), with a fresh segment")
         log.warning("restarting the GPU worker")
         self.close(timeout=1.0)
         return GpuWorkerProcess(*self._args)

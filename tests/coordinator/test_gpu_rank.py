@@ -49,12 +49,14 @@ def _setup(cfg: ModelConfig, layers: set[int]) -> GpuSetup:
     return GpuSetup("cpu", 1 << 30, GpuPlan(hot, tuple(i in layers for i in range(cfg.n_layers)), True, 8))
 
 
-def _pool(path: Path, layers: set[int], n_workers: int = 2, gpu_ctx: int = CTX, n_slots: int = 1, predictor: str = "") -> NativePoolExecutor:
+def _pool(path: Path, layers: set[int], n_workers: int = 2, gpu_ctx: int = CTX, n_slots: int = 1, predictor: str = "",
+          step_channel: str = "shm") -> NativePoolExecutor:
     assert lib is not None
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
     spec = GpuRankSpec(str(path), _setup(cfg, layers), gpu_ctx, n_slots, predictor)
-    return NativePoolExecutor(lib, f, str(path), cfg, CTX, n_workers, n_slots=n_slots, max_tokens=8, predictor=predictor, gpu=spec)
+    return NativePoolExecutor(lib, f, str(path), cfg, CTX, n_workers, n_slots=n_slots, max_tokens=8, step_channel=step_channel,
+                              predictor=predictor, gpu=spec)
 
 
 def _hybrid(path: Path, layers: set[int], predictor: str = "") -> HybridExecutor:
@@ -125,6 +127,21 @@ def test_smollm2_layer_split_through_llm_equals_the_hybrid(smollm2_path: Path, n
         oracle_logits = llm.logits(llm.tokenize(prompt))
     assert ours == oracle
     _same_best(ours_logits, oracle_logits)
+
+
+def test_steps_as_zmq_messages_give_the_doorbells_numbers(make_model: Callable[..., Path]) -> None:
+    """The GPU rank reads the step's positions and slots from the segment whichever way the CPU
+    ranks got the step (a review found them unwritten for STEP messages)."""
+    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=4)
+    out = {}
+    for channel in ("shm", "zmq"):
+        ex = _pool(path, {1, 2}, step_channel=channel)
+        try:
+            ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)
+            out[channel] = ex.native_step(IDS[6:10], range(6, 10), [0] * 4, True, 1.0, 8)
+        finally:
+            ex.close()
+    np.testing.assert_array_equal(out["zmq"], out["shm"])
 
 
 def test_batched_slots_equal_each_sequence_alone(make_model: Callable[..., Path]) -> None:

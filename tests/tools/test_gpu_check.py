@@ -42,6 +42,9 @@ def test_worker_overhead_dry_run(tmp_path: Path) -> None:
     rows = run_worker_overhead(tmp_path, 2, backend="cpu", n_layers=2)
     by_case = {r.case: r.value for r in rows}
     assert "2 layers Q4_0" in by_case["model"]
-    for name in ("GPU worker process, 2 requests a layer", "GPU worker process, LAYERS", "GPU runtime in-process"):
+    for name in ("all on the GPU: GPU worker process, 2 requests a layer", "all on the GPU: GPU worker process, LAYERS",
+                 "all on the GPU: GPU runtime in-process", "all on the GPU: GPU worker as a rank of the pool",
+                 "1 layers on the GPU: hybrid, LAYERS", "1 layers on the GPU: pool with a GPU rank"):
         assert by_case[f"{name} decode"].count(" / ") == 1 and by_case[f"{name} decode"].endswith("tokens/s")
-    assert "x decode speed" in by_case["LAYERS vs 2 requests a layer"] and "x decode speed" in by_case["in-process vs LAYERS"]
+    for ratio in ("LAYERS vs 2 requests a layer", "in-process vs LAYERS", "GPU rank vs LAYERS, all layers", "GPU rank vs LAYERS, 1 layers"):
+        assert "x decode speed" in by_case[ratio]

@@ -44,7 +44,10 @@ static int pi_gpu_run(pi_comm *c, float *x, int T, int d, int first, int stop) {
         atomic_fetch_add_explicit(&g->seq, 1u, memory_order_seq_cst);
         if (atomic_load_explicit(&g->sleepers, memory_order_seq_cst)) pi_wake_word(&g->seq);
     }
-    int rc = pi_wait_word(h, &g->out, &g->out_sleepers, k, c->spin_us, c->slice_ms, c->deadline_ms * PI_GPU_DEADLINE_FACTOR, g->pid);
+    const int deadline_ms = c->deadline_ms > INT32_MAX / PI_GPU_DEADLINE_FACTOR ? INT32_MAX : c->deadline_ms * PI_GPU_DEADLINE_FACTOR;
+    /* g->pid 0 (the GPU rank not attached yet): the abort flag and the deadline only; the
+     * coordinator starts steps after the GPU worker's READY, which follows its attach */
+    int rc = pi_wait_word(h, &g->out, &g->out_sleepers, k, c->spin_us, c->slice_ms, deadline_ms, g->pid);
     if (rc) { /* the GPU rank died or stalled: fail the other ranks' waits too */
         atomic_store(&h->abort, 1u);
         pi_wake_all(h);
