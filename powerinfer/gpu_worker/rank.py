@@ -58,13 +58,19 @@ class GpuRank:
         self._task = np.zeros(3, dtype=np.int64)
         self.runs, self.busy_s = 0, 0.0
 
-    def next(self, idle_ms: int = IDLE_MS) -> int:
+    def next(self, idle_ms: int = IDLE_MS, busy: threading.Event | None = None) -> int:
         """Wait for the next hand-off and answer it: 0 when one was served, else pi_gpu_next's code
-        (1 idle, 2 control, ABORTED)."""
+        (1 idle, 2 control, ABORTED). busy is set while a run computes (the heartbeat reports it)."""
         rc = int(self.lib.pi_gpu_next(self.seg.base, self.want, ctypes.byref(self.control), self.spin_us, idle_ms))
         if rc:
             return rc
-        self.serve_one()
+        if busy is not None:
+            busy.set()
+        try:
+            self.serve_one()
+        finally:
+            if busy is not None:
+                busy.clear()
         return 0
 
     def serve_one(self) -> None:
@@ -96,8 +102,7 @@ class GpuRank:
 def serve_rank(sock: zmq.Socket, rank: GpuRank, index: int, busy: threading.Event) -> None:
     """Serve hand-offs until SHUTDOWN (read when the coordinator rings the control word, or when idle)."""
     while True:
-        busy.clear()
-        rc = rank.next()
+        rc = rank.next(busy=busy)
         if rc == 0:
             continue
         # 1 (idle): a message rung for earlier may have come after its wait ran out. 2: one waits.

@@ -17,12 +17,14 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
+from powerinfer.config import ModelConfig
+from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, CpuBackend
 from powerinfer.gpu_worker.kernels import SUFFIX
 from powerinfer.quants.registry import REGISTRY
@@ -210,41 +212,62 @@ def _bandwidth(b: Backend, mode: str) -> list[Row]:
 
 
 def check_smollm2(model: Path, fixture: Path, n_ctx: int = 512, backend: str = "cuda") -> list[Row]:
-    """SmolLM2 with every layer on the GPU (layer split, large budget) against llama.cpp's outputs."""
+    """SmolLM2 with every layer on the GPU (layer split, large budget) against llama.cpp's outputs,
+    twice: through the hybrid executor (the GPU worker answering LAYERS) and through the native pool
+    with the GPU worker as its rank (protocol 7's hand-off)."""
     from powerinfer.config import config_from_gguf
-    from powerinfer.coordinator.engine import Engine
+    from powerinfer.coordinator.gpu_rank import layer_split_rank
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
-    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.coordinator.native_pool import NativePoolExecutor
+    from powerinfer.cpu_workers.native_lib import decoder_lib
 
     run = json.loads(fixture.read_text())["models"]["smollm2"]["greedy"][0]
     f = GGUFFile(model)
     cfg = config_from_gguf(f)
+    opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=4.0)
     t0 = time.perf_counter()
-    ex = build_hybrid_executor(model, f, cfg, n_ctx, GpuOptions(backend=backend, split="layer", vram_budget_gib=4.0))
+    ex = build_hybrid_executor(model, f, cfg, n_ctx, opts)
     rows = [Row("smollm2", "layers on the GPU", f"{sum(ex.placement.gpu_layers)}/{cfg.n_layers}, {ex.gpu_bytes / 2**20:.0f} MiB, "
                 f"load {time.perf_counter() - t0:.1f}s", all(ex.placement.gpu_layers))]
     try:
-        eng = Engine(f, cfg, ex, n_ctx, 512)
-        prompt, gen = run["prompt_tokens"], run["generated_tokens"]
-        logits = eng.eval(prompt + gen, all_logits=True)
-        ours = logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)].argmax(-1)
-        agree = int((ours == np.array(gen)).sum())
-        worst = max(abs(float(logits[len(prompt) - 1 + i][t]) - v) for i, top in enumerate(run["top5"]) for t, v in top)
-        rows.append(Row("smollm2", "teacher-forced top-1 vs llama.cpp", f"{agree}/{len(gen)}", agree >= 30))
-        rows.append(Row("smollm2", "top-5 logits max |diff|", f"{worst:.3f}", worst < 1.0))
-        eng.rewind(0)
-        t1 = time.perf_counter()
-        tok = int(eng.eval(prompt)[-1].argmax())
-        t2 = time.perf_counter()
-        greedy = [tok]
-        for _ in range(31):
-            tok = int(eng.eval([tok])[-1].argmax())
-            greedy.append(tok)
-        t3 = time.perf_counter()
-        rows.append(Row("smollm2", "greedy first 4 tokens", f"{greedy[:4]}", greedy[:4] == gen[:4]))
-        rows.append(Row("smollm2", "prefill / decode", f"{len(prompt) / (t2 - t1):.0f} / {31 / (t3 - t2):.1f} tokens/s", None))
+        rows += _smollm2_rows("", ex, f, cfg, n_ctx, run)
     finally:
         ex.close()
+    lib, spec = decoder_lib(), layer_split_rank(model, f, cfg, n_ctx, opts, sparse=False)
+    if lib is None or spec is None:
+        return [*rows, Row("smollm2", "GPU rank of the pool", "no native library or no GPU layer", False)]
+    pool = NativePoolExecutor(lib, f, str(model), cfg, n_ctx, 2, max_tokens=512, gpu=spec)
+    try:
+        rows += _smollm2_rows("GPU rank: ", pool, f, cfg, n_ctx, run)
+    finally:
+        pool.close()
+    return rows
+
+
+def _smollm2_rows(label: str, ex: object, f: GGUFFile, cfg: ModelConfig, n_ctx: int, run: dict[str, Any]) -> list[Row]:
+    """check_smollm2's checks and speed through one executor."""
+    from powerinfer.coordinator.engine import Engine
+
+    rows = []
+    eng = Engine(f, cfg, ex, n_ctx, 512)  # type: ignore[arg-type]
+    prompt, gen = run["prompt_tokens"], run["generated_tokens"]
+    logits = eng.eval(prompt + gen, all_logits=True)
+    ours = logits[len(prompt) - 1 : len(prompt) - 1 + len(gen)].argmax(-1)
+    agree = int((ours == np.array(gen)).sum())
+    worst = max(abs(float(logits[len(prompt) - 1 + i][t]) - v) for i, top in enumerate(run["top5"]) for t, v in top)
+    rows.append(Row("smollm2", f"{label}teacher-forced top-1 vs llama.cpp", f"{agree}/{len(gen)}", agree >= 30))
+    rows.append(Row("smollm2", f"{label}top-5 logits max |diff|", f"{worst:.3f}", worst < 1.0))
+    eng.rewind(0)
+    t1 = time.perf_counter()
+    tok = int(eng.eval(prompt)[-1].argmax())
+    t2 = time.perf_counter()
+    greedy = [tok]
+    for _ in range(31):
+        tok = int(eng.eval([tok])[-1].argmax())
+        greedy.append(tok)
+    t3 = time.perf_counter()
+    rows.append(Row("smollm2", f"{label}greedy first 4 tokens", f"{greedy[:4]}", greedy[:4] == gen[:4]))
+    rows.append(Row("smollm2", f"{label}prefill / decode", f"{len(prompt) / (t2 - t1):.0f} / {31 / (t3 - t2):.1f} tokens/s", None))
     return rows
 
 
