@@ -144,6 +144,20 @@ def test_steps_as_zmq_messages_give_the_doorbells_numbers(make_model: Callable[.
     np.testing.assert_array_equal(out["zmq"], out["shm"])
 
 
+def test_a_prompt_longer_than_the_gpus_chunk(smollm2_path: Path) -> None:
+    """A 200-odd token prompt: one hand-off of more tokens than the GPU computes at a time (128), chunked there."""
+    gpu = GpuOptions(backend="cpu", split="layer", vram_budget_gib=1.0, n_gpu_layers=6)
+    prompt = " ".join(f"item {i} is {'red' if i % 3 else 'blue'}," for i in range(40))
+    out = {}
+    for executor in ("process", "inprocess"):
+        with LLM(smollm2_path, gpu=gpu, executor=executor, n_threads=2, n_ctx=512) as llm:
+            ids = llm.tokenize(prompt)
+            assert len(ids) > 200
+            out[executor] = (llm.complete(prompt, max_tokens=8, temperature=0)[0], llm.logits(ids))
+    assert out["process"][0] == out["inprocess"][0]
+    assert (out["process"][1].argmax(-1) == out["inprocess"][1].argmax(-1)).mean() >= 0.99
+
+
 def test_batched_slots_equal_each_sequence_alone(make_model: Callable[..., Path]) -> None:
     path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=4)
     ex = _pool(path, {1, 2}, n_slots=2)
