@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -57,40 +57,31 @@ class MergeBench:
 
 def bench_merge(ranks: int = 2, width: int = 576, syncs: int = 20000) -> MergeBench:
     """Start `ranks` processes that merge `syncs` times; their latencies from the segment's rings."""
-    lib = decoder_lib()
-    if lib is None:
-        raise PowerInferError("--merge needs the native library (a C compiler, POWERINFER_NATIVE not 0)")
-    layout = SegmentLayout(ranks, 1, width, 8, width, int(lib.pi_comm_hdr_bytes()))
-    seg = create_segment_with(lib, layout)
-    try:  # the segment's file goes whatever happens (Ctrl+C included)
-        cpus = sorted(os.sched_getaffinity(0))
-        procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", str(r), seg.path, str(ranks), str(width), str(syncs),
-                                   str(cpus[r % len(cpus)])]) for r in range(ranks)]
-        t0 = time.perf_counter()
-        codes = _wait_all(lib, seg, procs)
-        wall = time.perf_counter() - t0
-        lat = merge_latencies_ns(seg) / 1e3
-    finally:
-        seg.close()
-    if any(codes):
-        raise PowerInferError(f"a merge rank failed (exit codes {codes})")
-    return MergeBench(ranks, width, syncs, float(np.median(lat)), float(np.percentile(lat, 99)), float(lat.mean()), wall)
+    args = [str(ranks), str(width), str(syncs)]
+    roles = [[str(r), "{seg}", *args] for r in range(ranks)]
+    return _run(SegmentLayout(ranks, 1, width, 8, width, 0), roles, syncs, "merge")
 
 
 def bench_handoff(ranks: int = 2, width: int = 576, runs: int = 5000) -> MergeBench:
     """`ranks` CPU rank processes hand a [1, width] stream to a stand-in GPU rank process `runs`
     times; the round trips as the CPU ranks saw them (MergeBench's fields: syncs = runs per rank)."""
+    args = ["{seg}", str(ranks), str(width), str(runs)]
+    roles = [["handoff", str(r), *args] for r in range(ranks)] + [["gpu", "-1", *args]]
+    return _run(SegmentLayout(ranks, 1, width, 8, width, 0, gpu=True), roles, runs, "handoff")
+
+
+def _run(shape: SegmentLayout, roles: list[list[str]], n: int, kind: str) -> MergeBench:
+    """One process per role (its arguments; "{seg}" is the segment's path, and each gets a CPU of
+    its own, in order, as its last argument) on a fresh segment of this shape; their latencies."""
     lib = decoder_lib()
     if lib is None:
         raise PowerInferError("--merge needs the native library (a C compiler, POWERINFER_NATIVE not 0)")
-    layout = SegmentLayout(ranks, 1, width, 8, width, int(lib.pi_comm_hdr_bytes()), gpu=True)
+    layout = replace(shape, hdr_bytes=int(lib.pi_comm_hdr_bytes()))
     seg = create_segment_with(lib, layout)
-    try:
+    try:  # the segment's file goes whatever happens (Ctrl+C included)
         cpus = sorted(os.sched_getaffinity(0))
-        args = [seg.path, str(ranks), str(width), str(runs)]
-        procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", "handoff", str(r), *args, str(cpus[r % len(cpus)])])
-                 for r in range(ranks)]
-        procs.append(subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", "gpu", "-1", *args, str(cpus[ranks % len(cpus)])]))
+        procs = [subprocess.Popen([sys.executable, "-m", "powerinfer.cli.bench_merge", *(a.replace("{seg}", seg.path) for a in role),
+                                   str(cpus[i % len(cpus)])]) for i, role in enumerate(roles)]
         t0 = time.perf_counter()
         codes = _wait_all(lib, seg, procs)
         wall = time.perf_counter() - t0
@@ -98,8 +89,8 @@ def bench_handoff(ranks: int = 2, width: int = 576, runs: int = 5000) -> MergeBe
     finally:
         seg.close()
     if any(codes):
-        raise PowerInferError(f"a hand-off rank failed (exit codes {codes})")
-    return MergeBench(ranks, width, runs, float(np.median(lat)), float(np.percentile(lat, 99)), float(lat.mean()), wall, "handoff")
+        raise PowerInferError(f"a {kind} rank failed (exit codes {codes})")
+    return MergeBench(layout.n_ranks, layout.width, n, float(np.median(lat)), float(np.percentile(lat, 99)), float(lat.mean()), wall, kind)
 
 
 def _wait_all(lib: ctypes.CDLL, seg: Segment, procs: list[subprocess.Popen[bytes]]) -> list[int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer.native.cbuild import load_library
-from powerinfer.native.comm_lib import COMM_HEADERS, COMM_KERNELS
+from powerinfer.native.comm_lib import COMM_HEADERS, COMM_KERNELS, declare_handoff
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.quants.registry import REGISTRY
 
@@ -204,20 +204,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_rank_serve.argtypes = [ctypes.POINTER(PiRankCtx), i32, i32]
     lib.pi_rank_serve.restype = i32
     lib.pi_rank_ctx_size.restype = i32
-    lib.pi_gpu_setup.argtypes = [ptr, i64, i64]  # the GPU rank's hand-off (handoff.h)
-    lib.pi_gpu_setup.restype = None
-    lib.pi_gpu_control.argtypes = [ptr]
-    lib.pi_gpu_control.restype = None
-    lib.pi_gpu_attach.argtypes = [ptr, i32]
-    lib.pi_gpu_attach.restype = u32
-    lib.pi_gpu_next.argtypes = [ptr, u32, ctypes.POINTER(u32), i32, i32]
-    lib.pi_gpu_next.restype = i32
-    lib.pi_gpu_task.argtypes = [ptr, ptr]
-    lib.pi_gpu_task.restype = None
-    lib.pi_gpu_answer.argtypes = [ptr, u32, i32]
-    lib.pi_gpu_answer.restype = None
-    lib.pi_gpu_bench.argtypes = [ptr, ptr, i32, i32, ptr]
-    lib.pi_gpu_bench.restype = i32
+    declare_handoff(lib)  # the GPU rank's hand-off (handoff.h), as the GPU rank's own library declares it
     if lib.pi_comm_size() != ctypes.sizeof(PiComm) or lib.pi_rank_ctx_size() != ctypes.sizeof(PiRankCtx):
         log.warning("native decoder comm layout differs from native_lib.py: not used")
         return None

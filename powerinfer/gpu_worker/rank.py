@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 IDLE_MS = 1000  # an idle GPU rank wakes this often to read its socket
 CONTROL_WAIT_MS = 2000  # how long a rung rank waits for the ZeroMQ message
 SPIN_US = int(os.environ.get("POWERINFER_GPU_SPIN_US", "0"))  # spin for the next run before sleeping (0: the CPU ranks need the cores)
-ABORTED = 10  # comm.h's PI_COMM_ABORT
 
 
 class GpuRank:
@@ -60,7 +59,7 @@ class GpuRank:
 
     def next(self, idle_ms: int = IDLE_MS, busy: threading.Event | None = None) -> int:
         """Wait for the next hand-off and answer it: 0 when one was served, else pi_gpu_next's code
-        (1 idle, 2 control, ABORTED). busy is set while a run computes (the heartbeat reports it)."""
+        (1 idle, 2 control, 10 aborted: comm.h's PI_COMM_ABORT). busy is set while a run computes (the heartbeat reports it)."""
         rc = int(self.lib.pi_gpu_next(self.seg.base, self.want, ctypes.byref(self.control), self.spin_us, idle_ms))
         if rc:
             return rc
@@ -106,7 +105,7 @@ def serve_rank(sock: zmq.Socket, rank: GpuRank, index: int, busy: threading.Even
         if rc == 0:
             continue
         # 1 (idle): a message rung for earlier may have come after its wait ran out. 2: one waits.
-        # ABORTED: the pool is being torn down and SHUTDOWN follows.
+        # 10 (aborted): the pool is being torn down and SHUTDOWN follows.
         if sock.poll(0 if rc == 1 else CONTROL_WAIT_MS) and not _message(sock, index):
             return
         while sock.poll(0):

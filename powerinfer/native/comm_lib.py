@@ -26,14 +26,16 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-std=gnu11")
 def comm_lib() -> ctypes.CDLL:
     """The library, built once per machine (raises BuildError without a C compiler)."""
     lib = load_library(COMM_KERNELS / "comm.c", COMM_HEADERS, FLAGS, "comm")
-    ptr, i32, i64, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
-    lib.pi_comm_hdr_bytes.restype = i64
-    lib.pi_gpu_attach.argtypes = [ptr, i32]
-    lib.pi_gpu_attach.restype = u32
-    lib.pi_gpu_next.argtypes = [ptr, u32, ctypes.POINTER(u32), i32, i32]
-    lib.pi_gpu_next.restype = i32
-    lib.pi_gpu_task.argtypes = [ptr, ptr]
-    lib.pi_gpu_task.restype = None
-    lib.pi_gpu_answer.argtypes = [ptr, u32, i32]
-    lib.pi_gpu_answer.restype = None
+    lib.pi_comm_hdr_bytes.restype = ctypes.c_int64
+    declare_handoff(lib)
     return lib
+
+
+def declare_handoff(lib: ctypes.CDLL) -> None:
+    """The C signatures of handoff.h's entry points, in this library or the decoder (which includes it too)."""
+    ptr, i32, i64, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint32
+    for name, args, res in (("pi_gpu_setup", [ptr, i64, i64], None), ("pi_gpu_control", [ptr], None), ("pi_gpu_attach", [ptr, i32], u32),
+                            ("pi_gpu_next", [ptr, u32, ctypes.POINTER(u32), i32, i32], i32), ("pi_gpu_task", [ptr, ptr], None),
+                            ("pi_gpu_answer", [ptr, u32, i32], None), ("pi_gpu_bench", [ptr, ptr, i32, i32, ptr], i32)):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
