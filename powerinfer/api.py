@@ -143,7 +143,7 @@ class LLM:
         self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
         use = self.predictor if sparse else None
         ex: Executor
-        if gpu is not None and (gpu.split != "layer" or not gpu.process or executor != "process" or transport == "zmq"):
+        if gpu is not None and (not gpu.process or executor != "process" or transport == "zmq"):
             ex = self._hybrid(gpu, n_ctx, n_threads, predictor, sparse, n_slots, progress)
         elif executor == "inprocess" and (lib := self._native_lib(native, n_shards == 1)) is not None:
             from powerinfer.coordinator.native_executor import NativeExecutor
@@ -157,7 +157,7 @@ class LLM:
 
                 torch.set_num_threads(n_threads)
             ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use, n_slots=n_slots)
-        else:  # with a GPU in layer split, it joins the native pool as a rank (coordinator/gpu_rank.py)
+        else:  # with a GPU, it joins the native pool as a rank (coordinator/gpu_rank.py)
             ex = self._process_executor(transport, use is not None, predictor, n_ctx, n_threads, worker_threads, pin, n_slots, n_batch, gpu)
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch, n_slots=n_slots)
@@ -193,7 +193,7 @@ class LLM:
 
     def _process_executor(self, transport: str, sparse: bool, predictor: "str | os.PathLike[str] | None", n_ctx: int, n_threads: int | None,
                           worker_threads: int, pin: bool, n_slots: int, n_batch: int, gpu: "GpuOptions | None" = None) -> Executor:
-        """Worker processes: native ranks merging in shared memory (and a GPU rank in layer split),
+        """Worker processes: native ranks merging in shared memory (and a GPU rank with -ngl),
         or torch shards over ZeroMQ."""
         from powerinfer.coordinator.native_pool import shm_blocker
         from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
@@ -203,12 +203,12 @@ class LLM:
         if transport != "zmq":
             why = shm_blocker(self.file, self.config, n_workers, sparse)
             if why is None:
-                from powerinfer.coordinator.gpu_rank import layer_split_rank
+                from powerinfer.coordinator.gpu_rank import gpu_rank_spec
                 from powerinfer.coordinator.native_pool import NativePoolExecutor
                 from powerinfer.cpu_workers.native_lib import decoder_lib
 
-                rank = None if gpu is None else layer_split_rank(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
-                                                                  predictor_path=predictor, sparse=sparse, n_slots=n_slots, log_level=level)
+                rank = None if gpu is None else gpu_rank_spec(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
+                                                               predictor_path=predictor, sparse=sparse, n_slots=n_slots, log_level=level)
                 placements = tuple(plan_placement(read_topology(), n_workers, worker_threads)) if pin else ()
                 return NativePoolExecutor(decoder_lib(), self.file, str(self.path), self.config, n_ctx, n_workers, worker_threads,  # type: ignore[arg-type]
                                           placements, level, n_slots, n_batch, predictor=str(predictor) if sparse else "", gpu=rank)

@@ -81,11 +81,15 @@ def load_summary(llm: LLM) -> str:
             lines.append("shards     " + ", ".join(f"w{i}: q heads {r.q0}-{r.q1 - 1}, neurons {r.n0}-{r.n1 - 1}, rows {r.d0}-{r.d1 - 1}"
                                                    for i, r in enumerate(ranks)))
             spec = getattr(ex, "gpu_spec", None)
-            if spec is not None:  # layer split: the GPU worker is one more rank (coordinator/gpu_rank.py)
-                on = spec.layers
-                lines.append(f"placement  GPU worker (pid {pids[-1]}) as a rank of the pool, layer split: {len(on)}/{cfg.n_layers} layers "
-                             f"({_runs(on)}) on the GPU, {_mib(ex.gpu_bytes)} of a {_mib(spec.setup.budget)} budget; the CPU ranks hand "
-                             "the residual stream over around them")
+            if spec is not None:  # the GPU worker is one more rank (coordinator/gpu_rank.py)
+                on, split = spec.layers, spec.split_layers
+                hot = sum(len(spec.setup.plan.hot[i]) for i in split)
+                parts = [f"{len(on)}/{cfg.n_layers} whole layers ({_runs(on)}) handed over as the residual stream"] if on else []
+                if split:
+                    parts.append(f"in {len(split)} layers ({_runs(split)}) the attention of {len(spec.attn_layers)} and {hot} hot "
+                                 "neurons, the cold ones on the CPU ranks")
+                lines.append(f"placement  GPU worker (pid {pids[-1]}) as a rank of the pool: {'; '.join(parts)}; "
+                             f"{_mib(ex.gpu_bytes)} of a {_mib(spec.setup.budget)} budget")
         else:
             lines.append(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling")
             plan = ex.plan
@@ -164,7 +168,8 @@ def layer_figures(llm: LLM) -> str:
         lat = merge() / 1e3
         med = f"{float(np.median(lat)):.1f}" if lat.size else "-"
         p99 = f"{float(np.percentile(lat, 99)):.1f}" if lat.size else "-"
-        gpu = [f"GPU rank's runs of layers (hand-off both ways and its compute): {stats.gpu_us / n:.1f} µs a step"] * bool(stats.gpu_us)
+        gpu = [f"waiting for the GPU rank (its runs of layers, attention and hot neurons, beyond the CPU ranks' own work): "
+               f"{stats.gpu_us / n:.1f} µs a step"] * bool(stats.gpu_us)
         return "\n".join([
             f"per step (n={stats.calls}): round trip {stats.round_trip_us / n:.1f} µs, a rank's native time {stats.compute_us / n / ranks:.1f} µs, "
             f"of it {100 * stats.wait_share:.1f}% waiting in merges ({stats.syncs / n:.0f} merges a step)",

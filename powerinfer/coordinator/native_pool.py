@@ -60,7 +60,7 @@ class PoolStats:
     rank_compute_us: list[float] = field(default_factory=list)
     rank_wait_us: list[float] = field(default_factory=list)
     slowest_us: float = 0.0  # per call, the rank longest in native code: the rest of the wall time is outside it
-    gpu_us: float = 0.0  # per call, the longest a CPU rank waited for the GPU rank's runs of layers (hand-off and its compute)
+    gpu_us: float = 0.0  # per call, the longest a CPU rank waited for the GPU rank's answers (runs of layers, attention, hot neurons)
 
     def reset(self) -> None:
         self.calls, self.round_trip_us, self.compute_us, self.wait_us, self.syncs = 0, 0.0, 0.0, 0.0, 0
@@ -110,7 +110,7 @@ class NativePoolExecutor:
         message per pass (the protocol's portable form; measured slower, see docs/protocol.md).
         predictor: a .predictor file; each rank then computes its neurons' gate and up rows
         sparsely (kernels/sparse_rows.h); the merge is the dense one.
-        gpu: the GPU worker joins as a rank that computes these whole layers (coordinator/gpu_rank.py)."""
+        gpu: the GPU worker joins as a rank that computes that share of the layers (coordinator/gpu_rank.py)."""
         if max_tokens < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
@@ -121,7 +121,8 @@ class NativePoolExecutor:
         self._row = np.empty(max(cfg.d_model, self.head.cols), dtype=np.float32)
         self._cand = np.empty(self.head.rows, dtype=np.int32)
         self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, predictor, n_slots, "shm", "", max_tokens,
-                                  gpu.layers if gpu is not None else ())
+                                  gpu.layers if gpu is not None else (), gpu.attn_layers if gpu is not None else (),
+                                  gpu.hot_json() if gpu is not None else "")
         self.gpu_spec = gpu
         self.gpu: GpuWorkerProcess | None = None
         self.max_tokens = max_tokens

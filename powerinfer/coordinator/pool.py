@@ -12,6 +12,7 @@ killed, or stops beating is reported as :class:`WorkerDiedError` to the request 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +32,7 @@ from powerinfer.protocol.supervisor import Supervisor
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0
+HOT_FILE = "gpu_hot.json"  # PoolConfig.gpu_hot, written for the workers (LOAD.gpu_hot names it)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class PoolConfig:
     shm: str = ""  # transport "shm": the segment's path (made by the executor before the pool starts)
     max_t: int = 1  # transport "shm": most tokens per STEP
     gpu_layers: tuple[int, ...] = ()  # transport "shm": layers of the pool's GPU rank (the CPU ranks skip them)
+    gpu_attn: tuple[int, ...] = ()  # transport "shm": layers whose attention the GPU rank computes (neuron split)
+    gpu_hot: str = ""  # transport "shm": JSON list of each layer's hot neurons on the GPU rank (neuron split; "" none)
 
 
 class WorkerPool:
@@ -64,7 +68,9 @@ class WorkerPool:
 
     def start(self) -> None:
         cfg = self.config
-        self._sup = Supervisor("powerinfer.cpu_workers.worker", cfg.n_workers, cfg.log_level, lambda i: f"worker {i}")
+        # the hot neuron lists exceed a LOAD body: they go as a file in the supervisor's private directory
+        files = {HOT_FILE: cfg.gpu_hot} if cfg.gpu_hot else None
+        self._sup = Supervisor("powerinfer.cpu_workers.worker", cfg.n_workers, cfg.log_level, lambda i: f"worker {i}", files=files)
         try:
             self._handshake(self._sup)
             self._sup.serving = True
@@ -82,7 +88,8 @@ class WorkerPool:
             pl = cfg.placements[i] if i < len(cfg.placements) else None
             sup.send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
                                 cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor,
-                                n_slots=cfg.n_slots, transport=cfg.transport, shm=cfg.shm, max_t=cfg.max_t, gpu_layers=cfg.gpu_layers))
+                                n_slots=cfg.n_slots, transport=cfg.transport, shm=cfg.shm, max_t=cfg.max_t, gpu_layers=cfg.gpu_layers,
+                                gpu_attn=cfg.gpu_attn, gpu_hot=os.path.join(sup.dir, HOT_FILE) if cfg.gpu_hot else ""))
         replies = sup.gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "loading")
         self.ready = []
         for i in range(cfg.n_workers):

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PART_ATTN, PART_FFN = 1, 2  # model.h's PI_PART_*: a layer's attention / some of its neurons live on the GPU rank
+
 def weight(f: GGUFFile, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> PiWt:
     """A matrix of the file, in place: a pointer into the mapping, its type and shape; rows / cols
     [a, b) take a slice (columns on whole blocks: the rows keep the file's stride)."""
@@ -95,10 +97,16 @@ class NativeDecoder:
     """One model for the native decoder: forward passes over up to max_t tokens, KV cache per slot."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int,
-                 shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None, only: frozenset[int] | None = None) -> None:
+                 shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None, only: frozenset[int] | None = None,
+                 gpu_attn: frozenset[int] = frozenset(), hot: Sequence[np.ndarray] = ()) -> None:
         """shard: this process is one rank of the native pool and holds that part of every layer.
         sparse: every layer's FFN runs through it instead of wg/wu/wd (a rank's: its neuron range).
-        only: build just these layers (the GPU hybrid's CPU-only layers), run by :meth:`forward_range`."""
+        only: build just these layers (the GPU hybrid's CPU-only layers), run by :meth:`forward_range`.
+        gpu_attn, hot (a rank of a pool with a GPU rank in neuron split, kernels/handoff.h): these
+        layers' attention, and per layer these neurons (global indices), live on the GPU rank; the
+        attention is not built here and the hot neurons are never computed here."""
+        if hot and len(hot) != cfg.n_layers:
+            raise InvalidArgumentError(f"hot neurons for {len(hot)} layers, the model has {cfg.n_layers}")
         self.lib, self.cfg, self.f = lib, cfg, f
         self.sparse = sparse
         sh = shard or RankShard(0, cfg.n_heads, 0, cfg.n_kv_heads, 0, cfg.n_ff, 0, cfg.d_model, 0, cfg.vocab_size)
@@ -117,8 +125,11 @@ class NativeDecoder:
                 self.v_cache.append(np.empty((0,), dtype=np.float32))
                 continue
             L = layers[i]
-            for field, part in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output"), ("wg", "ffn_gate"),
-                                ("wu", "ffn_up"), ("wd", "ffn_down")):
+            self._gpu_part(L, i, i in gpu_attn, np.asarray(hot[i]) if hot else None)
+            mats = (("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down"))
+            if i not in gpu_attn:
+                mats = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")) + mats
+            for field, part in mats:
                 w = weight(f, layer_tensor(i, part), *_slices(field, sh, D, Dv))
                 # sparse: the chosen up rows (and gate rows, when a predictor chooses) are read in
                 # the file's layout, so those matrices stay as they are (one copy resident)
@@ -132,6 +143,10 @@ class NativeDecoder:
             if cfg.post_norms:
                 L.post_attn_norm = self._vec(f, layer_tensor(i, "post_attention_norm"), d)
                 L.post_ffn_norm = self._vec(f, layer_tensor(i, "post_ffw_norm"), d)
+            if i in gpu_attn:  # no weights, biases or KV cache: the GPU rank computes this attention
+                self.k_cache.append(np.empty((0,), dtype=np.float32))
+                self.v_cache.append(np.empty((0,), dtype=np.float32))
+                continue
             if cfg.qk_norm:
                 L.q_norm = self._vec(f, layer_tensor(i, "attn_q_norm"), D)
                 L.k_norm = self._vec(f, layer_tensor(i, "attn_k_norm"), D)
@@ -177,6 +192,23 @@ class NativeDecoder:
             self.model.ffn_active = sparse.active.ctypes.data
         self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
         self.max_t = max_t
+
+    def _gpu_part(self, L: PiLayer, i: int, attn: bool, hot: np.ndarray | None) -> None:
+        """Layer i's share with a GPU rank (model.h's gpu_part and cold mask over this rank's neurons)."""
+        sh = self.shard
+        L.gpu_part = int(attn) * PART_ATTN
+        if hot is None or not hot.size:
+            return
+        if hot.min() < 0 or hot.max() >= self.cfg.n_ff:
+            raise InvalidArgumentError(f"layer {i}: hot neurons outside its {self.cfg.n_ff}")
+        cold = np.ones(sh.n1 - sh.n0, dtype=np.uint8)  # [this rank's neurons]: 1 computed here, 0 on the GPU rank
+        mine = hot[(hot >= sh.n0) & (hot < sh.n1)]
+        cold[mine - sh.n0] = 0
+        pad = np.ones(-len(cold) % 16, dtype=np.uint8)
+        blocks = np.concatenate([cold, pad]).reshape(-1, 16).any(axis=1).astype(np.uint8)  # [blocks of 16]: 0 when all hot
+        self._keep += [cold, blocks]
+        L.cold, L.cold_blocks = cold.ctypes.data, blocks.ctypes.data
+        L.gpu_part |= PART_FFN
 
     def _vec(self, f: GGUFFile, name: str, n: int, part: tuple[int, int] | None = None) -> int:
         v = load_vector(f, name, n)

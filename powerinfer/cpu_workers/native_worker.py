@@ -15,6 +15,7 @@ segment, every rank its columns of the logits; RESULT tells the coordinator the 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import threading
@@ -52,6 +53,18 @@ IDLE_MS = 1000  # an idle rank wakes this often (to return to Python; costs noth
 CONTROL_WAIT_MS = 2000  # how long a rung rank waits for the ZeroMQ message
 
 
+def read_hot(path: str, n_layers: int) -> tuple[np.ndarray, ...]:
+    """LOAD.gpu_hot's file: a JSON list of each layer's hot neurons (int32 arrays, [n_layers])."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the GPU rank's hot neurons from {path}: {e}") from e
+    if not isinstance(data, list) or len(data) != n_layers or not all(isinstance(h, list) for h in data):
+        raise ValueError(f"{path}: expected a list of {n_layers} lists of neuron indices")
+    return tuple(np.asarray(h, dtype=np.int64) for h in data)
+
+
 class NativeRank:
     """This worker's rank: the decoder over its shard, the segment and its merge handle."""
 
@@ -70,8 +83,11 @@ class NativeRank:
             raise UnsupportedModelError(f"the native decoder cannot run this model: {why}")
         self.shard = plan_ranks(cfg, load.n_workers, sparse=bool(load.predictor))[rank]
         gpu = frozenset(load.gpu_layers)
-        if any(not 0 <= i < cfg.n_layers for i in gpu):
-            raise ValueError(f"LOAD names GPU layers outside the model's {cfg.n_layers}: {sorted(gpu)}")
+        gpu_attn = frozenset(load.gpu_attn)
+        if any(not 0 <= i < cfg.n_layers for i in gpu | gpu_attn):
+            raise ValueError(f"LOAD names GPU layers outside the model's {cfg.n_layers}: {sorted(gpu | gpu_attn)}")
+        hot = read_hot(load.gpu_hot, cfg.n_layers) if load.gpu_hot else ()
+        has_gpu = bool(gpu or gpu_attn or any(len(h) for h in hot))
         # the GPU rank's layers are not built here: the stream is handed over around them (kernels/handoff.h)
         only = frozenset(range(cfg.n_layers)) - gpu if gpu else None
         sparse = None
@@ -80,16 +96,17 @@ class NativeRank:
             # hybrid executor): the "too dense to pay, run dense" cut would make the text depend on
             # where a layer lives
             sparse = NativeSparseFFNs(lib, f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1),
-                                      (self.shard.d0, self.shard.d1), only=only, max_share=1.0 if gpu else MAX_SPARSE_SHARE)
+                                      (self.shard.d0, self.shard.d1), only=only, max_share=1.0 if has_gpu else MAX_SPARSE_SHARE)
         self.sparse = sparse
-        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse, only)
+        self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse, only,
+                                 gpu_attn, hot)
         if gpu:
             self.on_gpu = np.array([i in gpu for i in range(cfg.n_layers)], dtype=np.int8)
             self.dec.model.on_gpu = self.on_gpu.ctypes.data
-        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), bool(gpu))
+        layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), has_gpu)
         self.seg = Segment(load.shm, layout, create=False)
         # the GPU rank's process needs a core too (to answer its hand-offs)
-        oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) + (1 if gpu else 0) > n_cpus
+        oversubscribed = n_cpus > 0 and load.n_workers * max(1, load.threads) + (1 if has_gpu else 0) > n_cpus
         if oversubscribed:
             log.info("worker %d: %d ranks x %d threads on %d CPUs: merges and steps sleep without spinning", rank, load.n_workers,
                      max(1, load.threads), n_cpus)

@@ -1,12 +1,15 @@
-"""The GPU worker as a rank of the native pool's segment (layer split): runs of GPU layers handed over in shared memory.
+"""The GPU worker as a rank of the native pool's segment: runs of GPU layers, and a layer's attention or hot neurons, handed over in shared memory.
 
 Runs in: the GPU worker process (LOAD with transport "shm"), or the coordinator for tests
 (``process=False`` in :class:`powerinfer.coordinator.gpu_rank.GpuRank`). numpy and ctypes (its waits: native/kernels/handoff.h); no torch.
 
-The CPU ranks of the pool run every other layer and hand the residual stream over around each run
-of the GPU's layers (kernels/handoff.h): CPU rank 0 writes x [T, d] and the run into the segment
-and rings; this rank runs :meth:`GpuModel.layers` over it (the stream stays on the device for the
-whole run), writes the result back and answers; every CPU rank copies it. Its wait for the next
+The CPU ranks of the pool run every other layer and hand rows over (kernels/handoff.h): around
+each run of the GPU's whole layers, the residual stream x [T, d] (this rank runs
+:meth:`GpuModel.layers` over it, the stream on the device for the whole run, and writes it back);
+in neuron split, a layer's normed input for its attention (the output projection comes back) or
+for its hot neurons (their partial of the down projection comes back, while the CPU ranks compute
+the cold ones). CPU rank 0 writes the rows and the task into the segment and rings; this rank
+answers; every CPU rank reads the answer. Its wait for the next
 run is native code (``pi_gpu_next``: spin, then a futex), so no Python loop polls; between runs,
 when the coordinator rings the control word, it reads its ZeroMQ socket (SHUTDOWN). A run that
 raises is answered with rc 1, which fails the step on every CPU rank; the error is logged here.
@@ -34,6 +37,8 @@ log = logging.getLogger(__name__)
 
 IDLE_MS = 1000  # an idle GPU rank wakes this often to read its socket
 CONTROL_WAIT_MS = 2000  # how long a rung rank waits for the ZeroMQ message
+RUN, ATTN, FFN = 0, 1, 2  # handoff.h's PI_GPU_* task kinds
+KINDS = {RUN: "a run", ATTN: "the attention", FFN: "the hot neurons"}
 SPIN_US = int(os.environ.get("POWERINFER_GPU_SPIN_US", "0"))  # spin for the next run before sleeping (0: the CPU ranks need the cores)
 
 
@@ -43,18 +48,18 @@ class GpuRank:
     def __init__(self, load: LoadMsg, cfg: ModelConfig, model: GpuModel, spin_us: int = SPIN_US) -> None:
         lib = comm_lib()  # its waits in native code (kernels/handoff.h); BuildError without a C compiler
         gpu = sorted(set(load.gpu_layers))
-        if not gpu:
-            raise InvalidArgumentError("a GPU rank was loaded with no GPU layers")
+        if not gpu and not any(a is not None for a in model.attn) and not any(f is not None for f in model.ffns):
+            raise InvalidArgumentError("a GPU rank was loaded with no part of any layer")
         missing = [i for i in gpu if not (0 <= i < cfg.n_layers and model.whole(i))]
         if missing:
-            raise InvalidArgumentError(f"layers {missing[:8]} of LOAD's GPU layers do not live wholly on this GPU (layer split only)")
+            raise InvalidArgumentError(f"layers {missing[:8]} of LOAD's GPU layers do not live wholly on this GPU")
         self.lib, self.model, self.spin_us = lib, model, spin_us
         self.gpu_layers = frozenset(gpu)
         layout = SegmentLayout.for_model(cfg, load.n_workers, load.max_t, int(lib.pi_comm_hdr_bytes()), gpu=True)
         self.seg = Segment(load.shm, layout, create=False)
         self.want = int(lib.pi_gpu_attach(self.seg.base, os.getpid())) + 1
         self.control = ctypes.c_uint32(0)
-        self._task = np.zeros(3, dtype=np.int64)
+        self._task = np.zeros(4, dtype=np.int64)
         self.runs, self.busy_s = 0, 0.0
 
     def next(self, idle_ms: int = IDLE_MS, busy: threading.Event | None = None) -> int:
@@ -73,26 +78,41 @@ class GpuRank:
         return 0
 
     def serve_one(self) -> None:
-        """Hand-off `want` is posted: run its layers over the stream and answer."""
+        """Hand-off `want` is posted: compute its task over the area's rows and answer."""
         t0 = time.perf_counter()
         self.lib.pi_gpu_task(self.seg.base, self._task.ctypes.data)
-        T, first, stop = (int(v) for v in self._task)
+        T, first, stop, kind = (int(v) for v in self._task)
         code = 0
         try:
-            if not (1 <= T <= self.seg.layout.max_t and all(i in self.gpu_layers for i in range(first, stop)) and first < stop):
-                raise InvalidArgumentError(f"a hand-off of layers [{first}, {stop}) over {T} tokens is not this rank's")
+            if not (1 <= T <= self.seg.layout.max_t and self._mine(kind, first, stop)):
+                raise InvalidArgumentError(f"a hand-off of {KINDS.get(kind, kind)} [{first}, {stop}) over {T} tokens is not this rank's")
             io = self.seg.io
             x = self.seg.handoff[:T]
             # x [T, d] f32 in the segment; positions and slots of the step's tokens from its io area
-            y = self.model.layers(first, stop, x, io[1, :T], io[2, :T])
+            if kind == RUN:  # the stream through whole layers
+                y = self.model.layers(first, stop, x, io[1, :T], io[2, :T])
+            elif kind == ATTN:  # a layer's normed input -> its attention's output projection
+                y = self.model.attention(first, x, io[1, :T], io[2, :T])
+            else:  # the FFN's normed input -> the hot neurons' partial of the down projection
+                y = self.model.ffn(first, x)
             x[...] = y
         except Exception:  # noqa: BLE001 - answered as a failed run (every CPU rank fails the step); logged here
-            log.exception("GPU rank: layers %d..%d over %d tokens failed", first, stop - 1, T)
+            log.exception("GPU rank: %s of layers %d..%d over %d tokens failed", KINDS.get(kind, kind), first, stop - 1, T)
             code = 1
         self.lib.pi_gpu_answer(self.seg.base, self.want, code)
         self.want += 1
         self.runs += 1
         self.busy_s += time.perf_counter() - t0
+
+    def _mine(self, kind: int, first: int, stop: int) -> bool:
+        """Whether this rank holds what the task needs (the CPU ranks and this plan come from one placement)."""
+        if kind == RUN:
+            return first < stop and all(i in self.gpu_layers for i in range(first, stop))
+        if stop != first + 1 or not 0 <= first < self.model.cfg.n_layers:
+            return False
+        if kind == ATTN:
+            return self.model.attn[first] is not None
+        return kind == FFN and self.model.ffns[first] is not None
 
     def close(self) -> None:
         self.seg.close()

@@ -83,7 +83,8 @@ _ACT = ("f32", "bf16")
 _SPECS = [
     _spec(HelloMsg, {"version": _U, "worker": _U, "pid": _U}),
     _spec(LoadMsg, {"model": _STR, "worker": _U, "n_workers": _U1, "n_ctx": _U1, "threads": _U, "cpus": _ULIST, "node": _IDX, "predictor": _STR, "n_slots": _U1,
-                    "transport": _STR, "shm": _STR, "max_t": _U1, "gpu_layers": _ULIST}),
+                    "transport": _STR, "shm": _STR, "max_t": _U1, "gpu_layers": _ULIST,
+                    "gpu_attn": _ULIST, "gpu_hot": _STR}),
     _spec(ReadyMsg, {"worker": _U, "weight_bytes": _U, "load_s": _FLOAT}),
     _spec(AttnMsg, _STEP, (("x", _ACT, 2), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
     _spec(LayersMsg, {**_STEP, "stop": _U1}, (("x", ("f32",), 2), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),

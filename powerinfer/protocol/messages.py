@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 7  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
+PROTOCOL_VERSION: int = 8  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
 # 5: LAYERS (a run of whole layers in one request); 6: the shm segment's banks per rank; 7: LOAD gpu_layers, the GPU worker
-# as a rank of the segment (its hand-off around runs of GPU layers)
+# as a rank of the segment (its hand-off around runs of GPU layers); 8: LOAD gpu_attn/gpu_hot, the GPU rank in neuron split
+# (hand-offs of a layer's attention and hot neurons)
 MAX_BODY = 64 * 1024  # bytes of frame 0 (type byte + msgpack body)
 MAX_STR = 4096  # characters of a str field (two of them at 4 B/char stay well under MAX_BODY)
 MAX_LIST = 4096  # elements of a list field (LOAD.cpus)
@@ -114,6 +115,8 @@ class LoadMsg:
     shm: str = ""  # transport "shm": path of the pool's shared-memory segment
     max_t: int = 1  # transport "shm": most tokens in one STEP (the segment is sized for them)
     gpu_layers: tuple[int, ...] = ()  # transport "shm": layers the pool's GPU rank computes (the CPU ranks hand the stream over)
+    gpu_attn: tuple[int, ...] = ()  # transport "shm": layers whose attention the GPU rank computes (neuron split)
+    gpu_hot: str = ""  # transport "shm": a JSON file of the GPU rank's hot neurons per layer (neuron split; "" none)
     TYPE: ClassVar[MsgType] = MsgType.LOAD
 
 

@@ -128,7 +128,7 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
     speeds = {}
     for split in ("neuron", "layer"):
         t0 = time.perf_counter()
-        opts = GpuOptions(backend=backend, split=split, vram_budget_gib=budget_gib, reset_index=True)
+        opts = GpuOptions(backend=backend, split=split, vram_budget_gib=budget_gib, reset_index=split == "neuron")
         ex = build_hybrid_executor(path, f, cfg, N_CTX, opts, predictor=pf, predictor_path=ppath)
         try:
             load = time.perf_counter() - t0
@@ -146,6 +146,40 @@ def run_benchmark(workdir: Path, shape: str, n_layers: int, qtype: str, budget_g
         finally:
             ex.close()
     rows.append(Row("bench", "neuron vs layer split", f"{speeds['neuron'] / speeds['layer']:.2f}x decode speed", None))
+    rows += _neuron_rank_rows(path, f, cfg, backend, budget_gib, pf, ppath, n_tokens, speeds["neuron"])
+    return rows
+
+
+def _neuron_rank_rows(path: Path, f: GGUFFile, cfg: ModelConfig, backend: str, budget_gib: float, pf: PredictorFile, ppath: Path,
+                      n_tokens: int, hybrid: float) -> list[Row]:
+    """The same neuron split with the GPU worker as a rank of the native pool (the default
+    executor): the cold neurons on the CPU ranks' native kernels, in parallel with the GPU's hot
+    ones, instead of the coordinator's torch shards."""
+    from powerinfer.coordinator.gpu_rank import gpu_rank_spec
+    from powerinfer.coordinator.hybrid_executor import GpuOptions
+    from powerinfer.coordinator.native_pool import NativePoolExecutor, shm_blocker
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.cpu_workers.topology import default_workers
+
+    n = min(8, default_workers())
+    why = shm_blocker(f, cfg, n, sparse=True)
+    if why is not None:
+        return [Row("bench", "neuron split, GPU rank of the pool", f"not run: {why}", None)]
+    opts = GpuOptions(backend=backend, split="neuron", vram_budget_gib=budget_gib)
+    spec = gpu_rank_spec(path, f, cfg, N_CTX, opts, predictor=pf, predictor_path=ppath)
+    if spec is None:
+        return [Row("bench", "neuron split, GPU rank of the pool", "the budget holds nothing", False)]
+    t0 = time.perf_counter()
+    ex = NativePoolExecutor(decoder_lib(), f, str(path), cfg, N_CTX, n, max_tokens=64, predictor=str(ppath), gpu=spec)  # type: ignore[arg-type]
+    try:
+        load = time.perf_counter() - t0
+        prefill, decode = _decode(ex, f, cfg, n_tokens)
+        per = max(1, ex.stats.calls)
+        rows = [Row("bench", "neuron split, GPU rank of the pool", f"prefill {prefill:.1f}, decode {decode:.2f} tokens/s ({n} CPU ranks, "
+                    f"load {load:.0f}s); a CPU rank waited {ex.stats.gpu_us / per / 1e3:.1f} ms a step for the GPU", None)]
+    finally:
+        ex.close()
+    rows.append(Row("bench", "neuron split: GPU rank vs hybrid", f"{decode / hybrid:.2f}x decode speed (one round each)", None))
     return rows
 
 
@@ -156,8 +190,10 @@ def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_l
     same worker sent one LAYERS request per step (the hybrid executor's default), the runtime in
     the coordinator's process (``--gpu-worker inprocess``), and the GPU worker as a rank of the
     native pool (the default since protocol 7: the stream handed over in shared memory). Then half
-    the layers on the GPU, the hybrid (LAYERS) against the pool with the GPU rank: what the process
-    boundary costs a step when the kernels are short, and what each design removes."""
+    the layers on the GPU, the hybrid (LAYERS) against the pool with the GPU rank; then a neuron
+    split (every attention and about half the neurons on the GPU), the hybrid against the pool with
+    the GPU rank (protocol 8): what the process boundary costs a step when the kernels are short,
+    and what each design removes."""
     t0 = time.perf_counter()
     path = make_model(workdir, "tiny", n_layers, "Q4_0", tag="smollm2-shape", **SMOLLM2_SHAPE)
     f = GGUFFile(path)
@@ -166,7 +202,9 @@ def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_l
     half = cfg.n_layers // 2
     names = {"per-layer": "all on the GPU: GPU worker process, 2 requests a layer", "layers": "all on the GPU: GPU worker process, LAYERS",
              "inprocess": "all on the GPU: GPU runtime in-process", "rank": "all on the GPU: GPU worker as a rank of the pool",
-             "layers-half": f"{half} layers on the GPU: hybrid, LAYERS", "rank-half": f"{half} layers on the GPU: pool with a GPU rank"}
+             "layers-half": f"{half} layers on the GPU: hybrid, LAYERS", "rank-half": f"{half} layers on the GPU: pool with a GPU rank",
+             "neuron-hybrid": "neuron split (every attention, some neurons): hybrid",
+             "neuron-rank": "neuron split (every attention, some neurons): pool with a GPU rank"}
     speeds: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(2):  # alternating rounds
         for way in names:
@@ -187,12 +225,14 @@ def run_worker_overhead(workdir: Path, n_tokens: int, backend: str = "cuda", n_l
     rows.append(Row("overhead", "GPU rank vs LAYERS, all layers", f"{ratio('layers', 'rank'):.2f}x decode speed (median of rounds)", None))
     rows.append(Row("overhead", f"GPU rank vs LAYERS, {half} layers", f"{ratio('layers-half', 'rank-half'):.2f}x decode speed (median of rounds)",
                     None))
+    rows.append(Row("overhead", "neuron split: GPU rank vs hybrid", f"{ratio('neuron-hybrid', 'neuron-rank'):.2f}x decode speed (median of "
+                    "rounds)", None))
     return rows
 
 
 def _overhead_executor(way: str, path: Path, f: GGUFFile, cfg: ModelConfig, backend: str, half: int) -> object:
     """One arm of run_worker_overhead, built and checked (see its docstring)."""
-    from powerinfer.coordinator.gpu_rank import layer_split_rank
+    from powerinfer.coordinator.gpu_rank import gpu_rank_spec
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
     from powerinfer.coordinator.native_pool import NativePoolExecutor
     from powerinfer.cpu_workers.native_lib import decoder_lib
@@ -200,9 +240,17 @@ def _overhead_executor(way: str, path: Path, f: GGUFFile, cfg: ModelConfig, back
 
     ngl = half if way.endswith("-half") else -1
     opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=way != "inprocess", n_gpu_layers=ngl)
+    if way.startswith("neuron"):  # ~32 MiB: every layer's attention, then about half of each layer's neurons (by index)
+        opts = GpuOptions(backend=backend, split="neuron", vram_budget_gib=0.03, reset_index=True)
+        if way == "neuron-rank":
+            spec = gpu_rank_spec(path, f, cfg, N_CTX, opts, sparse=False)
+            if spec is None or not spec.split_layers:
+                raise RuntimeError("expected a neuron split with layers shared between the GPU and the CPU ranks")
+            return NativePoolExecutor(decoder_lib(), f, str(path), cfg, N_CTX, min(8, default_workers()), max_tokens=64, gpu=spec)  # type: ignore[arg-type]
+        return build_hybrid_executor(path, f, cfg, N_CTX, opts, sparse=False)
     if way.startswith("rank"):
         lib = decoder_lib()
-        spec = layer_split_rank(path, f, cfg, N_CTX, opts, sparse=False)
+        spec = gpu_rank_spec(path, f, cfg, N_CTX, opts, sparse=False)
         if lib is None or spec is None or len(spec.layers) != (half if ngl > 0 else cfg.n_layers):
             raise RuntimeError(f"expected a native pool with {ngl if ngl > 0 else 'every'} GPU layers ({way})")
         return NativePoolExecutor(lib, f, str(path), cfg, N_CTX, min(8, default_workers()), max_tokens=64, gpu=spec)

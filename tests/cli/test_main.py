@@ -201,25 +201,28 @@ def test_gpu_offload_on_the_cpu_backend(make_model: Callable[..., Path]) -> None
     path in tests/gpu_worker); here: the flags reach it and the summary says where parts live."""
     model = str(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2))
     texts = {}
-    for split in ("neuron", "layer"):
-        proc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", "1", "--vram-budget", "0.002", "--gpu-backend", "cpu",
+    # neuron split: a budget that holds both layers' attention and some of their neurons, not whole layers
+    for split, ngl, budget in (("neuron", "2", "0.00054"), ("layer", "1", "0.002")):
+        proc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", ngl, "--vram-budget", budget, "--gpu-backend", "cpu",
                    "--split", split, "--verbose", *(["--reset-gpu-index"] if split == "neuron" else []))
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("abc") and "eval time" in proc.stderr
         assert "placement  GPU worker (pid" in proc.stderr
-        if split == "neuron":  # the hybrid executor: hot neurons there, cold ones and layer 1 here
-            assert "neuron split: attention of 1/2 layers" in proc.stderr and "hot-neuron ratio" in proc.stderr
-            assert "layers with no GPU part (native decoder)" in proc.stderr  # layer 1 of 2
-        else:  # the GPU worker as a rank of the native pool (coordinator/gpu_rank.py)
-            assert "as a rank of the pool, layer split: 1/2 layers (0) on the GPU" in proc.stderr
-            assert "GPU rank's runs of layers" in proc.stderr
+        # the GPU worker as a rank of the native pool (coordinator/gpu_rank.py)
+        if split == "neuron":
+            assert "as a rank of the pool: in 2 layers (0-1) the attention of 2 and" in proc.stderr
+            assert "hot neurons, the cold ones on the CPU ranks" in proc.stderr
+        else:
+            assert "as a rank of the pool: 1/2 whole layers (0) handed over as the residual stream" in proc.stderr
+        assert "waiting for the GPU rank" in proc.stderr
         texts[split] = proc.stdout
-    # --gpu-worker inprocess: the same runtime in this process, the same greedy text
+    # --gpu-worker inprocess: the hybrid executor, the same runtime in this process, the same greedy text
     inproc = run("-m", model, "-p", "abc", "-n", "6", "--temp", "0", "-ngl", "1", "--vram-budget", "0.002", "--gpu-backend", "cpu",
-                 "--gpu-worker", "inprocess", "--verbose")
+                 "--split", "layer", "--gpu-worker", "inprocess", "--verbose")
     assert inproc.returncode == 0, inproc.stderr
-    assert "placement  GPU worker (in process), neuron split" in inproc.stderr
-    assert inproc.stdout == texts["neuron"]
+    assert "placement  GPU worker (in process), layer split" in inproc.stderr and "hot-neuron ratio" in inproc.stderr
+    assert "layers with no GPU part (native decoder)" in inproc.stderr  # layer 1 of 2
+    assert inproc.stdout == texts["layer"]
 
 
 def test_inspect_prints_metadata_and_tensor_types(make_model: Callable[..., Path]) -> None:

@@ -9,6 +9,7 @@ Runs in: the pytest process (coordinator), with CPU worker processes and a GPU w
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -54,7 +55,7 @@ def _pool(path: Path, layers: set[int], n_workers: int = 2, gpu_ctx: int = CTX, 
     assert lib is not None
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    spec = GpuRankSpec(str(path), _setup(cfg, layers), gpu_ctx, n_slots, predictor)
+    spec = GpuRankSpec(str(path), _setup(cfg, layers), gpu_ctx, n_slots, predictor, n_ff=cfg.n_ff)
     return NativePoolExecutor(lib, f, str(path), cfg, CTX, n_workers, n_slots=n_slots, max_tokens=8, step_channel=step_channel,
                               predictor=predictor, gpu=spec)
 
@@ -247,19 +248,18 @@ def test_an_idle_gpu_rank_sleeps(make_model: Callable[..., Path]) -> None:
         ex.close()
 
 
-def test_a_gpu_rank_takes_whole_layers_only(make_model: Callable[..., Path]) -> None:
+def test_the_spec_names_what_goes_where(make_model: Callable[..., Path]) -> None:
     path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=4)
-    f = GGUFFile(path)
-    cfg = config_from_gguf(f)
+    cfg = config_from_gguf(GGUFFile(path))
     hot = _setup(cfg, {1, 2}).plan.hot
-    mixed = (hot[0], hot[1][: cfg.n_ff // 2], hot[2], hot[3])  # layer 1 split, layer 2 whole
-    with pytest.raises(InvalidArgumentError, match="layer 1 is split"):
-        GpuRankSpec(str(path), GpuSetup("cpu", 1 << 30, GpuPlan(mixed, (False, True, True, False), True, 8)), CTX)
-    with pytest.raises(InvalidArgumentError, match="at least one GPU layer"):
-        GpuRankSpec(str(path), _setup(cfg, set()), CTX)
-    # every GPU layer with the same half of its neurons: the GPU worker itself refuses the LOAD
-    halves = tuple(h[: cfg.n_ff // 2] for h in hot)
-    spec = GpuRankSpec(str(path), GpuSetup("cpu", 1 << 30, GpuPlan(halves, (False, True, True, False), True, 8)), CTX)
-    assert lib is not None
-    with pytest.raises(WorkerError, match="do not live wholly on this GPU"):
-        NativePoolExecutor(lib, f, str(path), cfg, CTX, 2, max_tokens=8, gpu=spec)
+    mixed = (np.arange(5, dtype=np.int32), hot[1][: cfg.n_ff // 2], hot[2], hot[3])  # layers 0, 1 split, layer 2 whole
+    spec = GpuRankSpec(str(path), GpuSetup("cpu", 1 << 30, GpuPlan(mixed, (False, True, True, True), True, 8)), CTX, n_ff=cfg.n_ff)
+    assert (spec.layers, spec.attn_layers, spec.split_layers) == ((2,), (1, 3), (0, 1, 3))
+    assert json.loads(spec.hot_json()) == [list(range(5)), list(range(cfg.n_ff // 2)), [], []]
+    with pytest.raises(InvalidArgumentError, match="FFN width"):
+        GpuRankSpec(str(path), _setup(cfg, {1}), CTX)
+    with pytest.raises(InvalidArgumentError, match="places nothing on the GPU"):
+        GpuRankSpec(str(path), _setup(cfg, set()), CTX, n_ff=cfg.n_ff)
+    bad = (np.array([0, 0], np.int32), hot[1], hot[2], hot[3])
+    with pytest.raises(InvalidArgumentError, match="layer 0: hot neurons must be distinct"):
+        GpuRankSpec(str(path), GpuSetup("cpu", 1 << 30, GpuPlan(bad, (False,) * 4, True, 8)), CTX, n_ff=cfg.n_ff)

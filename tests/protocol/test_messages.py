@@ -72,6 +72,7 @@ def samples() -> list[Message]:
         FfnMsg(7, 3, 11, (X,)),
         PartialMsg(7, 3, 11, 1, 250, (X * 2,)),
         LoadMsg("/models/smollm2.gguf", 0, 2, 512, 1, (), -1, "", 4, "shm", "/dev/shm/powerinfer-1-x", 512),
+        LoadMsg("/models/smollm2.gguf", 1, 2, 512, 1, (), -1, "", 1, "shm", "/dev/shm/powerinfer-1-x", 512, (0, 1), (2, 3), "/tmp/d/gpu_hot.json"),
         StepMsg(7, 3, 2, (POS, POS, np.zeros_like(POS))),
         ResultMsg(7, 3, 1, 4200, 150, 60),
         ErrorMsg(7, 3, 11, 1, "RuntimeError", "boom"),
@@ -358,10 +359,11 @@ BAD: dict[str, tuple[list[Any], str]] = {
     "float step": (raw(5, step_body([["f32", [1, 1]]], step=1.0), bytes(4)), "field 'step' must be an int in"),
     "NaN float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("nan")}), "field 'load_s' must be a finite float"),
     "inf float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("inf")}), "field 'load_s' must be a finite float"),
-    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": []}), "field 'cpus'"),
-    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": []}), "field 'n_ctx'"),
-    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": []}), "field 'n_slots'"),
-    "bad gpu layers": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [3, -1]}), "field 'gpu_layers'"),
+    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": ""}), "field 'cpus'"),
+    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": ""}), "field 'n_ctx'"),
+    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": ""}), "field 'n_slots'"),
+    "bad gpu layers": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [3, -1], "gpu_attn": [], "gpu_hot": ""}), "field 'gpu_layers'"),
+    "bad gpu attn": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [-1], "gpu_hot": ""}), "field 'gpu_attn'"),
     "bad step mode": (raw(11, {"req": 1, "step": 1, "mode": 3, "t": [["i64", [1]], ["i64", [1]], ["i64", [1]]]}, bytes(8), bytes(8), bytes(8)), "field 'mode'"),
     "long str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": "k", "message": "m" * (MAX_STR + 1)}), "field 'message'"),
     "bin for str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": b"k", "message": "m"}), "not valid msgpack"),
@@ -406,9 +408,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 8, this side speaks version 7") as info:
-        decode(raw(1, {"version": 8, "worker": 0, "pid": 1, "features": ["x"]}))  # a v8 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (8, 7)
+    with pytest.raises(ProtocolVersionError, match="peer speaks version 9, this side speaks version 8") as info:
+        decode(raw(1, {"version": 9, "worker": 0, "pid": 1, "features": ["x"]}))  # a v9 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (9, 8)
 
 
 def test_encode_rejects_what_decode_would() -> None:
@@ -445,7 +447,7 @@ def test_fuzz_mutations_decode_or_raise_protocol_error() -> None:
     bases = [[bytes(f) for f in encode(m)] for m in samples()]
     interesting = [0x00, 0x01, 0x7F, 0x80, 0x90, 0xA0, 0xC0, 0xC1, 0xC2, 0xCB, 0xCF, 0xD3, 0xDC, 0xDD, 0xDE, 0xDF, 0xFF]
     outcomes = {"ok": 0, "error": 0}
-    for _ in range(2000):
+    for _ in range(3000):  # every message type decoded or refused; > 50 survivors (the LOAD samples are long)
         frames = [bytearray(f) for f in rng.choice(bases)]
         for _ in range(rng.randint(1, 3)):
             op = rng.randrange(7)

@@ -57,14 +57,16 @@ static void rows_plain(const pi_wt *w, const pi_scratch *s, const float *f, int 
     }
 }
 
-/* y[t, r] (row stride ldy) = W[r] . x_t for rows r of W, work-shared in blocks of 16 rows;
- * nowait: the caller places the barrier. Repacked groups of eight rows go through qx8.h. */
-static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy) {
+/* y[t, r] (row stride ldy) = W[r] . x_t for rows r of W, work-shared in blocks of 16 rows, but
+ * for the blocks b with blocks[b] == 0 (blocks NULL: every block; a skipped block's y is left as
+ * it was); nowait: the caller places the barrier. Repacked groups of eight rows go through qx8.h. */
+static void matmul_blocks(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy, const uint8_t *blocks) {
 #ifdef PI_SIMD
     const int K = w->cols, x8_rows = w->x8 ? w->rows / 8 * 8 : 0;
 #endif
 #pragma omp for schedule(static) nowait
     for (int r0 = 0; r0 < w->rows; r0 += 16) {
+        if (blocks && !blocks[r0 / 16]) continue;
         const int r1 = r0 + 16 < w->rows ? r0 + 16 : w->rows;
         int r = r0;
 #ifdef PI_SIMD
@@ -80,6 +82,8 @@ static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, f
         if (r < r1) rows_plain(w, s, f, T, y, ldy, r, r1);
     }
 }
+
+static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy) { matmul_blocks(w, s, f, T, y, ldy, NULL); }
 
 static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
     const float ss = dotf(x, x, n);
@@ -156,11 +160,24 @@ static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
 
 #include "sparse_rows.h"
 
-static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const int64_t *pos, const int64_t *slot, int T, const pi_scratch *s,
+/* Layer li's attention on the GPU rank (neuron split): xn [T, d] (normed) handed over, the output
+ * projection [T, d] it answers copied into s->tmp by every rank, then a barrier merge (nothing
+ * gathered) so that no rank still reads the area when rank 0 posts the FFN's input (handoff.h). */
+static void gpu_attention(const pi_model *m, const pi_scratch *s, int T, int li) {
+    pi_comm *c = (pi_comm *)m->comm;
+#pragma omp single
+    {
+        const float *a = pi_gpu_post(c, PI_GPU_ATTN, s->xn, T, m->d, li, li + 1) ? NULL : pi_gpu_wait(c);
+        if (a) memcpy(s->tmp, a, sizeof(float) * (size_t)T * m->d);
+        pi_allgather(c, s->tmp, T, m->d, 0, 0);
+    }
+}
+
+/* The attention of layer L on this rank's heads: xn [T, d] normed in, the output projection
+ * [T, d] (every rank's rows, gathered) into s->tmp. */
+static void attention_cpu(const pi_model *m, const pi_layer *L, const int64_t *pos, const int64_t *slot, int T, const pi_scratch *s,
                           double *last) {
-    const int d = m->d, D = m->D, Dv = m->Dv, Hq = m->n_head, Hkv = m->n_kv, nff = m->n_ff;
-#pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * d, L->attn_norm, d, m->eps, s->xn + (size_t)t * d);
+    const int d = m->d, D = m->D, Dv = m->Dv, Hq = m->n_head, Hkv = m->n_kv;
     quantize_rows(s, s->xn, T, d);
     mark(m, PH_NORM, last);
     matmul(&L->wq, s, s->xn, T, s->q, Hq * D);
@@ -227,26 +244,46 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
 #pragma omp barrier
     gather(m, s->tmp, T, d, d0, d1);
     mark(m, PH_OUT, last);
+}
+
+/* The FFN half of layer L: the attention's output in s->tmp [T, d] added to x (after the
+ * post-norm), then x += post_norm(down(act(gate) * up)) over this rank's neurons, gathered; a
+ * layer with hot neurons on the GPU rank hands them its normed input first and adds their
+ * partial before the gather (each rank to its own output rows). */
+static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, const pi_scratch *s, double *last) {
+    const int d = m->d, nff = m->n_ff;
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_attn_norm, d, m->eps);
         rmsnorm(x + (size_t)t * d, L->ffn_norm, d, m->eps, s->xn + (size_t)t * d);
     }
+    const int on_gpu = (L->gpu_part & PI_PART_FFN) != 0;
+    pi_comm *c = (pi_comm *)m->comm;
+    if (on_gpu) { /* the hot neurons start on the GPU rank while this rank computes the cold ones */
+#pragma omp single nowait
+        pi_gpu_post(c, PI_GPU_FFN, s->xn, T, d, (int)(L - m->layers), (int)(L - m->layers) + 1);
+    }
     quantize_rows(s, s->xn, T, d);
     mark(m, PH_FFN_NORM, last);
     /* gate into g [T, nffA] at this rank's neurons [n0, n0 + nff); up into u [T, nff] */
     const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
+    const int d0 = m->d0, d1 = m->d0 + L->wd.rows;
     if (L->sp) {
         sparse_hidden(m, L, T, s, last); /* g [T, nffA] at [n0, n0 + nff): zero but for the computed neurons */
     } else {
-        matmul(&L->wg, s, s->xn, T, s->g + n0, nffA);
-        matmul(&L->wu, s, s->xn, T, s->u, nff);
+        matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: not here */
+        matmul_blocks(&L->wu, s, s->xn, T, s->u, nff, L->cold_blocks);
 #pragma omp barrier
         mark(m, PH_GATE_UP, last);
 #pragma omp for schedule(static)
         for (int i = 0; i < T * nchunk; i++) { /* chunks of 256 within a row: the same lanes whatever the split */
             const int t = i / nchunk, c = (i % nchunk) * 256;
-            act_mul(s->g + (size_t)t * nffA + n0 + c, s->u + (size_t)t * nff + c, c + 256 < nff ? 256 : nff - c, m->act);
+            const int n = c + 256 < nff ? 256 : nff - c;
+            float *gt = s->g + (size_t)t * nffA + n0 + c;
+            act_mul(gt, s->u + (size_t)t * nff + c, n, m->act);
+            if (L->cold) /* the GPU rank's hot neurons: their values come as its partial of the down */
+                for (int j = 0; j < n; j++)
+                    if (!L->cold[c + j]) gt[j] = 0.0f;
         }
     }
     gather(m, s->g, T, nffA, n0, n0 + nff);
@@ -257,10 +294,34 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
         matmul(&L->wd, s, s->g, T, s->tmp + d0, d);
     }
 #pragma omp barrier
+    if (on_gpu) { /* the hot neurons' partial, added to this rank's rows before they are gathered */
+#pragma omp single
+        pi_gpu_wait(c);
+        if (!c->err) {
+            const float *a = pi_gpu_area(c);
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++)
+                for (int o = d0; o < d1; o++) s->tmp[(size_t)t * d + o] += a[(size_t)t * d + o];
+        }
+    }
     gather(m, s->tmp, T, d, d0, d1);
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
     mark(m, PH_DOWN, last);
+}
+
+static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const int64_t *pos, const int64_t *slot, int T, const pi_scratch *s,
+                          double *last) {
+    const int d = m->d;
+#pragma omp for schedule(static)
+    for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * d, L->attn_norm, d, m->eps, s->xn + (size_t)t * d);
+    if (L->gpu_part & PI_PART_ATTN) {
+        gpu_attention(m, s, T, (int)(L - m->layers));
+        mark(m, PH_ATTN, last);
+    } else {
+        attention_cpu(m, L, pos, slot, T, s, last);
+    }
+    ffn_forward(m, L, x, T, s, last);
 }
 
 /* x [T, d]: the residual stream entering layer `first` in, leaving layer stop - 1 out, final-normed
@@ -270,7 +331,9 @@ int pi_forward_range(const pi_model *m, float *x, const int64_t *pos, const int6
                      int out_norm) {
     if (T < 1 || T > m->max_t) return 1;
     if (first < 0 || stop > m->n_layers || first > stop) return 3;
-    if (m->on_gpu && !m->comm) return 3; /* GPU layers need the pool's segment */
+    if (m->on_gpu && !m->comm) return 3; /* GPU layers (and shares of layers) need the pool's segment */
+    for (int l = first; l < stop && !m->comm; l++)
+        if (m->layers[l].gpu_part) return 3;
     for (int t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= m->n_ctx || slot[t] < 0 || slot[t] >= m->n_slots) return 2;
     pi_scratch s;
@@ -284,7 +347,10 @@ int pi_forward_range(const pi_model *m, float *x, const int64_t *pos, const int6
                 while (e < stop && m->on_gpu[e]) e++;
 #pragma omp barrier
 #pragma omp single
-                pi_gpu_run((pi_comm *)m->comm, x, T, m->d, l, e);
+                { /* then a barrier merge: rank 0 may post again only once every rank has read the answer */
+                    pi_gpu_run((pi_comm *)m->comm, x, T, m->d, l, e);
+                    pi_allgather((pi_comm *)m->comm, x, T, m->d, 0, 0);
+                }
                 l = e - 1;
                 continue;
             }

@@ -33,7 +33,16 @@ typedef struct {
      * predictor whose positive logits pick them (PI_SP_MASK). NULL: dense. */
     const struct pi_sparse *sp;
     const struct pi_pred *pred;
+    /* Neuron split with a GPU rank (handoff.h): gpu_part bit 1, the attention (weights, KV cache)
+     * lives there; bit 2, some FFN neurons do, and cold [n_ff] marks this rank's neurons the CPU
+     * computes (1) and the GPU's hot ones (0; their hidden values stay zero here); cold_blocks
+     * [n_ff / 16 rounded up]: 0 for a block of 16 of them all hot, whose gate and up rows the dense
+     * kernels skip. */
+    const uint8_t *cold, *cold_blocks;
+    int32_t gpu_part, pad2;
 } pi_layer;
+
+enum { PI_PART_ATTN = 1, PI_PART_FFN = 2 };
 
 /* A layer's neuron predictor, in 8 bits through the same dot products as the weights:
  * logits [T, n_ff] = fc2 . relu(fc1 . xn + b1) + b2, fc1 [r, d], fc2 [n_ff, r] (r % 32 == 0). */

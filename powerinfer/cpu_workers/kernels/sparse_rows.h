@@ -87,8 +87,8 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         predict_mask(m, L->pred, T, s);
         quantize_rows(s, s->xn, T, d); /* the predictor's hidden took the activation scratch */
     }
-    if (dense_gate) matmul(&L->wg, s, s->xn, T, s->g + n0, nffA);
-    if (!rows_only) matmul(&L->wu, s, s->xn, T, s->u, n);
+    if (dense_gate) matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: never chosen */
+    if (!rows_only) matmul_blocks(&L->wu, s, s->xn, T, s->u, n, L->cold_blocks);
 #pragma omp barrier
     if (dense_gate) {
 #pragma omp for schedule(static)
@@ -104,8 +104,8 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         const uint8_t *mt = s->mask + (size_t)t * n;
         int32_t *it = s->idx + (size_t)t * n;
         int k = 0;
-        for (int j = 0; j < n; j++)
-            if (mode == PI_SP_MASK ? mt[j] != 0 : mode == PI_SP_GATE ? fabsf(gt[j]) > thr : 1) it[k++] = j;
+        for (int j = 0; j < n; j++) /* L->cold: the GPU rank's hot neurons are never chosen here */
+            if ((!L->cold || L->cold[j]) && (mode == PI_SP_MASK ? mt[j] != 0 : mode == PI_SP_GATE ? fabsf(gt[j]) > thr : 1)) it[k++] = j;
         off[t + 1] = k;
     }
 #pragma omp single

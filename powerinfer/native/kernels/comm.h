@@ -75,13 +75,14 @@ typedef struct {
     uint8_t pad2[16];
 } pi_done_line;
 
-/* The GPU rank's hand-off (handoff.h): CPU rank 0 writes the stream [T, d] at `off` bytes from
- * the segment's base, the run [first, stop) and T here, and stores in; the GPU rank computes the
- * run, writes the stream back there, rc, and stores out; every CPU rank copies it back. seq is
- * bumped by each hand-off and each control ring (the GPU rank sleeps on it). off 0: no GPU rank. */
+/* The GPU rank's hand-off (handoff.h): CPU rank 0 writes [T, d] at `off` bytes from the
+ * segment's base (the stream, or a layer's normed input), the task (kind, [first, stop)) and T
+ * here, and stores in; the GPU rank computes it, writes [T, d] back there (the stream after the
+ * run, or its partial sum), rc, and stores out; every CPU rank reads it. seq is bumped by each
+ * hand-off and each control ring (the GPU rank sleeps on it). off 0: no GPU rank. */
 typedef struct {
     _Atomic uint32_t in, out, seq, sleepers, out_sleepers, control;
-    int32_t T, first, stop, rc, pid, pad;
+    int32_t T, first, stop, rc, pid, kind; /* kind: PI_GPU_RUN / PI_GPU_ATTN / PI_GPU_FFN (handoff.h) */
     int64_t off, d;
 } pi_gpu_line;
 
@@ -117,7 +118,7 @@ typedef struct {
     int32_t err; /* sticky: 0, or why a sync failed (PI_COMM_*) */
     uint64_t n_syncs, wait_ns;
     uint32_t handoffs, pad; /* runs handed to the GPU rank (handoff.h) */
-    uint64_t gpu_ns;        /* time waiting for them */
+    uint64_t gpu_ns;        /* time waiting for their answers */
     uint32_t *lat; /* PI_LAT_RING latencies in ns, ring */
 } pi_comm;
 

@@ -1,20 +1,27 @@
-/* The GPU worker as a rank of the native pool (layer split): the hand-off of the residual stream
- * around a run of layers that live on the GPU.
+/* The GPU worker as a rank of the native pool: the hand-off of [T, d] rows to it and back, around
+ * a run of layers that live on the GPU (layer split) and inside a layer whose attention or hot
+ * FFN neurons live there (neuron split).
  *
- * Runs in: every CPU worker process of the native pool (pi_gpu_run, inside its forward pass), the
- * GPU worker process (pi_gpu_next / pi_gpu_task / pi_gpu_answer through ctypes, its wait in native
- * code) and the coordinator (pi_gpu_setup, pi_gpu_control). Included by decoder.c after comm.h.
+ * Runs in: every CPU worker process of the native pool (pi_gpu_post / pi_gpu_wait, inside its
+ * forward pass), the GPU worker process (pi_gpu_next / pi_gpu_task / pi_gpu_answer through ctypes,
+ * its wait in native code) and the coordinator (pi_gpu_setup, pi_gpu_control). Included by
+ * decoder.c after comm.h.
  *
- * The CPU ranks hold a replica of the stream x [T, d]. At a run of GPU layers [first, stop) they
- * all arrive here (pi_forward_range); rank 0 copies x into the hand-off area (pi_gpu_line.off),
- * notes T and the run, stores in = k (the k-th hand-off since the segment was made) and wakes the
- * GPU rank; every CPU rank then waits for out >= k (spin, then futex; checking the abort flag, the
- * GPU worker's liveness and a deadline, as a merge does) and copies the area back into its x. One
- * area suffices: rank 0 writes it again only at the next hand-off, which comes after a merge of
- * the CPU layers between two runs (every rank has copied the previous answer before it publishes
- * there) or after the coordinator saw every rank finish the step.
- * The GPU layers' weights and KV cache live on the GPU rank alone; the CPU ranks build nothing
- * for them (native_model.py's `only`).
+ * Three kinds of task, each [T, d] f32 in the hand-off area (pi_gpu_line.off) both ways:
+ *   PI_GPU_RUN   layers [first, stop): the residual stream in, the stream after the run out;
+ *   PI_GPU_ATTN  layer first's attention: its normed input in, the output projection out (the
+ *                layer's KV cache lives on the GPU rank);
+ *   PI_GPU_FFN   layer first's hot neurons: the FFN's normed input in, their partial of the down
+ *                projection out (the CPU ranks compute the cold neurons meanwhile and add it).
+ * Rank 0 posts (copies the rows, notes the task, stores in = k, the k-th hand-off since the
+ * segment was made, and wakes the GPU rank); every CPU rank waits for out >= k (spin, then futex;
+ * checking the abort flag, the GPU worker's liveness and a deadline, as a merge does) and reads
+ * the answer. One area suffices because rank 0 posts again only after a merge that every rank
+ * enters after it has read the previous answer: decoder.c ends each use with one (RUN and ATTN: a
+ * barrier merge after the copy; FFN: the answer is added before the down projection's gather), and
+ * a step's first post follows the coordinator seeing every rank finish the previous step.
+ * The GPU's layers, attention weights and KV caches live on the GPU rank alone; the CPU ranks build
+ * nothing for them (native_model.py's `only` and `gpu_attn`).
  */
 #ifndef PI_HANDOFF_H
 #define PI_HANDOFF_H
@@ -23,39 +30,67 @@
 
 #define PI_GPU_DEADLINE_FACTOR 10 /* a run of layers may take longer than a merge's wait */
 
+enum { PI_GPU_RUN = 0, PI_GPU_ATTN = 1, PI_GPU_FFN = 2 };
+
 static void pi_wake_word(_Atomic uint32_t *word) { syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
 
-/* A CPU rank (one thread, the others at a barrier): layers [first, stop) of x [T, d] on the GPU
- * rank. 0, or a PI_COMM_* code (sticky, as a failed merge). */
-static int pi_gpu_run(pi_comm *c, float *x, int T, int d, int first, int stop) {
+/* A CPU rank (one thread, the others at a barrier or computing): hand task (kind, [first, stop))
+ * over rows [T, d] to the GPU rank; rank 0 copies them into the area, the others only count the
+ * hand-off. 0, or a PI_COMM_* code (sticky, as a failed merge). */
+static int pi_gpu_post(pi_comm *c, int kind, const float *rows, int T, int d, int first, int stop) {
     if (c->err) return c->err;
     pi_shm_hdr *h = c->hdr;
     pi_gpu_line *g = &h->gpu;
     if (!g->off || g->d != d || (int64_t)T > h->max_t) return c->err = PI_COMM_NO_GPU;
-    float *area = (float *)((uint8_t *)h + g->off);
     const uint32_t k = ++c->handoffs;
-    const uint64_t t0 = pi_now_ns();
     if (c->rank == 0) {
-        memcpy(area, x, sizeof(float) * (size_t)T * d);
+        memcpy((uint8_t *)h + g->off, rows, sizeof(float) * (size_t)T * d);
         g->T = T;
+        g->kind = kind;
         g->first = first;
         g->stop = stop;
-        atomic_store_explicit(&g->in, k, memory_order_seq_cst); /* the area and the run are visible before in */
+        atomic_store_explicit(&g->in, k, memory_order_seq_cst); /* the area and the task are visible before in */
         atomic_fetch_add_explicit(&g->seq, 1u, memory_order_seq_cst);
         if (atomic_load_explicit(&g->sleepers, memory_order_seq_cst)) pi_wake_word(&g->seq);
     }
+    return 0;
+}
+
+/* A CPU rank (one thread): wait for the answer to the last pi_gpu_post. The area [T, d] holding
+ * it, or NULL with c->err set (the GPU rank died, stalled or failed; the others' waits fail too). */
+static const float *pi_gpu_wait(pi_comm *c) {
+    if (c->err) return NULL;
+    pi_shm_hdr *h = c->hdr;
+    pi_gpu_line *g = &h->gpu;
     const int deadline_ms = c->deadline_ms > INT32_MAX / PI_GPU_DEADLINE_FACTOR ? INT32_MAX : c->deadline_ms * PI_GPU_DEADLINE_FACTOR;
+    const uint64_t t0 = pi_now_ns();
     /* g->pid 0 (the GPU rank not attached yet): the abort flag and the deadline only; the
      * coordinator starts steps after the GPU worker's READY, which follows its attach */
-    int rc = pi_wait_word(h, &g->out, &g->out_sleepers, k, c->spin_us, c->slice_ms, deadline_ms, g->pid);
-    if (rc) { /* the GPU rank died or stalled: fail the other ranks' waits too */
+    int rc = pi_wait_word(h, &g->out, &g->out_sleepers, c->handoffs, c->spin_us, c->slice_ms, deadline_ms, g->pid);
+    if (rc) {
         atomic_store(&h->abort, 1u);
         pi_wake_all(h);
-        return c->err = rc;
+        c->err = rc;
+        return NULL;
     }
-    if (g->rc) return c->err = PI_COMM_GPU_FAILED; /* every CPU rank reads the same answer */
+    c->gpu_ns += pi_now_ns() - t0; /* the time this rank had nothing else to do */
+    if (g->rc) { /* every CPU rank reads the same answer */
+        c->err = PI_COMM_GPU_FAILED;
+        return NULL;
+    }
+    return (const float *)((const uint8_t *)h + g->off);
+}
+
+/* The hand-off area: the answer to the last post once pi_gpu_wait succeeded. */
+static inline const float *pi_gpu_area(const pi_comm *c) { return (const float *)((const uint8_t *)c->hdr + c->hdr->gpu.off); }
+
+/* A CPU rank (one thread): layers [first, stop) of x [T, d] on the GPU rank, x updated. 0, or a
+ * PI_COMM_* code. The caller merges (a barrier) before rank 0 may post again. */
+static int pi_gpu_run(pi_comm *c, float *x, int T, int d, int first, int stop) {
+    if (pi_gpu_post(c, PI_GPU_RUN, x, T, d, first, stop)) return c->err;
+    const float *area = pi_gpu_wait(c);
+    if (!area) return c->err;
     memcpy(x, area, sizeof(float) * (size_t)T * d);
-    c->gpu_ns += pi_now_ns() - t0;
     return 0;
 }
 
@@ -138,15 +173,16 @@ int pi_gpu_next(void *base, uint32_t want, uint32_t *control, int spin_us, int i
     return 1;
 }
 
-/* The GPU rank: the posted run. out [3] int64: T, first, stop. */
+/* The GPU rank: the posted task. out [4] int64: T, first, stop, kind (PI_GPU_*). */
 void pi_gpu_task(void *base, int64_t *out) {
     const pi_gpu_line *g = &((const pi_shm_hdr *)base)->gpu;
     out[0] = g->T;
     out[1] = g->first;
     out[2] = g->stop;
+    out[3] = g->kind;
 }
 
-/* The GPU rank: hand-off k answered (the area holds the stream after the run; rc nonzero: it failed). */
+/* The GPU rank: hand-off k answered (the area holds its answer; rc nonzero: it failed). */
 void pi_gpu_answer(void *base, uint32_t k, int rc) {
     pi_gpu_line *g = &((pi_shm_hdr *)base)->gpu;
     g->rc = rc;
