@@ -176,7 +176,7 @@ def _neuron_rank_rows(path: Path, f: GGUFFile, cfg: ModelConfig, backend: str, b
         prefill, decode = _decode(ex, f, cfg, n_tokens)
         per = max(1, ex.stats.calls)
         rows = [Row("bench", "neuron split, GPU rank of the pool", f"prefill {prefill:.1f}, decode {decode:.2f} tokens/s ({n} CPU ranks, "
-                    f"load {load:.0f}s); a CPU rank waited {ex.stats.gpu_us / per / 1e3:.1f} ms a step for the GPU", None)]
+                    f"load {load:.0f}s); a CPU rank waited {ex.stats.gpu_us / per / 1e3:.1f} ms a step for the GPU (mean, prefill included)", None)]
     finally:
         ex.close()
     rows.append(Row("bench", "neuron split: GPU rank vs hybrid", f"{decode / hybrid:.2f}x decode speed (one round each)", None))
@@ -240,8 +240,12 @@ def _overhead_executor(way: str, path: Path, f: GGUFFile, cfg: ModelConfig, back
 
     ngl = half if way.endswith("-half") else -1
     opts = GpuOptions(backend=backend, split="layer", vram_budget_gib=2.0, process=way != "inprocess", n_gpu_layers=ngl)
-    if way.startswith("neuron"):  # ~32 MiB: every layer's attention, then about half of each layer's neurons (by index)
-        opts = GpuOptions(backend=backend, split="neuron", vram_budget_gib=0.03, reset_index=True)
+    if way.startswith("neuron"):  # every layer's attention, then about half of each layer's neurons (by index)
+        from powerinfer.coordinator.placement import layer_costs
+
+        c = layer_costs(f, cfg, N_CTX, sparse=False)
+        budget = int(c.overhead + c.fixed.sum() + c.per_neuron.sum() * cfg.n_ff // 2)
+        opts = GpuOptions(backend=backend, split="neuron", vram_budget_gib=budget / 2**30, reset_index=True)
         if way == "neuron-rank":
             spec = gpu_rank_spec(path, f, cfg, N_CTX, opts, sparse=False)
             if spec is None or not spec.split_layers:

@@ -44,7 +44,9 @@ def test_worker_overhead_dry_run(tmp_path: Path) -> None:
     assert "2 layers Q4_0" in by_case["model"]
     for name in ("all on the GPU: GPU worker process, 2 requests a layer", "all on the GPU: GPU worker process, LAYERS",
                  "all on the GPU: GPU runtime in-process", "all on the GPU: GPU worker as a rank of the pool",
-                 "1 layers on the GPU: hybrid, LAYERS", "1 layers on the GPU: pool with a GPU rank"):
+                 "1 layers on the GPU: hybrid, LAYERS", "1 layers on the GPU: pool with a GPU rank",
+                 "neuron split (every attention, some neurons): hybrid", "neuron split (every attention, some neurons): pool with a GPU rank"):
         assert by_case[f"{name} decode"].count(" / ") == 1 and by_case[f"{name} decode"].endswith("tokens/s")
-    for ratio in ("LAYERS vs 2 requests a layer", "in-process vs LAYERS", "GPU rank vs LAYERS, all layers", "GPU rank vs LAYERS, 1 layers"):
+    for ratio in ("LAYERS vs 2 requests a layer", "in-process vs LAYERS", "GPU rank vs LAYERS, all layers", "GPU rank vs LAYERS, 1 layers",
+                  "neuron split: GPU rank vs hybrid"):
         assert "x decode speed" in by_case[ratio]
