@@ -140,14 +140,48 @@ int pi_rank_serve(pi_rank_ctx *ctx, int spin_us, int idle_ms) {
 /* The coordinator's half of the decode logits: rows of logits [T, V] from the ranks' 8-bit head,
  * each row's candidates within margin of its best (at most k) recomputed in float32 from the
  * file's head w and the final hidden [T, d] (pi_decode_logits' rule, without the matmul). */
+/* The largest of n floats (NaN never wins; -INFINITY for none). */
+static float max_of(const float *x, int n) {
+    float mx = -INFINITY;
+    int i = 0;
+#ifdef PI_SIMD
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    for (; i + 16 <= n; i += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0); /* max_ps(a, b) keeps b where a is NaN */
+        m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+    }
+    float lane[8];
+    _mm256_storeu_ps(lane, _mm256_max_ps(m0, m1));
+    for (int j = 0; j < 8; j++) mx = lane[j] > mx ? lane[j] : mx;
+#endif
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
+
+/* cand[0..n) = the indices of x [n] that are >= lo, ascending; returns n. */
+static int at_least(const float *x, int n, float lo, int32_t *cand) {
+    int c = 0, i = 0;
+#ifdef PI_SIMD
+    const __m256 l = _mm256_set1_ps(lo);
+    for (; i + 8 <= n; i += 8) {
+        unsigned bits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), l, _CMP_GE_OQ));
+        while (bits) { /* few candidates: most blocks have none */
+            cand[c++] = i + __builtin_ctz(bits);
+            bits &= bits - 1;
+        }
+    }
+#endif
+    for (; i < n; i++)
+        if (x[i] >= lo) cand[c++] = i;
+    return c;
+}
+
 int pi_refine_best(const pi_wt *w, const float *hidden, int T, float *out, float margin, int k, int32_t *cand, float *row) {
     const int V = w->rows;
     for (int t = 0; t < T; t++) {
-        float *lg = out + (size_t)t * V, mx = -INFINITY;
-        for (int i = 0; i < V; i++) mx = lg[i] > mx ? lg[i] : mx;
-        int n = 0;
-        for (int i = 0; i < V; i++)
-            if (lg[i] >= mx - margin) cand[n++] = i;
+        float *lg = out + (size_t)t * V;
+        const float mx = max_of(lg, V);
+        int n = at_least(lg, V, mx - margin, cand);
         if (n > k) {
             for (int a = 0; a < k; a++) {
                 int best = a;
