@@ -98,7 +98,7 @@ class PiRankCtx(ctypes.Structure):
 
 
 COMM_ERRORS = {10: "aborted by the coordinator (a rank died)", 11: "a peer rank died", 12: "a peer rank did not arrive in time",
-               13: "more floats than the segment holds", 14: "the GPU worker failed its layers (its log says why)",
+               13: "more floats than the segment holds", 14: "the GPU worker failed its part of the step (its log says why)",
                15: "the segment has no GPU rank for this model's GPU layers"}
 
 

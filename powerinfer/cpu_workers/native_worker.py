@@ -60,8 +60,9 @@ def read_hot(path: str, n_layers: int) -> tuple[np.ndarray, ...]:
             data = json.load(fh)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the GPU rank's hot neurons from {path}: {e}") from e
-    if not isinstance(data, list) or len(data) != n_layers or not all(isinstance(h, list) for h in data):
-        raise ValueError(f"{path}: expected a list of {n_layers} lists of neuron indices")
+    if (not isinstance(data, list) or len(data) != n_layers or not all(isinstance(h, list) for h in data)
+            or not all(type(j) is int for h in data for j in h)):
+        raise ValueError(f"{path}: expected a list of {n_layers} lists of neuron indices (ints)")
     return tuple(np.asarray(h, dtype=np.int64) for h in data)
 
 

@@ -226,7 +226,7 @@ def test_a_failed_gpu_run_fails_the_step_with_the_reason(make_model: Callable[..
     ex = _pool(path, {2}, gpu_ctx=8)  # the GPU's KV cache holds 8 positions, the CPU ranks' 64
     try:
         ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)
-        with pytest.raises(WorkerError, match="GPU worker failed its layers"):
+        with pytest.raises(WorkerError, match="GPU worker failed its part of the step"):
             ex.native_step(IDS[:4], range(6, 10), [0] * 4, False, 1.0, 8)
         ex.restart()
         ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)

@@ -258,10 +258,10 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
         rmsnorm(x + (size_t)t * d, L->ffn_norm, d, m->eps, s->xn + (size_t)t * d);
     }
     const int on_gpu = (L->gpu_part & PI_PART_FFN) != 0;
-    pi_comm *c = (pi_comm *)m->comm;
+    pi_comm *comm = (pi_comm *)m->comm;
     if (on_gpu) { /* the hot neurons start on the GPU rank while this rank computes the cold ones */
 #pragma omp single nowait
-        pi_gpu_post(c, PI_GPU_FFN, s->xn, T, d, (int)(L - m->layers), (int)(L - m->layers) + 1);
+        pi_gpu_post(comm, PI_GPU_FFN, s->xn, T, d, (int)(L - m->layers), (int)(L - m->layers) + 1);
     }
     quantize_rows(s, s->xn, T, d);
     mark(m, PH_FFN_NORM, last);
@@ -296,9 +296,9 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
 #pragma omp barrier
     if (on_gpu) { /* the hot neurons' partial, added to this rank's rows before they are gathered */
 #pragma omp single
-        pi_gpu_wait(c);
-        if (!c->err) {
-            const float *a = pi_gpu_area(c);
+        pi_gpu_wait(comm);
+        if (!comm->err) {
+            const float *a = pi_gpu_area(comm);
 #pragma omp for schedule(static)
             for (int t = 0; t < T; t++)
                 for (int o = d0; o < d1; o++) s->tmp[(size_t)t * d + o] += a[(size_t)t * d + o];
