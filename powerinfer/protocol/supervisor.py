@@ -10,7 +10,8 @@ interpreter per worker, so no inherited torch thread pools or zmq contexts, and 
 multiprocessing's spawn it never re-imports the user's ``__main__``. A worker that exits, is
 killed, or stops beating (SIGSTOP, a hang) for HEARTBEAT_TIMEOUT_S is a WorkerDiedError for the
 request in flight; workers die with the coordinator (PR_SET_PDEATHSIG plus their heartbeat
-thread's liveness check), so none is orphaned.
+thread's liveness check), so none is orphaned. A coordinator killed outright cannot remove its
+socket directory; the next one to start removes such directories (``sweep_stale_dirs``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,48 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+STALE_AFTER_S = 60.0  # a socket directory this old whose control socket nobody listens on is a dead coordinator's
+
+
+def sweep_stale_dirs(prefix: str, root: str | None = None) -> list[str]:
+    """Remove the socket directories of coordinators that died without cleaning up (SIGKILL, OOM):
+    this user's ``<root>/<prefix>*`` directories older than STALE_AFTER_S whose ``ctl`` socket
+    refuses a connection (no process listens on it any more). A directory being set up (no
+    ``ctl`` yet, or young) and a live coordinator's are left alone. Returns the removed paths."""
+    import socket
+    import stat
+
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(root, name)
+        ctl = os.path.join(path, "ctl")
+        try:
+            st = os.lstat(path)
+            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or time.time() - st.st_mtime < STALE_AFTER_S
+                    or not stat.S_ISSOCK(os.lstat(ctl).st_mode)):
+                continue
+        except OSError:
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(ctl)
+                continue  # a live coordinator
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        log.info("removed %d socket directories of coordinators that died: %s", len(removed), ", ".join(removed[:4]))
+    return removed
+
+
 def _layer_error(name: str, msg: ErrorMsg) -> Exception:
     return WorkerError(f"{name} failed on layer {msg.layer}: {msg.kind}: {msg.message}")
 
@@ -64,6 +107,7 @@ class Supervisor:
     def __init__(self, module: str, n: int, log_level: str, name: Callable[[int], str], prefix: str = "powerinfer-",
                  extra_args: Callable[[int], list[str]] = lambda i: [], files: dict[str, str] | None = None) -> None:
         self.name = name
+        sweep_stale_dirs(prefix)
         self.dir = tempfile.mkdtemp(prefix=prefix)  # mode 0700: only this user can connect
         # removed by close(), or else when this object is collected or the interpreter exits (an
         # owner that never closed its pool left one directory per pool in /tmp)

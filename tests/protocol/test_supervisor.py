@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from powerinfer.protocol import HelloMsg, ShutdownMsg, WorkerDiedError
-from powerinfer.protocol.supervisor import Supervisor, describe_exit
+from powerinfer.protocol.supervisor import Supervisor, describe_exit, sweep_stale_dirs
 from powerinfer.protocol.worker_runtime import WorkerArgs
 
 
@@ -97,3 +97,36 @@ def test_an_unclosed_pool_leaves_no_socket_directory() -> None:
     while Path(f"/proc/{out[1]}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(f"/proc/{out[1]}").exists(), "the orphaned worker kept running"
+
+
+def test_the_next_coordinator_removes_a_dead_ones_socket_directory(tmp_path: Path) -> None:
+    """A coordinator killed outright leaves its private directory (its ctl socket file, nobody
+    listening); one being set up, a young one and a live one stay."""
+    import socket
+
+    def make(name: str, listening: bool | None, age_s: float) -> tuple[Path, socket.socket | None]:
+        d = tmp_path / name
+        d.mkdir(mode=0o700)
+        sock = None
+        if listening is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(d / "ctl"))
+            if listening:
+                sock.listen(1)
+            else:
+                sock.close()  # the file stays, nobody listens: a killed coordinator's
+                sock = None
+        os.utime(d, (time.time() - age_s, time.time() - age_s))
+        return d, sock
+
+    dead, _ = make("powerinfer-dead1234", False, 600)
+    young, _ = make("powerinfer-young123", False, 5)
+    live, server = make("powerinfer-live1234", True, 600)
+    setting_up, _ = make("powerinfer-setup123", None, 600)
+    other, _ = make("other-dead1234", False, 600)
+    try:
+        assert sweep_stale_dirs("powerinfer-", str(tmp_path)) == [str(dead)]
+    finally:
+        assert server is not None
+        server.close()
+    assert not dead.exists() and young.exists() and live.exists() and setting_up.exists() and other.exists()
