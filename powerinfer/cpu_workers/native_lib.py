@@ -55,7 +55,7 @@ class PiLayer(ctypes.Structure):
         (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
                                        "k_cache", "v_cache", "rope_cos", "rope_sin")
     ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32), ("sp", ctypes.c_void_p), ("pred", ctypes.c_void_p),
-         ("cold", ctypes.c_void_p), ("cold_blocks", ctypes.c_void_p), ("gpu_part", ctypes.c_int32), ("pad2", ctypes.c_int32)]
+         ("cold", ctypes.c_void_p), ("cold_blocks", ctypes.c_void_p), ("gpu_part", ctypes.c_int32), ("down_col0", ctypes.c_int32)]
 
 
 class PiSparse(ctypes.Structure):

@@ -125,12 +125,15 @@ class NativeDecoder:
                 self.v_cache.append(np.empty((0,), dtype=np.float32))
                 continue
             L = layers[i]
-            self._gpu_part(L, i, i in gpu_attn, np.asarray(hot[i]) if hot else None)
+            self._gpu_part(L, i, i in gpu_attn, np.asarray(hot[i]) if hot else None, f)
             mats = (("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down"))
             if i not in gpu_attn:
                 mats = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")) + mats
             for field, part in mats:
-                w = weight(f, layer_tensor(i, part), *_slices(field, sh, D, Dv))
+                rows, cols = _slices(field, sh, D, Dv)
+                if field == "wd" and L.down_col0:  # the GPU's leading neurons: their columns are not read here
+                    cols = (L.down_col0, cfg.n_ff)
+                w = weight(f, layer_tensor(i, part), rows, cols)
                 # sparse: the chosen up rows (and gate rows, when a predictor chooses) are read in
                 # the file's layout, so those matrices stay as they are (one copy resident)
                 keep_rows = sparse is not None and sparse.sparse_layers[i] and (field == "wu" or (field == "wg" and not sparse.gate_dense))
@@ -193,8 +196,9 @@ class NativeDecoder:
         self.scratch = np.empty(int(lib.pi_scratch_bytes(ctypes.byref(self.model), max_t)), dtype=np.uint8)
         self.max_t = max_t
 
-    def _gpu_part(self, L: PiLayer, i: int, attn: bool, hot: np.ndarray | None) -> None:
-        """Layer i's share with a GPU rank (model.h's gpu_part and cold mask over this rank's neurons)."""
+    def _gpu_part(self, L: PiLayer, i: int, attn: bool, hot: np.ndarray | None, f: GGUFFile) -> None:
+        """Layer i's share with a GPU rank (model.h's gpu_part, cold mask over this rank's neurons,
+        and down_col0: the whole blocks of down-projection columns that only the GPU's neurons use)."""
         sh = self.shard
         L.gpu_part = int(attn) * PART_ATTN
         if hot is None or not hot.size:
@@ -209,6 +213,10 @@ class NativeDecoder:
         self._keep += [cold, blocks]
         L.cold, L.cold_blocks = cold.ctypes.data, blocks.ctypes.data
         L.gpu_part |= PART_FFN
+        hs = np.unique(hot)
+        lead = int(np.argmax(hs != np.arange(len(hs)))) if (hs != np.arange(len(hs))).any() else len(hs)  # hot [0, lead)
+        blk = TYPES[f.tensor(layer_tensor(i, "ffn_down")).qtype]
+        L.down_col0 = lead // blk * blk if lead < self.cfg.n_ff else 0
 
     def _vec(self, f: GGUFFile, name: str, n: int, part: tuple[int, int] | None = None) -> int:
         v = load_vector(f, name, n)

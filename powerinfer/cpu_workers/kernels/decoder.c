@@ -289,9 +289,17 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     gather(m, s->g, T, nffA, n0, n0 + nff);
     /* decode with few active neurons: only their rows of down_t; else the dense down on g */
     if (!(L->sp && L->sp->down_t.data && T <= PI_SPARSE_T && down_sparse(m, L->sp, T, s, s->tmp + d0, d1 - d0))) {
-        quantize_rows(s, s->g, T, nffA);
+        const float *h = s->g;
+        int K = nffA;
+        if (L->down_col0) { /* the hidden state from down_col0 on, packed [T, K] into xn (free since gate and up) */
+            K = nffA - L->down_col0;
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) memcpy(s->xn + (size_t)t * K, s->g + (size_t)t * nffA + L->down_col0, sizeof(float) * K);
+            h = s->xn;
+        }
+        quantize_rows(s, h, T, K);
         mark(m, PH_ACT, last);
-        matmul(&L->wd, s, s->g, T, s->tmp + d0, d);
+        matmul(&L->wd, s, h, T, s->tmp + d0, d);
     }
 #pragma omp barrier
     if (on_gpu) { /* the hot neurons' partial, added to this rank's rows before they are gathered */

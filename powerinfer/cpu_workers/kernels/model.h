@@ -37,9 +37,11 @@ typedef struct {
      * lives there; bit 2, some FFN neurons do, and cold [n_ff] marks this rank's neurons the CPU
      * computes (1) and the GPU's hot ones (0; their hidden values stay zero here); cold_blocks
      * [n_ff / 16 rounded up]: 0 for a block of 16 of them all hot, whose gate and up rows the dense
-     * kernels skip. */
+     * kernels skip; down_col0 > 0: every neuron before it is the GPU's, and wd holds only the
+     * columns [down_col0, n_ff) of this rank's rows (the dense down reads the hidden state from
+     * there: the GPU's leading neurons cost the CPU ranks nothing). */
     const uint8_t *cold, *cold_blocks;
-    int32_t gpu_part, pad2;
+    int32_t gpu_part, down_col0;
 } pi_layer;
 
 enum { PI_PART_ATTN = 1, PI_PART_FFN = 2 };
