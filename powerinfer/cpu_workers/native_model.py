@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from powerinfer.config import ModelConfig
 from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt
@@ -228,7 +228,9 @@ class NativeDecoder:
     @property
     def weight_bytes(self) -> int:
         mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [self.head]
-        return sum(m.rows * m.row_bytes for m in mats) + (self.sparse.nbytes if self.sparse is not None else 0)
+        # the bytes a pass reads: a column slice (down_col0) reads part of each row of the file
+        return sum(m.rows * (m.cols // GGML_QUANT_SIZES[QT(m.type)][0] * GGML_QUANT_SIZES[QT(m.type)][1]) for m in mats if m.rows) + (
+            self.sparse.nbytes if self.sparse is not None else 0)
 
     def profile(self, on: bool = True) -> np.ndarray:
         """Start (or stop) accumulating seconds per layer phase (PHASES) into the returned array."""
