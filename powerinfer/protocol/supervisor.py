@@ -79,6 +79,7 @@ def sweep_stale_dirs(prefix: str, root: str | None = None) -> list[str]:
         except OSError:
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(0.5)  # a listener with a full backlog would block a plain connect: count it as live
             try:
                 probe.connect(ctl)
                 continue  # a live coordinator
