@@ -215,7 +215,7 @@ class NativeDecoder:
         L.gpu_part |= PART_FFN
         hs = np.unique(hot)
         lead = int(np.argmax(hs != np.arange(len(hs)))) if (hs != np.arange(len(hs))).any() else len(hs)  # hot [0, lead)
-        blk = TYPES[f.tensor(layer_tensor(i, "ffn_down")).qtype]
+        blk = max(32, TYPES[f.tensor(layer_tensor(i, "ffn_down")).qtype])  # floats too: the SIMD lanes stay where they were
         L.down_col0 = lead // blk * blk if lead < self.cfg.n_ff else 0
 
     def _vec(self, f: GGUFFile, name: str, n: int, part: tuple[int, int] | None = None) -> int:
