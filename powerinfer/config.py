@@ -18,10 +18,21 @@ import numpy as np
 from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 from powerinfer.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3", "bamboo")  # bamboo: PowerInfer's llama-shaped dReLU model
 
 RopeStyle = Literal["norm", "neox"]
-Activation = Literal["silu", "gelu_tanh"]
+# The gated FFN's activation, h = act(gate) * up: SiLU (llama, qwen2), GELU's tanh form (gemma3),
+# ReLU (ReGLU: ReluLLaMA, ReluFalcon), FATReLU (ProSparse: gate where gate > t, else 0), dReLU
+# (Bamboo, TurboSparse: relu(gate) * relu(up)).
+Activation = Literal["silu", "gelu_tanh", "relu", "fatrelu", "drelu"]
+ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "relu", "fatrelu", "drelu")
+# Their codes in the C kernels (cpu_workers/kernels/act.h) and the CUDA kernels (ffn_ops.cu):
+# FATReLU is ReLU with a threshold (ReLU's is 0).
+ACT_CODES: dict[str, int] = {"silu": 0, "gelu_tanh": 1, "relu": 2, "fatrelu": 2, "drelu": 3}
+# Our metadata keys for a file's activation (docs/file-format.md): a string of ACTIVATIONS and
+# FATReLU's float32 threshold. Files without them get their architecture's activation.
+ACTIVATION_KEY = "powerinfer.ffn_activation"
+ACTIVATION_THRESHOLD_KEY = "powerinfer.ffn_activation_threshold"
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class ModelConfig:
     global_layers: tuple[bool, ...]  # per layer: True = full attention, False = sliding window
     tied_embeddings: bool
     final_logit_softcap: float  # 0: none
+    act_threshold: float = 0.0  # FATReLU's t (activation "fatrelu"); 0 for every other activation
 
     @property
     def gqa_group(self) -> int:
@@ -143,6 +155,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
     elif scaling != "none":
         raise UnsupportedModelError(f"{f.path}: rope scaling {quoted(scaling)} is not supported")
     norm_eps = _float(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    activation, act_threshold = _activation(f, arch)
     sliding_window = 0
     global_layers = tuple(True for _ in range(n_layers))
     rope_base_local = rope_base
@@ -172,8 +185,8 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         rope_scale=rope_scale,
         # llama's converter permutes q/k rows so ggml's adjacent-pair rope matches HF; qwen2 and
         # gemma are stored unpermuted and rotate halves (GPT-NeoX style).
-        rope_style="norm" if arch == "llama" else "neox",
-        activation="gelu_tanh" if arch == "gemma3" else "silu",
+        rope_style="norm" if arch in ("llama", "bamboo") else "neox",
+        activation=activation,
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "gemma3",
         post_norms=arch == "gemma3",
@@ -183,4 +196,20 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         global_layers=global_layers,
         tied_embeddings="output.weight" not in f.tensors,
         final_logit_softcap=_float(f, f"{arch}.final_logit_softcapping", 0.0),
+        act_threshold=act_threshold,
     )
+
+
+def _activation(f: GGUFFile, arch: str) -> tuple[Activation, float]:
+    """The file's FFN activation and FATReLU threshold: our key when present, else the architecture's own."""
+    kind = f.get(ACTIVATION_KEY)
+    if kind is None:
+        return ("gelu_tanh" if arch == "gemma3" else "drelu" if arch == "bamboo" else "silu"), 0.0
+    if not isinstance(kind, str) or kind not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"{f.path}: FFN activation {quoted(kind)} ({ACTIVATION_KEY}) is not supported (supported: {', '.join(ACTIVATIONS)})"
+        )
+    threshold = _float(f, ACTIVATION_THRESHOLD_KEY, 0.0)
+    if threshold and kind != "fatrelu":
+        raise ModelFileError(f"{f.path}: {ACTIVATION_THRESHOLD_KEY} is {threshold}, but only fatrelu has a threshold (activation {kind})")
+    return kind, threshold  # type: ignore[return-value]

@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
+from powerinfer.config import ACTIVATION_KEY, ACTIVATION_THRESHOLD_KEY
 from powerinfer.errors import InvalidArgumentError
 
 
@@ -28,6 +29,8 @@ class SyntheticSpec:
     context_length: int = 256
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32  # type of the 2-D weight matrices
     seed: int = 0
+    activation: str | None = None  # written as powerinfer.ffn_activation (None: the architecture's own)
+    act_threshold: float = 0.0  # FATReLU's threshold, with activation "fatrelu"
 
 
 def byte_vocab() -> tuple[list[str], list[int]]:
@@ -68,6 +71,10 @@ def write_synthetic_gguf(path: str | Path, spec: SyntheticSpec = SyntheticSpec()
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
+    if spec.activation is not None:
+        w.add_string(ACTIVATION_KEY, spec.activation)
+        if spec.act_threshold:
+            w.add_float32(ACTIVATION_THRESHOLD_KEY, spec.act_threshold)
     if a == "gemma3":
         w.add_sliding_window(8)
     w.add_tokenizer_model("gpt2")

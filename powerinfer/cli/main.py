@@ -77,6 +77,12 @@ def _serve(argv: Sequence[str]) -> int:
     return serve(argv, prog="powerinfer serve")
 
 
+def _convert(argv: Sequence[str]) -> int:
+    from powerinfer.cli.convert_cmd import run_convert
+
+    return run_convert(argv)
+
+
 def _loadtest(argv: Sequence[str]) -> int:
     from powerinfer.server.loadtest import main as run_loadtest
 
@@ -87,7 +93,7 @@ def _loadtest(argv: Sequence[str]) -> int:
 # `fetch` and `--help` stay light. Anything else is one-shot generation.
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "fetch": _fetch, "bench": _bench, "inspect": _inspect, "calibrate": _calibrate, "perplexity": _perplexity,
-    "sparsity-curve": _sparsity_curve, "serve": _serve, "loadtest": _loadtest,
+    "sparsity-curve": _sparsity_curve, "serve": _serve, "loadtest": _loadtest, "convert": _convert,
 }  # fmt: skip
 SUBCOMMANDS = tuple(COMMANDS)
 

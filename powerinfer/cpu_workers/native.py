@@ -21,14 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from powerinfer.config import ACT_CODES
+from powerinfer.cpu_workers.neuron_major import MODES, PiCall, pack_layer
+from powerinfer.model.reference import activation as reference_activation
 from powerinfer.native.cbuild import load_library
-from powerinfer.cpu_workers.neuron_major import ACTIVATIONS, MODES, PiCall, pack_layer
 from powerinfer.quants.grouped import Grouped
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "sparse_ffn.c"  # includes kernels/pi_rows.h
-HEADERS = (SOURCE.with_name("pi_rows.h"), SOURCE.with_name("half.h"), SOURCE.with_name("exp8.h"))
+HEADERS = (SOURCE.with_name("pi_rows.h"), SOURCE.with_name("half.h"), SOURCE.with_name("exp8.h"), SOURCE.with_name("act.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 @functools.lru_cache(maxsize=1)
@@ -48,7 +50,7 @@ def native_lib() -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.pi_ffn.argtypes = [ctypes.POINTER(PiCall)]
     lib.pi_ffn.restype = i32
-    lib.pi_ffn_acts.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, ptr, ptr, ptr]
+    lib.pi_ffn_acts.argtypes = [ptr, i32, i32, i32, ptr, ptr, i32, ctypes.c_float, ptr, ptr, ptr]
     lib.pi_ffn_acts.restype = None
     lib.pi_ffn_scratch.argtypes = [i32, i32, i32]
     lib.pi_ffn_scratch.restype = ctypes.c_int64
@@ -59,17 +61,18 @@ class NativeFFN:
     """One shard's gate, up and down in the kernel's layout, and the calls into it."""
 
     def __init__(self, lib: ctypes.CDLL, gate: Grouped, up: Grouped, down: Grouped, activation: str, with_gate: bool = True,
-                 with_up: bool = True) -> None:
+                 with_up: bool = True, act_threshold: float = 0.0) -> None:
         """gate, up [n, d] and down [d, n] as decoded from the file (see :func:`supported`);
-        with_gate / with_up False when the caller computes that matrix itself (given_* modes)."""
+        with_gate / with_up False when the caller computes that matrix itself (given_* modes);
+        activation and act_threshold as ModelConfig has them."""
         self.lib = lib
         self.with_gate, self.with_up = with_gate, with_up
         self.weights = pack_layer(gate, up, down, with_gate, with_up)
         self.n, self.d = gate.shape
         self.down_group = down.group
-        self.act = ACTIVATIONS[activation]
+        self.act, self.act_thr = ACT_CODES[activation], float(act_threshold)
         g, u, dn = self.weights.mats
-        self._call = PiCall(gate=g, up=u, down=dn, d=self.d, n=self.n, act=self.act)
+        self._call = PiCall(gate=g, up=u, down=dn, d=self.d, n=self.n, act=self.act, act_thr=self.act_thr)
         self._call_ref = ctypes.byref(self._call)
         # per (T, parts) for decode-sized calls: (scratch, active [T] int32) and their addresses;
         # taking a numpy array's address costs ~2 µs, a torch tensor's 0.1 µs, at 30+ calls a token
@@ -144,14 +147,14 @@ class NativeFFN:
         g, h = torch.empty(T, self.n), torch.empty(T, self.n)
         scratch = torch.empty(T * self.d)
         c = self._call
-        self.lib.pi_ffn_acts(x.data_ptr(), T, self.d, self.n, ctypes.byref(c.gate), ctypes.byref(c.up), self.act, g.data_ptr(),
+        self.lib.pi_ffn_acts(x.data_ptr(), T, self.d, self.n, ctypes.byref(c.gate), ctypes.byref(c.up), self.act, ctypes.c_float(self.act_thr), g.data_ptr(),
                              h.data_ptr(), scratch.data_ptr())
         return g, h
 
 
 def reference_ffn(x: np.ndarray, gate: Grouped, up: Grouped, down: Grouped, activation: str, mode: str, threshold: float = 0.0,
                   mask: np.ndarray | None = None, given_a: np.ndarray | None = None,
-                  given_h: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  given_h: np.ndarray | None = None, act_threshold: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Vectorized numpy statement of what pi_ffn computes, in float64, which tests hold the kernel to.
 
     x [T, d]; gate, up [n, d] and down [d, n] as decoded from the file; returns (y [T, d], active [T]).
@@ -174,13 +177,15 @@ def reference_ffn(x: np.ndarray, gate: Grouped, up: Grouped, down: Grouped, acti
         xs = x.reshape(T, d // g, g).astype(np.float64).sum(axis=2)
         return np.einsum("tng,ng,tg->tn", per, s, xd_g) + np.einsum("ng,tg->tn", z, xs)
 
+    def up_value(u: np.ndarray) -> np.ndarray:  # dReLU rectifies the up value too
+        return np.maximum(u, 0.0) if activation == "drelu" else u
+
     if given_a is not None:
         a = np.asarray(given_a, dtype=np.float64)
-        h = np.asarray(given_h, dtype=np.float64) if mode == "given_h" else a * dots(up)
+        h = np.asarray(given_h, dtype=np.float64) if mode == "given_h" else a * up_value(dots(up))
     else:
-        gv = dots(gate)
-        a = gv / (1 + np.exp(-gv)) if activation == "silu" else 0.5 * gv * (1 + np.tanh(0.7978845608028654 * (gv + 0.044715 * gv**3)))
-        h = a * dots(up)
+        a = reference_activation(dots(gate), activation, act_threshold)
+        h = a * up_value(dots(up))
     chosen = {"all": np.ones_like(h, dtype=bool), "gate": np.abs(a) > threshold, "oracle": np.abs(h) > threshold,
               "given_gate": np.abs(a) > threshold, "given_h": np.abs(a) > threshold}.get(mode)
     if chosen is None:

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h",
+HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "act.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h",
                                       "sparse_rows.h")) + COMM_HEADERS  # the segment's merge and hand-off: powerinfer/native/kernels
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{COMM_KERNELS}")
 ISA_FLAGS = {
@@ -74,7 +74,7 @@ class PiPred(ctypes.Structure):
 class PiModel(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "d", "n_ff", "n_head", "n_kv", "D", "Dv", "rope_dim", "neox", "act", "n_ctx",
                                                "n_slots", "n_threads", "max_t")] + [
-        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
+        ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("act_thr", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
         ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
         *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "sparse")], ("comm", ctypes.c_void_p),
         ("ffn_active", ctypes.c_void_p), ("on_gpu", ctypes.c_void_p)]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from powerinfer.config import ModelConfig
+from powerinfer.config import ACT_CODES, ModelConfig
 from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt
 from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
@@ -186,7 +186,7 @@ class NativeDecoder:
         # (the file's other pages fault back in on use).
         f.drop_pages()
         self.model = PiModel(cfg.n_layers, d, sh.n1 - sh.n0, sh.q1 - sh.q0, n_kv, D, Dv, cfg.rope_dim, int(cfg.rope_style == "neox"),
-                             0 if cfg.activation == "silu" else 1, n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale,
+                             ACT_CODES[cfg.activation], n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale, cfg.act_threshold,
                              self._vec(f, "output_norm.weight", d), self.head, layers, None, sh.q0, sh.kv0, cfg.gqa_group, cfg.n_heads,
                              cfg.n_ff, sh.n0, sh.d0)
         if sparse is not None:

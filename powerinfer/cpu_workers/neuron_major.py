@@ -17,7 +17,6 @@ import numpy as np
 from powerinfer.quants.grouped import Grouped
 
 MODES = {"all": 0, "gate": 1, "mask": 2, "oracle": 3, "given_gate": 4, "given_h": 5}
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 1}  # ModelConfig.activation -> pi_rows.h PI_SILU / PI_GELU (tanh form)
 
 class PiMat(ctypes.Structure):
     """pi_mat in sparse_ffn.c: one matrix's codes, float16 scales and zeros."""
@@ -33,7 +32,7 @@ class PiCall(ctypes.Structure):
     _fields_ = [("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("active", ctypes.c_void_p), ("mask", ctypes.c_void_p),
                 ("given_a", ctypes.c_void_p), ("given_h", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("gate", PiMat), ("up", PiMat), ("down", PiMat),
                 ("T", ctypes.c_int32), ("d", ctypes.c_int32), ("n", ctypes.c_int32), ("act", ctypes.c_int32),
-                ("mode", ctypes.c_int32), ("parts", ctypes.c_int32), ("thr", ctypes.c_float)]
+                ("mode", ctypes.c_int32), ("parts", ctypes.c_int32), ("thr", ctypes.c_float), ("act_thr", ctypes.c_float)]
 
 
 def _pack_codes(q: np.ndarray, bits: int) -> np.ndarray:

@@ -17,7 +17,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import (
     RopeTable,
-    activation,
+    glu,
     attend,
     attention_mask,
     neox_to_norm_perm,
@@ -169,7 +169,7 @@ class FFNShard:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] (already normed) -> partial output [T, d]."""
         gu = self.gate_up(x)  # [T, 2n]
-        h = activation(gu[:, : self.n], self.cfg.activation) * gu[:, self.n :]
+        h = glu(gu[:, : self.n], gu[:, self.n :], self.cfg.activation, self.cfg.act_threshold)
         return self.down(h)
 
 

@@ -39,7 +39,7 @@ from powerinfer.cpu_workers.native import NativeFFN, native_lib
 from powerinfer.cpu_workers.neuron_major import supported
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
-from powerinfer.model.ops import activation
+from powerinfer.model.ops import activation, up_value
 from powerinfer.model.sharding import down_columns, packs_as_columns
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import Int8Linear, PackedLinear
@@ -172,7 +172,7 @@ class SparseFFNShard:
             gate = Grouped(gate.q.copy(), gate.scale.copy(), gate.zero.copy(), gate.group, gate.bits)
             gate.scale[others] = 0  # every weight of those rows is scale * code + zero = 0
             gate.zero[others] = 0
-        kernel = NativeFFN(lib, gate, up, down, self.cfg.activation)
+        kernel = NativeFFN(lib, gate, up, down, self.cfg.activation, act_threshold=self.cfg.act_threshold)
         if not contiguous:
             # scattered hot neurons leave almost every group with a cold one, so the cover is about
             # the whole layer; past a point that holds more than the torch path would (its gate and
@@ -260,8 +260,8 @@ class SparseFFNShard:
     def dense_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(act(gate) [T, n], act(gate) * up [T, n]) for every neuron, as the dense FFN computes them."""
         gu = self.gate_up(x)  # [T, 2n]
-        g = activation(gu[:, : self.n], self.cfg.activation)
-        return g, g * gu[:, self.n :]
+        g = activation(gu[:, : self.n], self.cfg.activation, self.cfg.act_threshold)
+        return g, g * up_value(gu[:, self.n :], self.cfg.activation)
 
     def active_mask(self, x: torch.Tensor, g: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
         if self.oracle and h is not None:
@@ -290,8 +290,8 @@ class SparseFFNShard:
             self._count_decode(len(idx))
             if len(idx) == 0:
                 return torch.zeros(T, self.cfg.d_model)
-            g = activation(self._mm(x, _rows(self.gate_w, idx), self.gate_s[idx]), self.cfg.activation)
-            h = g * self._mm(x, _rows(self.up_w, idx), self.up_s[idx])  # [1, k]
+            g = activation(self._mm(x, _rows(self.gate_w, idx), self.gate_s[idx]), self.cfg.activation, self.cfg.act_threshold)
+            h = g * up_value(self._mm(x, _rows(self.up_w, idx), self.up_s[idx]), self.cfg.activation)  # [1, k]
             return F.embedding_bag(idx, self.down_t, _ZERO_OFFSET, mode="sum",
                                    per_sample_weights=h[0].to(self.down_t.dtype)).float()
         g, h = self.dense_activations(x)

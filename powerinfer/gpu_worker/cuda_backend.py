@@ -59,10 +59,10 @@ SIGNATURES: dict[str, str] = {
     "kv_store": "PiiiPPiiiiPPi",
     "attend": "PiPPiiiiiPPiifP",
     "bias_act": "PiPiii",
-    "act_mul": "PPPiiifPP",
-    "act_inplace": "Pii",
+    "act_mul": "PPPiiiffPP",
+    "act_inplace": "Piif",
     "compact": "PifiPP",
-    "gather_mul": "PPPiPP",
+    "gather_mul": "PPPiPPi",
     "rms_norm_rows": "PiPiiiPf",
     "add_rows": "PiPiii",
 }
@@ -323,15 +323,17 @@ class CudaBackend:
     def add_rows(self, y: DeviceBuffer, ldy: int, x: DeviceBuffer, ldx: int, t: int, n: int) -> None:
         self._launch("add_rows", (_blocks(t * n),), K.BLOCK, y.ptr, ldy, x.ptr, ldx, t, n)
 
-    def act_mul(self, g: DeviceBuffer, u: DeviceBuffer, h: DeviceBuffer, t: int, n: int, kind: int, thr: float,
+    def act_mul(self, g: DeviceBuffer, u: DeviceBuffer, h: DeviceBuffer, t: int, n: int, kind: int, athr: float, thr: float,
                 logits: DeviceBuffer | None, n_dev: DeviceBuffer | None = None) -> None:
-        self._launch("act_mul", (_blocks(t * n),), K.BLOCK, g.ptr, u.ptr, h.ptr, t, n, kind, np.float32(thr), _p(logits), _p(n_dev))
+        self._launch("act_mul", (_blocks(t * n),), K.BLOCK, g.ptr, u.ptr, h.ptr, t, n, kind, np.float32(athr), np.float32(thr), _p(logits),
+                     _p(n_dev))
 
-    def act_inplace(self, g: DeviceBuffer, n: int, kind: int) -> None:
-        self._launch("act_inplace", (_blocks(n),), K.BLOCK, g.ptr, n, kind)
+    def act_inplace(self, g: DeviceBuffer, n: int, kind: int, athr: float) -> None:
+        self._launch("act_inplace", (_blocks(n),), K.BLOCK, g.ptr, n, kind, np.float32(athr))
 
     def compact(self, v: DeviceBuffer, n: int, thr: float, use_abs: int, idx: DeviceBuffer, count: DeviceBuffer) -> None:
         self._launch("compact", (1,), 1024, v.ptr, n, np.float32(thr), use_abs, idx.ptr, count.ptr)
 
-    def gather_mul(self, a: DeviceBuffer, idx: DeviceBuffer, count: DeviceBuffer, n: int, u: DeviceBuffer, h: DeviceBuffer) -> None:
-        self._launch("gather_mul", (_blocks(n),), K.BLOCK, a.ptr, idx.ptr, count.ptr, n, u.ptr, h.ptr)
+    def gather_mul(self, a: DeviceBuffer, idx: DeviceBuffer, count: DeviceBuffer, n: int, u: DeviceBuffer, h: DeviceBuffer,
+                   kind: int) -> None:
+        self._launch("gather_mul", (_blocks(n),), K.BLOCK, a.ptr, idx.ptr, count.ptr, n, u.ptr, h.ptr, kind)

@@ -139,12 +139,20 @@ def ref_attend(qkv: np.ndarray, ld: int, pos: np.ndarray, slots: np.ndarray, T: 
     return out.reshape(T, Hq * Dv)
 
 
-def act(x: np.ndarray, kind: int) -> np.ndarray:
-    """0: SiLU, 1: GELU (tanh approximation), in float64."""
+def act(x: np.ndarray, kind: int, athr: float = 0.0) -> np.ndarray:
+    """act(gate) in float64 for config.py's ACT_CODES: 0 SiLU, 1 GELU (tanh approximation), 2 ReLU /
+    FATReLU (x where x > athr, else 0), 3 dReLU's gate half (relu)."""
     x = x.astype(np.float64)
     if kind == 0:
         return x / (1.0 + np.exp(-x))
+    if kind in (2, 3):
+        return np.where(x > (athr if kind == 2 else 0.0), x, 0.0)
     return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def up(u: np.ndarray, kind: int) -> np.ndarray:
+    """The up value as the activation multiplies it: dReLU (kind 3) rectifies it too."""
+    return np.where(u > 0, u, 0.0) if kind == 3 else u
 
 
 def ref_rms_norm_rows(x: np.ndarray, ldx: int, T: int, D: int, w: np.ndarray, eps: float) -> np.ndarray:
@@ -167,13 +175,13 @@ def ref_bias_act(y: np.ndarray, ld: int, b: np.ndarray, T: int, n: int, relu: in
         y[t * ld : t * ld + n] = np.maximum(v, 0) if relu else v
 
 
-def ref_act_mul(g: np.ndarray, u: np.ndarray, T: int, n: int, kind: int, thr: float, logits: np.ndarray | None,
+def ref_act_mul(g: np.ndarray, u: np.ndarray, T: int, n: int, kind: int, athr: float, thr: float, logits: np.ndarray | None,
                 n_dev: np.ndarray | None = None) -> np.ndarray:
     """act_mul: float32 [T * count] (count = n, or min(n_dev[0], n) for a compacted decode step)."""
     m = T * _count(n_dev, n)
-    a = act(g[:m], kind)
+    a = act(g[:m], kind, athr)
     on = logits[:m] > 0 if logits is not None else (np.abs(a) > thr if thr >= 0 else np.ones(m, dtype=bool))
-    return np.where(on, a * u[:m], 0.0).astype(np.float32)
+    return np.where(on, a * up(u[:m], kind), 0.0).astype(np.float32)
 
 
 def ref_compact(v: np.ndarray, n: int, thr: float, use_abs: int) -> np.ndarray:
@@ -182,6 +190,6 @@ def ref_compact(v: np.ndarray, n: int, thr: float, use_abs: int) -> np.ndarray:
     return np.flatnonzero(vals > thr).astype(np.int32)
 
 
-def ref_gather_mul(a: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int, u: np.ndarray) -> np.ndarray:
+def ref_gather_mul(a: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int, u: np.ndarray, kind: int) -> np.ndarray:
     c = min(int(count[0]), n)
-    return (a[idx[:c]].astype(np.float64) * u[:c]).astype(np.float32)
+    return (a[idx[:c]].astype(np.float64) * up(u[:c].astype(np.float64), kind)).astype(np.float32)

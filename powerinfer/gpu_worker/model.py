@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer.config import ModelConfig
+from powerinfer.config import ACT_CODES, ModelConfig
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead, PendingRows, disagreement
@@ -42,7 +42,6 @@ from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 
-ACT_KIND = {"silu": 0, "gelu_tanh": 1}
 DEVICE_RUN_AGREE = 1e-3  # the first run of whole layers: the device path's tolerance against the per-layer path
 
 
@@ -101,7 +100,7 @@ class GpuModel:
             raise InvalidArgumentError("n_ctx, n_slots and max_tokens must be positive")
         self.cfg, self.b, self.plan, self.n_ctx, self.n_slots = cfg, backend, plan, n_ctx, n_slots
         self.mode = predictor.mode if predictor is not None and plan.sparse else "dense"
-        self.kind = ACT_KIND[cfg.activation]
+        self.kind, self.athr = ACT_CODES[cfg.activation], cfg.act_threshold
         ranks = [lp.rank for lp in predictor.layers] if predictor is not None and self.mode == "predictor" else [0] * cfg.n_layers
         self.attn: list[_Attn | None] = [None] * cfg.n_layers
         self.ffns: list[_Ffn | None] = [None] * cfg.n_layers
@@ -275,22 +274,22 @@ class GpuModel:
                 self._predict(ffn, t)
                 logits = ws["logits"]
             thr = ffn.threshold if self.mode == "gate" else -1.0
-            b.act_mul(ws["g"], ws["u"], ws["h"], t, n, self.kind, thr, logits)
+            b.act_mul(ws["g"], ws["u"], ws["h"], t, n, self.kind, self.athr, thr, logits)
             b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, None, None, n, ws["h"], n, d, t, ws["y"])
         else:
             idx, count = ws["idx"], ws["count"]
             if self.mode == "gate":
                 self._gemv(ffn.gate, ws["x"], 1, ws["g"], n)
-                b.act_inplace(ws["g"], n, self.kind)
+                b.act_inplace(ws["g"], n, self.kind, self.athr)
                 b.compact(ws["g"], n, ffn.threshold, 1, idx, count)
                 self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
-                b.gather_mul(ws["g"], idx, count, n, ws["u"], ws["h"])
+                b.gather_mul(ws["g"], idx, count, n, ws["u"], ws["h"], self.kind)
             else:
                 self._predict(ffn, 1)
                 b.compact(ws["logits"], n, 0.0, 0, idx, count)
                 self._gemv(ffn.gate, ws["x"], 1, ws["g"], n, idx, count)
                 self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
-                b.act_mul(ws["g"], ws["u"], ws["h"], 1, n, self.kind, -1.0, None, count)
+                b.act_mul(ws["g"], ws["u"], ws["h"], 1, n, self.kind, self.athr, -1.0, None, count)
             # down projection over the active neurons' transposed rows only
             b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, idx, count, n, ws["h"], n, d, 1, ws["y"])
 

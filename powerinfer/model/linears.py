@@ -5,6 +5,8 @@ Runs in: CPU worker processes, or the coordinator for the in-process executor.
 
 from __future__ import annotations
 
+from gguf import GGMLQuantizationType
+
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import Rows, load_matrix
 from powerinfer.quants import PackedLinear, linear_from_tensor, pack_linear
@@ -15,8 +17,11 @@ def load_linear(f: GGUFFile, names_rows: list[tuple[str, Rows]], cols: tuple[int
 
     A single tensor is packed a row chunk at a time (the 262144-row Gemma head never exists as one
     decoded array), and a column range keeps the scales of the full rows, so the shards of a
-    matrix are exactly its columns and splitting a layer does not change its numbers.
+    matrix are exactly its columns and splitting a layer does not change its numbers. An F32 file's
+    matrices stay float32 (``auto``): who stores float32 asks for exact numbers, not bf16's speed.
     """
+    if kind == "auto" and all(f.tensor(name).qtype == GGMLQuantizationType.F32 for name, _ in names_rows):
+        kind = "f32"
     if len(names_rows) == 1:
         name, rows = names_rows[0]
         info = f.tensor(name)

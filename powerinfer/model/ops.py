@@ -11,11 +11,27 @@ import torch
 import torch.nn.functional as F
 
 
-def activation(gate: torch.Tensor, kind: str) -> torch.Tensor:
+def activation(gate: torch.Tensor, kind: str, threshold: float = 0.0) -> torch.Tensor:
+    """act(gate) [T, n] of config.py's activation kind (threshold: FATReLU's)."""
     if kind == "silu":
         return F.silu(gate)
-    # ggml_gelu is the tanh approximation.
-    return F.gelu(gate, approximate="tanh")
+    if kind == "gelu_tanh":  # ggml_gelu is the tanh approximation
+        return F.gelu(gate, approximate="tanh")
+    if kind == "fatrelu":  # gate where gate > threshold, else 0 (F.threshold's rule)
+        return F.threshold(gate, threshold, 0.0)
+    if kind in ("relu", "drelu"):
+        return F.relu(gate)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def up_value(up: torch.Tensor, kind: str) -> torch.Tensor:
+    """The up projection as the activation multiplies it: dReLU rectifies it too."""
+    return F.relu(up) if kind == "drelu" else up
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, kind: str, threshold: float = 0.0) -> torch.Tensor:
+    """The gated FFN's hidden state act(gate) * up [T, n] (relu(gate) * relu(up) for dReLU)."""
+    return activation(gate, kind, threshold) * up_value(up, kind)
 
 
 def neox_to_norm_perm(head_dim: int, rope_dim: int) -> np.ndarray:

@@ -15,7 +15,8 @@ config. The native decoder, the worker shards and the GPU worker are held to it 
         a = softmax(scale q k^T + causal (+ sliding window)) v Wo^T
         x = x + post_attention_norm(a)                              (gemma3's post-norms)
         h = rmsnorm(x) * ffn_norm
-        x = x + post_ffw_norm((act(h Wg^T) * h Wu^T) Wd^T)            act: silu, or gelu (tanh)
+        x = x + post_ffw_norm((act(h Wg^T) * h Wu^T) Wd^T)   act: silu, gelu (tanh), (FAT)ReLU;
+                                                                    dReLU: relu(h Wg^T) * relu(h Wu^T)
     logits = rmsnorm(x) * output_norm  Whead^T
 """
 
@@ -60,10 +61,20 @@ def rope(x: np.ndarray, pos: np.ndarray, base: float, style: str) -> np.ndarray:
     return np.concatenate([a * c - b * s, a * s + b * c], -1)
 
 
-def activation(g: np.ndarray, kind: str) -> np.ndarray:
+def activation(g: np.ndarray, kind: str, threshold: float = 0.0) -> np.ndarray:
+    """act(g) for config.py's activation kinds (threshold: FATReLU's)."""
     if kind == "silu":
         return g / (1 + np.exp(-np.clip(g, -80.0, 80.0)))
-    return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+    if kind == "gelu_tanh":
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+    if kind in ("relu", "fatrelu", "drelu"):
+        return np.where(g > (threshold if kind == "fatrelu" else 0.0), g, 0.0).astype(g.dtype)
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+def glu(g: np.ndarray, u: np.ndarray, kind: str, threshold: float = 0.0) -> np.ndarray:
+    """The gated FFN's hidden state: act(g) * u, or relu(g) * relu(u) for dReLU."""
+    return activation(g, kind, threshold) * (np.maximum(u, 0.0) if kind == "drelu" else u)
 
 
 def attention(cfg: ModelConfig, i: int, h: np.ndarray, w: "_Layer") -> np.ndarray:
@@ -125,7 +136,7 @@ def layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, n_layers: int | None 
         x = x + attention(cfg, i, rms_norm(x, w("attn_norm"), cfg.norm_eps), w)
         h = rms_norm(x, w("ffn_norm"), cfg.norm_eps).reshape(-1, cfg.d_model)
         gate, up = h @ w("ffn_gate").T, h @ w("ffn_up").T
-        m = ((activation(gate, cfg.activation) * up) @ w("ffn_down").T).reshape(x.shape)
+        m = (glu(gate, up, cfg.activation, cfg.act_threshold) @ w("ffn_down").T).reshape(x.shape)
         x = x + (rms_norm(m, w("post_ffw_norm"), cfg.norm_eps) if cfg.post_norms else m)
         yield LayerOut(i, h, gate, up, x)
 

@@ -197,19 +197,40 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
     if not math.isfinite(t):
         raise ModelFileError(f"{f.path}: metadata {SPARSE_THRESHOLD_KEY!r} is not finite")
     d, n_ff = f.tensor("blk.0.fc1.weight").shape[-1], f.tensor("blk.0.fc2.weight").shape[0]
+    for key, want in ((f"{arch}.embedding_length", d), (f"{arch}.feed_forward_length", n_ff)):
+        have = f.get(key)
+        if isinstance(have, int) and have != want:
+            raise ModelFileError(f"{f.path}: predictors map {d} -> {n_ff}, but {key} is {have}")
     norms = _norm_weights(f, n_layers, d) if fold_ffn_norm else None
-    layers = []
+    fcs = []
     for i in range(n_layers):
         p = f"blk.{i}."
         fc1_w, fc2_w = _dense(f, p + "fc1.weight"), _dense(f, p + "fc2.weight")
+        r = fc1_w.shape[0] if fc1_w.ndim == 2 else 0
+        fcs.append((fc1_w, fc2_w, _optional_vector(f, p + "fc1.bias", r), _optional_vector(f, p + "fc2.bias", n_ff)))
+    if fold_ffn_norm and norms is None:
+        log.warning("%s: PowerInfer's predictors read the FFN input before ffn_norm and cannot be folded onto "
+                    "the normed input (missing/zero norm weights or biases); they expect the residual input", f.path)
+    return powerinfer_predictor(str(f.get("general.name", f.path.stem)), fcs, t, norms, str(f.path))
+
+
+def powerinfer_predictor(model_name: str, fcs: list[tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]],
+                         threshold: float, norms: list[np.ndarray] | None, where: str) -> PredictorFile:
+    """PowerInfer's per-layer predictors (fc1 [r, d], fc2 [n_ff, r], optional biases) as our
+    ``predictor``-mode PredictorFile: the output cut-off ``threshold`` folded into fc2's bias and,
+    with ``norms`` (each layer's ffn_norm weights), fc1 folded onto the normed input (see
+    :func:`read_powerinfer_predictor`). ``where`` names the source in errors."""
+    t = threshold
+    n_layers = len(fcs)
+    d, n_ff = fcs[0][0].shape[-1], fcs[0][1].shape[0]
+    layers = []
+    for i, (fc1_w, fc2_w, fc1_b, fc2_b) in enumerate(fcs):
         if fc1_w.ndim != 2 or fc2_w.ndim != 2 or fc2_w.shape[1] != fc1_w.shape[0]:
-            raise ModelFileError(f"{f.path}: layer {i}: fc1 {list(fc1_w.shape)} and fc2 {list(fc2_w.shape)} do not chain")
+            raise ModelFileError(f"{where}: layer {i}: fc1 {list(fc1_w.shape)} and fc2 {list(fc2_w.shape)} do not chain")
         if (fc1_w.shape[1], fc2_w.shape[0]) != (d, n_ff):
             raise ModelFileError(
-                f"{f.path}: layer {i}: predictor maps {fc1_w.shape[1]} -> {fc2_w.shape[0]}, layer 0 maps {d} -> {n_ff}")
+                f"{where}: layer {i}: predictor maps {fc1_w.shape[1]} -> {fc2_w.shape[0]}, layer 0 maps {d} -> {n_ff}")
         r = fc1_w.shape[0]
-        fc1_b = _optional_vector(f, p + "fc1.bias", r)
-        fc2_b = _optional_vector(f, p + "fc2.bias", n_ff)
         zeros = np.zeros(n_ff, np.float32)
         # inf/nan from odd norms or thresholds: no warnings here, validate_predictor refuses the result
         with np.errstate(over="ignore", invalid="ignore"):
@@ -220,28 +241,21 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
             fc1_w=np.asarray(fc1_w, dtype=np.float32),
             fc1_b=np.zeros(r, np.float32) if fc1_b is None else np.asarray(fc1_b, dtype=np.float32),
             fc2_w=np.asarray(fc2_w, dtype=np.float32), fc2_b=fc2_b, threshold=0.0, act_freq=zeros, act_mass=zeros))
-    for key, want in ((f"{arch}.embedding_length", d), (f"{arch}.feed_forward_length", n_ff)):
-        have = f.get(key)
-        if isinstance(have, int) and have != want:
-            raise ModelFileError(f"{f.path}: predictors map {d} -> {n_ff}, but {key} is {have}")
     input_kind = "normed" if norms is not None else "residual"
-    if fold_ffn_norm and norms is None:
-        log.warning("%s: PowerInfer's predictors read the FFN input before ffn_norm and cannot be folded onto "
-                    "the normed input (missing/zero norm weights or biases); they expect the residual input", f.path)
-    elif norms is not None and t != 0.0:
+    if norms is not None and t != 0.0:
         log.warning("%s: %s = %g is applied to the folded (normed-input) logits; that is exact only for 0",
-                    f.path, SPARSE_THRESHOLD_KEY, t)
+                    where, SPARSE_THRESHOLD_KEY, t)
     calibration: dict[str, CalibrationValue] = {"source": "powerinfer", "sparse_threshold": float(t), "input": input_kind}
     pf = PredictorFile(
-        mode="predictor", model_name=str(f.get("general.name", f.path.stem)), fingerprint="",
+        mode="predictor", model_name=model_name, fingerprint="",
         n_layers=n_layers, d_model=d, n_ff=n_ff, rank=max(lp.rank for lp in layers), target_sparsity=0.0,
         calibration=MappingProxyType(calibration), layers=tuple(layers))
     try:
         validate_predictor(pf)
     except ValueError as e:
-        raise ModelFileError(f"{f.path}: {e}") from None
+        raise ModelFileError(f"{where}: {e}") from None
     log.info("read PowerInfer predictors from %s: %d layers, d %d, n_ff %d, ranks %d..%d, input %s",
-             f.path, n_layers, d, n_ff, min(lp.rank for lp in layers), pf.rank, input_kind)
+             where, n_layers, d, n_ff, min(lp.rank for lp in layers), pf.rank, input_kind)
     return pf
 
 

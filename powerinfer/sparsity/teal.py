@@ -33,7 +33,7 @@ import numpy as np
 from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.reference import activation, attention_heads, rms_norm, weight
+from powerinfer.model.reference import attention_heads, glu, rms_norm, weight
 from powerinfer.sparsity.profile import windows_of
 from powerinfer.tokenizer import GGUFTokenizer
 
@@ -136,7 +136,7 @@ class InputSparsity:
         a = site(attention_heads(cfg, i, h, w), i, 1) @ w("attn_output").T
         x = x + (rms_norm(a, w("post_attention_norm"), cfg.norm_eps) if cfg.post_norms else a)
         h = site(rms_norm(x, w("ffn_norm"), cfg.norm_eps), i, 2)
-        m = site(activation(h @ w("ffn_gate").T, cfg.activation) * (h @ w("ffn_up").T), i, 3) @ w("ffn_down").T
+        m = site(glu(h @ w("ffn_gate").T, h @ w("ffn_up").T, cfg.activation, cfg.act_threshold), i, 3) @ w("ffn_down").T
         return x + (rms_norm(m, w("post_ffw_norm"), cfg.norm_eps) if cfg.post_norms else m)
 
     def final(self, x: np.ndarray) -> np.ndarray:

@@ -130,18 +130,21 @@ def _small_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
     def ffn(b: Backend) -> list[np.ndarray]:
         G, U, L, H = b.upload(g, "g"), b.upload(u, "u"), b.upload(lg, "l"), b.alloc(1500, np.float32, "h")
         out = []
-        for kind in (0, 1):
+        # SiLU, GELU, ReLU, FATReLU (threshold 0.25), dReLU
+        for kind, athr in ((0, 0.0), (1, 0.0), (2, 0.0), (2, 0.25), (3, 0.0)):
             for thr, logits in ((-1.0, None), (0.3, None), (-1.0, L)):
-                b.act_mul(G, U, H, 3, 500, kind, thr, logits)
+                b.act_mul(G, U, H, 3, 500, kind, athr, thr, logits)
                 out.append(b.read(H, 1500).result())
         C = b.upload(np.array([123], np.int32), "count")
         b.zero(H)
-        b.act_mul(G, U, H, 1, 500, 1, -1.0, None, C)
+        b.act_mul(G, U, H, 1, 500, 1, 0.0, -1.0, None, C)
         out.append(b.read(H, 1500).result())
         B = b.upload(_f32(np.random.default_rng(3), 500), "bias")
         b.bias_act(G, 500, B, 3, 400, 1)
-        b.act_inplace(U, 1500, 1)
-        return out + [b.read(G, 1500).result(), b.read(U, 1500).result()]
+        b.act_inplace(U, 1500, 1, 0.0)
+        out += [b.read(G, 1500).result(), b.read(U, 1500).result()]
+        b.act_inplace(L, 1500, 2, 0.25)  # FATReLU in place
+        return out + [b.read(L, 1500).result()]
 
     v = _f32(rng, 13824)
 
@@ -150,8 +153,10 @@ def _small_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
         b.compact(V, 13824, 1.2, 1, I, C)
         count = b.read(C, 1).result()
         U, H = b.upload(_f32(np.random.default_rng(4), 13824), "u"), b.alloc(13824, np.float32, "h")
-        b.gather_mul(V, I, C, 13824, U, H)
-        return [count.astype(np.float32), b.read(I, int(count[0])).result().astype(np.float32), b.read(H, int(count[0])).result()]
+        b.gather_mul(V, I, C, 13824, U, H, 0)
+        out = [count.astype(np.float32), b.read(I, int(count[0])).result().astype(np.float32), b.read(H, int(count[0])).result()]
+        b.gather_mul(V, I, C, 13824, U, H, 3)  # dReLU: the up values rectified
+        return out + [b.read(H, int(count[0])).result()]
 
     yield "rms_norm heads + rows", norm
     yield "rms_norm_rows + add_rows (the stream on the device)", residual

@@ -38,12 +38,13 @@ def _grouped(rng: np.random.Generator, n: int, k: int, kind: str) -> Grouped:
     return Grouped(q.astype(np.int8), scale, zero, group, bits)
 
 
-def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
+def _ffn(kinds: tuple[str, str, str], activation: str = "silu", seed: int = 0,
+         act_threshold: float = 0.0) -> tuple[NativeFFN, Grouped, Grouped, Grouped]:
     rng = np.random.default_rng(seed)
     gate, up, down = _grouped(rng, N, D, kinds[0]), _grouped(rng, N, D, kinds[1]), _grouped(rng, D, N, kinds[2])
     lib = native_lib()
     assert lib is not None
-    return NativeFFN(lib, gate, up, down, activation), gate, up, down
+    return NativeFFN(lib, gate, up, down, activation, act_threshold=act_threshold), gate, up, down
 
 
 def _close(y: np.ndarray, ref: np.ndarray) -> None:
@@ -51,15 +52,16 @@ def _close(y: np.ndarray, ref: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("kinds", [("q4", "q4", "q4"), ("q40", "q40", "q40"), ("q8", "q8", "q6k"), ("q8", "q4", "q4"), ("q4", "q8", "q6k")])
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu", "fatrelu", "drelu"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], activation: str, threads: int) -> None:
-    ffn, gate, up, down = _ffn(kinds, activation)
+    at = 0.5 if activation == "fatrelu" else 0.0  # FATReLU's threshold: about a third of the positive gates pass
+    ffn, gate, up, down = _ffn(kinds, activation, act_threshold=at)
     x = np.random.default_rng(1).standard_normal((3, D)).astype(np.float32)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _, a_ref = reference_ffn(x, gate, up, down, activation, "all")
+        _, a_ref = reference_ffn(x, gate, up, down, activation, "all", act_threshold=at)
         for mode in ("all", "gate", "oracle", "mask"):
             mask = np.random.default_rng(2).random((3, N)) < 0.3
             # a threshold halfway between two neighbouring |values| so float32 and float64 pick the same set
@@ -71,7 +73,7 @@ def test_every_mode_matches_the_numpy_statement(kinds: tuple[str, str, str], act
                 v = np.sort(np.abs(h.numpy()).ravel())
             i = int(np.argmax(np.diff(v[len(v) // 3 : 2 * len(v) // 3]))) + len(v) // 3
             thr = float((v[i] + v[i + 1]) / 2)
-            ref, ref_active = reference_ffn(x, gate, up, down, activation, mode, thr, mask)
+            ref, ref_active = reference_ffn(x, gate, up, down, activation, mode, thr, mask, act_threshold=at)
             y, active = ffn.forward(torch.from_numpy(x), mode, thr, torch.from_numpy(mask))
             _close(y.numpy(), ref)
             assert active.tolist() == ref_active.tolist(), mode

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer.config import ModelConfig, config_from_gguf
+from powerinfer.config import ACT_CODES, ModelConfig, config_from_gguf
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import CpuBackend
 from powerinfer.gpu_worker.kernels import act
@@ -34,7 +34,7 @@ def make_predictor(f: GGUFFile, cfg: ModelConfig, mode: str, seed: int = 0, rank
     for i in range(cfg.n_layers):
         name = layer_tensor(i, "ffn_gate")
         info = f.tensor(name)
-        g = act(x @ dequantize_rows(info.qtype, f.raw(name), info.n_cols).astype(np.float64).T, 0 if cfg.activation == "silu" else 1)
+        g = act(x @ dequantize_rows(info.qtype, f.raw(name), info.n_cols).astype(np.float64).T, ACT_CODES[cfg.activation], cfg.act_threshold)
         r = rank if mode == "predictor" else 0
         mass = rng.pareto(1.5, cfg.n_ff) + 1e-3
         layers.append(LayerPredictor(

@@ -13,7 +13,7 @@
  *   per head: rmsnorm * q_norm / k_norm (Gemma), rope (adjacent pairs or NEOX halves)
  *   k, v -> cache[slot, head, pos]; each query attends over its slot's positions lo..pos
  *   x += post_norm(att @ Wo.T);  xn = rmsnorm(x) * ffn_norm
- *   x += post_norm((act(xn @ Wg.T) * (xn @ Wu.T)) @ Wd.T)
+ *   x += post_norm((act(xn @ Wg.T) * up_act(xn @ Wu.T)) @ Wd.T)     (act.h: SiLU, GELU, (FAT)ReLU, dReLU)
  * Tokens are either one prompt chunk (one slot, consecutive positions) or one token of each of
  * T sequences (distinct slots): every token's k, v is written before any token attends. A
  * token's numbers never depend on the others in the call (per-row arithmetic throughout).
@@ -280,7 +280,7 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
             const int t = i / nchunk, c = (i % nchunk) * 256;
             const int n = c + 256 < nff ? 256 : nff - c;
             float *gt = s->g + (size_t)t * nffA + n0 + c;
-            act_mul(gt, s->u + (size_t)t * nff + c, n, m->act);
+            act_mul(gt, s->u + (size_t)t * nff + c, n, m->act, m->act_thr);
             if (L->cold) /* the GPU rank's hot neurons: their values come as its partial of the down */
                 for (int j = 0; j < n; j++)
                     if (!L->cold[c + j]) gt[j] = 0.0f;

@@ -67,7 +67,7 @@ typedef struct pi_sparse {
 
 typedef struct {
     int32_t n_layers, d, n_ff, n_head, n_kv, D, Dv, rope_dim, neox, act, n_ctx, n_slots, n_threads, max_t;
-    float eps, attn_scale;
+    float eps, attn_scale, act_thr; /* act: act.h's code; act_thr: FATReLU's threshold */
     const float *out_norm;
     pi_wt head;
     const pi_layer *layers;

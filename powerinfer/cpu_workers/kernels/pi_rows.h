@@ -33,30 +33,32 @@ static inline const uint8_t *row_ptr(const pi_mat *m, int j) {
     return m->codes + (size_t)j * m->stride;
 }
 
-enum { PI_SILU = 0, PI_GELU = 1 };
-
 __attribute__((unused)) static float h2f(uint16_t h) { return half_to_float(h); }
 
 #include "exp8.h"
+#include "act.h"
 
-/* act(g) in place for k gate values (k a multiple of 8): silu, or gelu's tanh form written as
- * g * sigmoid(2z) (tanh(z) = 2 sigmoid(2z) - 1), so both need only e^x. */
-static void act_inplace(float *g, int k, int act) {
+/* act(g) in place for k gate values (k a multiple of 8; act.h's codes, thr FATReLU's threshold):
+ * silu, or gelu's tanh form written as g * sigmoid(2z) (tanh(z) = 2 sigmoid(2z) - 1), so both
+ * need only e^x; the ReLU family keeps g where g > thr (dReLU: thr 0; its up is rectified where
+ * the up value multiplies, up_act). */
+static void act_inplace(float *g, int k, int act, float thr) {
+    if (act >= PI_ACT_RELU) {
+        for (int i = 0; i < k; i++) g[i] = act_gate(g[i], act, thr);
+        return;
+    }
 #ifdef PI_AVX2
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int i = 0; i < k; i += 8) {
         __m256 v = _mm256_loadu_ps(g + i), z = v;
-        if (act == PI_GELU) {
+        if (act == PI_ACT_GELU) {
             __m256 v3 = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
             z = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), v3, v));
         }
         _mm256_storeu_ps(g + i, _mm256_div_ps(v, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)))));
     }
 #else
-    for (int i = 0; i < k; i++) {
-        const float v = g[i];
-        g[i] = act == PI_SILU ? v / (1.0f + expf(-v)) : 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    }
+    for (int i = 0; i < k; i++) g[i] = act_gate(g[i], act, thr);
 #endif
 }
 

@@ -72,6 +72,7 @@ typedef struct {
     pi_mat gate, up, down;
     int32_t T, d, n, act, mode, parts;
     float thr;
+    float act_thr;         /* FATReLU's threshold (act PI_ACT_RELU; 0 for ReLU) */
 } pi_call;
 
 /* Stage one for unit u, token t: the neurons to compute, idx[k], and what is known of them in
@@ -101,7 +102,7 @@ static int select_unit(const pi_call *c, int u, int t, const int16_t *xqt, const
     float a[64];
     for (int i = 0; i < ug; i++) idx[i] = j0 + i;
     row_dots(&c->gate, d, idx, ug, xqt, xdt, xs_gt, a);
-    act_inplace(a, ug, c->act);
+    act_inplace(a, ug, c->act, c->act_thr);
     for (int i = 0; i < ug; i++) {
         if (mode == PI_GATE && !(fabsf(a[i]) > thr)) continue;
         idx[k] = j0 + i;
@@ -123,11 +124,11 @@ static int finish_block(const pi_call *c, int u, int nu, const int *off, const i
     if (mode == PI_MASK) {
         row_dots(&c->gate, d, idx, k, xqt, xdt, xs_gt, h);
         for (int i = k; i < ((k + 7) & ~7); i++) h[i] = 0.0f;
-        act_inplace(h, (k + 7) & ~7, c->act);
+        act_inplace(h, (k + 7) & ~7, c->act, c->act_thr);
     }
     if (mode != PI_GIVEN_H) {
         row_dots(&c->up, d, idx, k, xqt, xdt, xs_ut, uv);
-        for (int i = 0; i < k; i++) h[i] *= uv[i];
+        for (int i = 0; i < k; i++) h[i] *= up_act(uv[i], c->act);
     }
     int done = 0;
     for (int i = 0; i < nu; i++) {
@@ -205,8 +206,8 @@ int pi_ffn(const pi_call *c) {
 }
 
 /* Every neuron's act(gate) and act(gate) * up for x [T, d]: g, h [T, n] (quality statistics). */
-void pi_ffn_acts(const float *x, int T, int d, int n, const pi_mat *gate, const pi_mat *up, int act, float *g, float *h,
-                 float *scratch) {
+void pi_ffn_acts(const float *x, int T, int d, int n, const pi_mat *gate, const pi_mat *up, int act, float act_thr, float *g,
+                 float *h, float *scratch) {
     float *xs_g = scratch, *xs_u = scratch + (size_t)T * (d / gate->group);
     float *xd = xs_u + (size_t)T * (d / up->group);
     int16_t *xq = (int16_t *)(xd + (size_t)T * (d / 32));
@@ -219,10 +220,10 @@ void pi_ffn_acts(const float *x, int T, int d, int n, const pi_mat *gate, const 
             float a[8] = {0};
             const int m = n - j0 < 8 ? n - j0 : 8;
             for (int i = 0; i < m; i++) a[i] = row_dot(gate, d, j0 + i, xqt, xdt, xs_g + (size_t)t * (d / gate->group));
-            act_inplace(a, 8, act);
+            act_inplace(a, 8, act, act_thr);
             for (int i = 0; i < m; i++) {
                 g[(size_t)t * n + j0 + i] = a[i];
-                h[(size_t)t * n + j0 + i] = a[i] * row_dot(up, d, j0 + i, xqt, xdt, xs_u + (size_t)t * (d / up->group));
+                h[(size_t)t * n + j0 + i] = a[i] * up_act(row_dot(up, d, j0 + i, xqt, xdt, xs_u + (size_t)t * (d / up->group)), act);
             }
         }
     }

@@ -36,10 +36,11 @@ enum { PI_SP_ALL = 0, PI_SP_GATE = 1, PI_SP_MASK = 2, PI_SP_ORACLE = 3 };
 #define PI_SPARSE_T 4
 #define PI_QUADS_AHEAD 2 /* quads of rows asked for ahead of the one computed */
 
-/* g[i] = act(g[i]) for n values (act_mul's arithmetic with u = 1). */
-static void act_only(float *g, int n, int act) {
+/* g[i] = act(g[i]) for n values (act_mul's arithmetic with u = 1; dReLU's up is rectified where
+ * it multiplies). */
+static void act_only(float *g, int n, int act, float thr) {
     static const float ones[256] = {[0 ... 255] = 1.0f};
-    for (int c = 0; c < n; c += 256) act_mul(g + c, ones, n - c < 256 ? n - c : 256, act);
+    for (int c = 0; c < n; c += 256) act_mul(g + c, ones, n - c < 256 ? n - c : 256, act, thr);
 }
 
 static inline void prefetch_row_bytes(const uint8_t *p, int64_t n) {
@@ -94,7 +95,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
 #pragma omp for schedule(static)
         for (int i = 0; i < T * nchunk; i++) { /* chunks of 256: a decode step's one token over every thread */
             const int t = i / nchunk, c = (i % nchunk) * 256;
-            act_only(s->g + (size_t)t * nffA + n0 + c, n - c < 256 ? n - c : 256, m->act);
+            act_only(s->g + (size_t)t * nffA + n0 + c, n - c < 256 ? n - c : 256, m->act, m->act_thr);
         }
     }
     /* per token, the chosen neurons' list (idx [T, n]) and its length */
@@ -164,7 +165,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         }
         if (!dense_gate) { /* act over the packed gate values, in the threads' shares */
 #pragma omp for schedule(static)
-            for (int c = 0; c < off[T]; c += 256) act_only(s->ha + c, off[T] - c < 256 ? off[T] - c : 256, m->act);
+            for (int c = 0; c < off[T]; c += 256) act_only(s->ha + c, off[T] - c < 256 ? off[T] - c : 256, m->act, m->act_thr);
         }
     }
     mark(m, PH_GATE_UP, last);
@@ -175,7 +176,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         const int a0 = off[t], k = off[t + 1] - a0;
         float *h = s->ha + a0;
         for (int q = 0; q < k; q++)
-            h[q] = (rows_only ? h[q] : s->g[(size_t)t * nffA + n0 + it[q]]) * (rows_only ? s->hu[a0 + q] : s->u[(size_t)t * n + it[q]]);
+            h[q] = (rows_only ? h[q] : s->g[(size_t)t * nffA + n0 + it[q]]) * up_act(rows_only ? s->hu[a0 + q] : s->u[(size_t)t * n + it[q]], m->act);
     }
     /* the rows of g become the hidden state: zeroed in chunks, then each token's chosen neurons */
 #pragma omp for schedule(static)

@@ -1,8 +1,10 @@
 // Element-wise FFN steps and the active-neuron compaction of a sparse decode step.
-// Runs in: the GPU worker process. kind: 0 = SiLU, 1 = GELU (tanh approximation, as ggml).
+// Runs in: the GPU worker process. kind (config.py's ACT_CODES, cpu_workers/kernels/act.h): 0 = SiLU,
+// 1 = GELU (tanh approximation, as ggml), 2 = ReLU / FATReLU (g where g > athr, else 0), 3 = dReLU
+// (relu(g) * relu(u)); athr is FATReLU's threshold (0 for the others).
 //
 // bias_act: y[t, j] += b[j] (q/k/v biases), then ReLU when relu != 0 (the predictor's hidden layer).
-// act_mul: h[t, j] = act(g[t, j]) * u[t, j], zeroed where the neuron is inactive: |act(g)| <= thr
+// act_mul: h[t, j] = act(g[t, j]) * up(u[t, j]), zeroed where the neuron is inactive: |act(g)| <= thr
 //   (gate mode, thr >= 0) or logits[t, j] <= 0 (predictor mode, logits given). Used when every hot
 //   neuron is computed (prefill, dense) so masking, not skipping, decides the output; with n_dev
 //   (T = 1) only the first *n_dev entries, the compacted active neurons of a decode step.
@@ -10,14 +12,19 @@
 // compact: idx = [j for j < n if v[j] > thr] (|v[j]| > thr when use_abs), in increasing order,
 //   and *count = len(idx). One block: each thread takes a contiguous run, a block-wide scan gives
 //   each run its output offset, so the order is deterministic.
-// gather_mul: h[j] = a[idx[j]] * u[j] for j < *count (decode, gate mode).
+// gather_mul: h[j] = a[idx[j]] * up(u[j]) for j < *count (decode, gate mode).
 #include "common.cuh"
 
-__device__ __forceinline__ float act(float x, int kind) {
+__device__ __forceinline__ float act(float x, int kind, float athr) {
     if (kind == 0) return x / (1.0f + expf(-x));
+    if (kind == 2) return x > athr ? x : 0.0f;
+    if (kind == 3) return x > 0.0f ? x : 0.0f;
     const float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
     return 0.5f * x * (1.0f + tanhf(k0 * (x + 0.044715f * x * x * x)));
 }
+
+// The up value as the activation multiplies it: dReLU rectifies it too.
+__device__ __forceinline__ float up(float u, int kind) { return kind == 3 && !(u > 0.0f) ? 0.0f : u; }
 
 extern "C" __global__ void bias_act(float* __restrict__ y, int ld, const float* __restrict__ b, int T, int n, int relu) {
     const long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
@@ -28,18 +35,18 @@ extern "C" __global__ void bias_act(float* __restrict__ y, int ld, const float* 
 }
 
 extern "C" __global__ void act_mul(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ h,
-                                   int T, int n, int kind, float thr, const float* __restrict__ logits,
+                                   int T, int n, int kind, float athr, float thr, const float* __restrict__ logits,
                                    const int* __restrict__ n_dev) {
     const long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (k >= (long long)T * (n_dev ? min(*n_dev, n) : n)) return;
-    const float a = act(g[k], kind);
+    const float a = act(g[k], kind, athr);
     const bool on = logits ? logits[k] > 0.0f : (thr < 0.0f || fabsf(a) > thr);
-    h[k] = on ? a * u[k] : 0.0f;
+    h[k] = on ? a * up(u[k], kind) : 0.0f;
 }
 
-extern "C" __global__ void act_inplace(float* __restrict__ g, int n, int kind) {
+extern "C" __global__ void act_inplace(float* __restrict__ g, int n, int kind, float athr) {
     const int k = blockIdx.x * blockDim.x + threadIdx.x;
-    if (k < n) g[k] = act(g[k], kind);
+    if (k < n) g[k] = act(g[k], kind, athr);
 }
 
 extern "C" __global__ void compact(const float* __restrict__ v, int n, float thr, int use_abs, int* __restrict__ idx,
@@ -65,7 +72,7 @@ extern "C" __global__ void compact(const float* __restrict__ v, int n, float thr
 
 extern "C" __global__ void gather_mul(const float* __restrict__ a, const int* __restrict__ idx,
                                       const int* __restrict__ count, int n, const float* __restrict__ u,
-                                      float* __restrict__ h) {
+                                      float* __restrict__ h, int kind) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < min(*count, n)) h[j] = a[idx[j]] * u[j];
+    if (j < min(*count, n)) h[j] = a[idx[j]] * up(u[j], kind);
 }

@@ -1,0 +1,135 @@
+"""Seeded tiny Hugging Face checkpoints of each family and transformers as their oracle.
+
+Runs in: pytest. ``make_checkpoint`` saves a random ``LlamaForCausalLM`` (ReLU, FATReLU, dReLU or
+SiLU) with a small byte-level BPE tokenizer; ``oracle`` loads it back into transformers with the
+activation the family defines written as a hook where transformers has none (ProSparse's FATReLU:
+gate where gate > t; Bamboo's dReLU: relu(gate) * relu(up)), and returns its logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+FATRELU_T = 0.02
+
+
+def _corpus() -> str:
+    """Varied English text that every Python has: the standard library's module docstrings."""
+    import argparse, collections, csv, json, logging, pathlib, re, string, textwrap, typing  # noqa: E401
+
+    return "\n\n".join(m.__doc__ or "" for m in (argparse, collections, csv, json, logging, pathlib, re, string, textwrap, typing))
+
+
+TEXT = _corpus()
+SPLIT = int(len(TEXT) * 0.8)  # training text before, held-out text after
+
+
+def make_tokenizer(folder: Path, vocab: int = 300) -> int:
+    """A byte-level BPE tokenizer (GPT-2 style, with <s> and </s>) saved in folder; returns its size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT[:SPLIT]], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"}))
+    return tok.get_vocab_size()
+
+
+def make_checkpoint(folder: Path, act: str = "relu", seed: int = 0, *, d: int = 64, n_ff: int = 128, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, tied: bool = False, train_steps: int = 0) -> Path:
+    """Save a seeded random llama-family checkpoint: act is silu, relu, fatrelu (ProSparse) or drelu (Bamboo).
+
+    train_steps > 0 first trains it that many steps on TEXT's training part (deterministic on one
+    machine): a random model's next-token distributions are flat, so 8-bit rounding flips near
+    ties that a trained model does not have; quantization is judged on a trained one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(folder)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=n_ff, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      hidden_act="silu" if act == "silu" else "relu", rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                      bos_token_id=0, eos_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than HF's 0.02 init: activations that are far from zero and from linear
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 1.0 / np.sqrt(p.shape[1]))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    if train_steps:
+        _train(model, folder, act, train_steps, seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    config = json.loads((folder / "config.json").read_text())
+    if act == "fatrelu":
+        config.update(hidden_act="fatrelu", hidden_act_param=FATRELU_T)
+    elif act == "drelu":
+        config.update(model_type="bamboo", architectures=["BambooForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def tokens(folder: Path, text: str) -> list[int]:
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+
+
+def _train(model: LlamaForCausalLM, folder: Path, act: str, steps: int, seed: int) -> None:
+    _hook(model, act, FATRELU_T)
+    data = torch.tensor(tokens(folder, TEXT[:SPLIT]))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 65, (8,), generator=g)
+        x = torch.stack([data[s : s + 65] for s in starts])
+        logits = model(x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+class _FATReLU(torch.nn.Module):
+    def __init__(self, t: float) -> None:
+        super().__init__()
+        self.t = t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.threshold(x, self.t, 0.0)
+
+
+def load_oracle(folder: Path) -> LlamaForCausalLM:
+    """The checkpoint in transformers, with the family's activation hooked in."""
+    config = json.loads((folder / "config.json").read_text())
+    act = "drelu" if config.get("model_type") == "bamboo" else config.get("hidden_act")
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures", "hidden_act_param")})
+    if act in ("fatrelu", "drelu"):
+        cfg.hidden_act = "relu"
+    model = LlamaForCausalLM.from_pretrained(folder, config=cfg, dtype=torch.float32)
+    _hook(model, act, float(config.get("hidden_act_param", 0.0)))
+    return model.eval()
+
+
+def _hook(model: LlamaForCausalLM, act: str, t: float) -> None:
+    """The family's activation where transformers' LlamaMLP has none: FATReLU, or dReLU's relu(gate) * relu(up)."""
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if act == "fatrelu":
+            mlp.act_fn = _FATReLU(t)
+        elif act == "drelu":
+            mlp.forward = (lambda m: lambda x: m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x))))(mlp)
+
+
+def oracle_logits(model: LlamaForCausalLM, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
