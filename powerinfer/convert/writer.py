@@ -6,8 +6,9 @@ Output types (``--outtype``): ``f32``; ``f16`` (weight matrices F16, vectors F32
 ``q8_0`` and ``q4_0`` (matrices whose rows are whole blocks of 32 in that type, the head and the
 embeddings Q8_0 under q4_0, others F16); ``keep`` for a GGUF source (each tensor's type as it is,
 its bytes copied). PowerInfer's layout (``--powerinfer``) differs in four ways, from its converter:
-the magic ``PWRI``; ``blk.N.ffn_down_t.weight`` = down^T [n_ff, d] instead of ``ffn_down`` (F16 when
-the rest is F32: PowerInfer's sparse CPU kernel reads it as F16, an F32 one gives NaN there); the
+the magic ``PWRI``; ``blk.N.ffn_down_t.weight`` = down^T [n_ff, d] instead of ``ffn_down`` (in the
+output type: an F32 file runs here exactly, while PowerInfer's sparse CPU kernel reads ffn_down_t
+as F16 and gives NaN on it, so for PowerInfer write f16 or q4_0; a warning says so); the
 predictors ``blk.N.fc1.weight`` [r, d] and ``blk.N.fc2.weight`` [n_ff, r] (F16; F32 under f32) with
 ``powerinfer.sparse_threshold``; an ``output.weight`` even when the model ties it (its loader needs it).
 
@@ -79,12 +80,15 @@ def plan(model: Converted, outtype: str, predictors: ResidualPredictors | None, 
     """Every tensor of the output, in order: the model's (down transposed for PowerInfer), then the predictors."""
     if outtype not in OUTTYPES:
         raise InvalidArgumentError(f"--outtype must be one of {', '.join(OUTTYPES)}, got {outtype!r}")
+    if powerinfer and outtype == "f32":
+        log.warning("an f32 PowerInfer file runs here, but PowerInfer's CPU build reads ffn_down_t as F16 and gives NaN "
+                    "logits on it: for PowerInfer itself use --outtype f16 or q4_0")
     out: list[Planned] = []
     names = {t.name for t in model.tensors}
     for t in model.tensors:
         if powerinfer and t.name.endswith(".ffn_down.weight"):
             d, n_ff = t.shape
-            qtype = QT.F16 if outtype == "f32" else matrix_type(outtype, t.name, d)
+            qtype = matrix_type(outtype, t.name, d)
             out.append(Planned(t.name.replace(".ffn_down.", ".ffn_down_t."), (n_ff, d), qtype, lambda t=t: t.read().T))
             continue
         qtype = matrix_type(outtype, t.name, t.shape[-1]) if t.matrix else QT.F32

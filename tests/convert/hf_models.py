@@ -124,6 +124,7 @@ def _hook(model: LlamaForCausalLM, act: str, t: float) -> None:
     """The family's activation where transformers' LlamaMLP has none: FATReLU, or dReLU's relu(gate) * relu(up)."""
     for layer in model.model.layers:
         mlp = layer.mlp
+        mlp.fat_t, mlp.drelu = (t if act == "fatrelu" else 0.0), act == "drelu"  # for hook_powerinfer_rule
         if act == "fatrelu":
             mlp.act_fn = _FATReLU(t)
         elif act == "drelu":
@@ -133,3 +134,42 @@ def _hook(model: LlamaForCausalLM, act: str, t: float) -> None:
 def oracle_logits(model: LlamaForCausalLM, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def write_predictor_dir(folder: Path, checkpoint: Path, rank: int = 16, seed: int = 0, threshold: float | None = None) -> Path:
+    """A PowerInfer predictor folder for the checkpoint: model_N.pt with fc1 [rank, d], fc2 [n_ff, rank]
+    (seeded random; about half the neurons predicted on), and config.json with sparse_threshold."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    d, n_ff, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for i in range(layers):
+        torch.save({"fc1.weight": torch.randn(rank, d, generator=g) / d**0.5,
+                    "fc2.weight": torch.randn(n_ff, rank, generator=g) / rank**0.5}, folder / f"model_{i}.pt")
+    if threshold is not None:
+        (folder / "config.json").write_text(json.dumps({"sparse_threshold": threshold}))
+    return folder
+
+
+def hook_powerinfer_rule(model: LlamaForCausalLM, predictors: Path, threshold: float = 0.0) -> LlamaForCausalLM:
+    """PowerInfer's sparse rule in transformers: neuron j of a layer runs iff fc2(relu(fc1(x)))_j >=
+    threshold, x the residual stream entering the FFN's norm (what PowerInfer's predictor reads)."""
+    for i, layer in enumerate(model.model.layers):
+        state = torch.load(predictors / f"model_{i}.pt", weights_only=True)
+        fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
+        seen: dict[str, torch.Tensor] = {}
+        layer.post_attention_layernorm.register_forward_pre_hook(lambda mod, args, seen=seen: seen.__setitem__("x", args[0]))
+        mlp, inner = layer.mlp, layer.mlp.forward
+
+        def forward(h: torch.Tensor, mlp: torch.nn.Module = mlp, seen: dict[str, torch.Tensor] = seen,
+                    fc1: torch.Tensor = fc1, fc2: torch.Tensor = fc2) -> torch.Tensor:
+            on = (torch.relu(seen["x"] @ fc1.T) @ fc2.T) >= threshold  # [B, T, n_ff]
+            up = mlp.up_proj(h)
+            gate = mlp.gate_proj(h)
+            a = torch.relu(up) if getattr(mlp, "drelu", False) else up
+            act = torch.nn.functional.threshold(gate, getattr(mlp, "fat_t", 0.0), 0.0)
+            return mlp.down_proj(act * a * on)
+
+        mlp.forward = forward
+        del inner
+    return model

@@ -1,0 +1,193 @@
+"""Running PowerInfer's own model files (``*.powerinfer.gguf``, magic ``PWRI``) with ``-m``.
+
+Runs in: the process that opens a model (the CLI, the server, the API's LLM); workers then open
+the plain file this writes, like any other.
+
+A PWRI file is a GGUF whose FFN down projection is stored transposed (``ffn_down_t`` [n_ff, d]:
+neuron-major, for PowerInfer's sparse axpy) and which carries a predictor per layer (``fc1``,
+``fc2``) and ``powerinfer.sparse_threshold``. Its architecture fixes the activation (PowerInfer
+hard-codes it): ``llama`` runs ReLU (ReGLU), ``bamboo`` dReLU.
+
+The first open writes, once, into the cache folder (``$POWERINFER_CACHE`` or the user cache, under
+``pwri/``), keyed by the file's path, size and modification time:
+
+* ``NAME-KEY.gguf``: the same model as a plain GGUF our engine reads: every tensor's bytes as they
+  are, but ``ffn_down`` [d, n_ff] = ffn_down_t transposed (F32 / F16 exactly; a quantized
+  ffn_down_t is widened to F16, whose rounding is 2^-11 of each value, instead of requantized),
+  the predictors left out, and our activation key saying ReLU;
+* ``NAME-KEY.predictor``: the predictors in our format, folded onto the normed FFN input
+  (exact at threshold 0: :func:`powerinfer_formats.read_powerinfer_predictor`).
+
+Both are written under temporary names and renamed into place, so concurrent first opens are safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
+from gguf.quants import dequantize
+
+from powerinfer.config import ACTIVATION_KEY
+from powerinfer.errors import DiskWriteError, ModelFileError, UnsupportedModelError, quoted, write_failure
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.predictors.powerinfer_formats import SPARSE_THRESHOLD_KEY, is_powerinfer_file, open_powerinfer_gguf, read_powerinfer_predictor
+from powerinfer.predictors.predictor_file import write_predictor
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # bump when what is written changes: old cache entries are then not reused
+ACTIVATION_OF = {"llama": "relu", "bamboo": "drelu"}  # what PowerInfer's sparse graph computes for each architecture
+_SKIPPED_KEYS = ("general.alignment", "GGUF.", SPARSE_THRESHOLD_KEY)
+
+
+@dataclass(frozen=True)
+class PwriModel:
+    """A PowerInfer file made runnable: the plain GGUF to load and the predictor that came inside."""
+
+    source: Path
+    model: Path
+    predictor: Path
+    sparse_threshold: float
+
+
+def _cache_root() -> Path:
+    from platformdirs import user_cache_dir
+
+    return Path(os.environ.get("POWERINFER_CACHE") or user_cache_dir("powerinfer")) / "pwri"
+
+
+def _key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{FORMAT}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def _value_type(value: object) -> tuple[GGUFValueType, GGUFValueType | None]:
+    if isinstance(value, (bool, np.bool_)):
+        return GGUFValueType.BOOL, None
+    if isinstance(value, str):
+        return GGUFValueType.STRING, None
+    if isinstance(value, (float, np.floating)):
+        return GGUFValueType.FLOAT32, None
+    if isinstance(value, (int, np.integer)):
+        return (GGUFValueType.INT32 if value < 0 else GGUFValueType.UINT32), None
+    raise TypeError(type(value).__name__)
+
+
+def _copy_metadata(src: GGUFFile, w: GGUFWriter) -> None:
+    """Every key of src but the layout's own, with its GGUF type as near as the writer allows."""
+    for key, value in src.metadata.items():
+        if key.startswith(_SKIPPED_KEYS) or key == "general.architecture":
+            continue
+        if isinstance(value, np.ndarray):
+            sub = {np.dtype(np.float32): GGUFValueType.FLOAT32, np.dtype(np.int32): GGUFValueType.INT32,
+                   np.dtype(np.uint32): GGUFValueType.UINT32, np.dtype(np.int64): GGUFValueType.INT64,
+                   np.dtype(np.uint8): GGUFValueType.UINT8, np.dtype(np.int8): GGUFValueType.INT8,
+                   np.dtype(np.bool_): GGUFValueType.BOOL}.get(value.dtype, GGUFValueType.FLOAT32 if value.dtype.kind == "f" else GGUFValueType.INT32)
+            w.add_key_value(key, value.tolist(), GGUFValueType.ARRAY, sub)
+        elif isinstance(value, list):
+            items = [v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v for v in value]
+            sub = _value_type(items[0])[0] if items else GGUFValueType.STRING
+            w.add_key_value(key, items, GGUFValueType.ARRAY, sub)
+        elif isinstance(value, bytes):
+            w.add_string(key, value.decode("utf-8", "surrogateescape"))
+        else:
+            vtype, _ = _value_type(value)
+            w.add_key_value(key, value.item() if isinstance(value, np.generic) else value, vtype)
+
+
+def _down(f: GGUFFile, name: str) -> tuple[np.ndarray, QT]:
+    """ffn_down_t [n_ff, d] as ffn_down [d, n_ff]: exact for float types, F16 for quantized ones."""
+    info = f.tensor(name)
+    raw = np.asarray(f.raw(name))
+    if info.qtype in (QT.F32, QT.F16):
+        return np.ascontiguousarray(raw.T), info.qtype
+    if info.qtype == QT.BF16:
+        return np.ascontiguousarray(((raw.astype(np.uint32) << 16).view(np.float32)).T.astype(np.float16)), QT.F16
+    values = dequantize(raw, info.qtype).reshape(info.shape)
+    return np.ascontiguousarray(values.T.astype(np.float16)), QT.F16
+
+
+def _write_plain(f: GGUFFile, arch: str, out: Path) -> None:
+    names = [n for n in f.tensors if not (".fc1." in n or ".fc2." in n)]
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        w = GGUFWriter(None, arch)  # type: ignore[arg-type]
+        _copy_metadata(f, w)
+        if ACTIVATION_KEY not in f.metadata:
+            w.add_string(ACTIVATION_KEY, ACTIVATION_OF[arch])
+        plan = []
+        for name in names:
+            info = f.tensor(name)
+            if ".ffn_down_t." in name:
+                data, qtype = _down(f, name)
+                plan.append((name.replace(".ffn_down_t.", ".ffn_down."), data, qtype))
+            else:
+                plan.append((name, np.asarray(f.raw(name)), info.qtype))
+        for name, data, qtype in plan:
+            w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
+        w.write_header_to_file(path=Path(tmp))
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for _, data, _ in plan:
+            w.write_tensor_data(data)
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _check_layers(f: GGUFFile, arch: str) -> None:
+    n = f.require(f"{arch}.block_count", int)
+    for i in range(n):
+        for part in ("ffn_down_t.weight", "fc1.weight", "fc2.weight"):
+            if f"blk.{i}.{part}" not in f.tensors:
+                raise ModelFileError(f"{f.path}: a PowerInfer model file without blk.{i}.{part}")
+        info = f.tensor(f"blk.{i}.ffn_down_t.weight")
+        if info.qtype not in (QT.F32, QT.F16, QT.BF16) and info.qtype not in GGML_QUANT_SIZES:
+            raise UnsupportedModelError(f"{f.path}: blk.{i}.ffn_down_t.weight has type {info.qtype.name}")
+
+
+def prepare_pwri(path: str | Path) -> PwriModel:
+    """The runnable form of PowerInfer's model file at path (made once, then reused from the cache)."""
+    path = Path(path)
+    f = open_powerinfer_gguf(path)
+    arch = f.require("general.architecture", str)
+    if arch not in ACTIVATION_OF:
+        raise UnsupportedModelError(f"{path}: PowerInfer model of architecture {quoted(arch)} is not supported "
+                                    f"(supported: {', '.join(ACTIVATION_OF)})")
+    _check_layers(f, arch)
+    root = _cache_root()
+    stem = path.name.removesuffix(".gguf").removesuffix(".powerinfer")[:60]
+    key = _key(path)
+    model, pred = root / f"{stem}-{key}.gguf", root / f"{stem}-{key}.predictor"
+    threshold = float(f.get(SPARSE_THRESHOLD_KEY, 0.0) or 0.0)
+    if model.exists() and pred.exists():
+        return PwriModel(path, model, pred, threshold)
+    pf = read_powerinfer_predictor(path)  # validated before anything is written
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        log.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
+        _write_plain(f, arch, model)
+        write_predictor(pred, pf)
+    except OSError as e:
+        raise DiskWriteError(f"cannot write the runnable form of {path} to {root}: {write_failure(e, root)}") from None
+    return PwriModel(path, model, pred, threshold)
+
+
+def resolve_model(path: str | Path) -> tuple[Path, PwriModel | None]:
+    """(the GGUF file to open, the PowerInfer model it came from or None) for a model path."""
+    path = Path(path)
+    if is_powerinfer_file(path):
+        pw = prepare_pwri(path)
+        return pw.model, pw
+    return path, None

@@ -1,0 +1,127 @@
+"""PowerInfer's own layout: ``convert --powerinfer`` writes it, ``-m`` runs it (embedded predictor,
+transposed down projection, threshold), against transformers with PowerInfer's rule as a hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from powerinfer.api import LLM
+from powerinfer.convert.run import convert
+from powerinfer.config import config_from_gguf
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model import reference
+from powerinfer.predictors.powerinfer_formats import open_powerinfer_gguf
+from powerinfer.predictors.predictor_file import read_predictor
+from tests.convert.hf_models import hook_powerinfer_rule, load_oracle, make_checkpoint, oracle_logits, write_predictor_dir
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POWERINFER_CACHE", str(tmp_path / "cache"))
+
+
+def _ids(seed: int = 1, n: int = 64) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(2, 290, n)]
+
+
+def _run(path: Path, ids: list[int], **kw: object) -> tuple[np.ndarray, LLM]:
+    llm = LLM(path, n_ctx=128, **kw)  # type: ignore[arg-type]
+    try:
+        return llm.logits(ids), llm
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("act", ["relu", "drelu"])
+def test_powerinfer_layout_round_trip(tmp_path: Path, act: str) -> None:
+    src = make_checkpoint(tmp_path / "hf", act, seed=5)
+    preds = write_predictor_dir(tmp_path / "pred", src, seed=6, threshold=0.0)
+    out = convert(src, tmp_path / "m.powerinfer.gguf", "f32", predictor=preds, powerinfer=True)[0]
+    assert out.read_bytes()[:4] == b"PWRI"
+    f = open_powerinfer_gguf(out)
+    assert f.metadata["general.architecture"] == ("bamboo" if act == "drelu" else "llama")
+    assert "blk.0.ffn_down" + ".weight" not in f.tensors and f.tensor("blk.0.ffn_down_t.weight").shape == (128, 64)
+    assert f.tensor("blk.1.fc1.weight").shape == (16, 64) and f.tensor("blk.1.fc2.weight").shape == (128, 16)
+    assert "output.weight" in f.tensors
+
+    ids = _ids()
+    dense_ref = oracle_logits(load_oracle(src), ids)
+    sparse_ref = oracle_logits(hook_powerinfer_rule(load_oracle(src), preds), ids)
+    span = dense_ref.max() - dense_ref.min()
+    assert np.abs(sparse_ref - dense_ref).max() / span > 1e-2  # the rule really changes the output
+
+    # The file's rule, made ours (the plain GGUF and the folded predictor), is PowerInfer's exactly
+    # in float arithmetic: the numpy statement of a sparse forward pass with it equals the hook.
+    runnable = LLM(out, n_ctx=128, executor="inprocess")
+    pw = runnable.powerinfer_file
+    runnable.close()
+    assert pw is not None and pw.model.exists() and pw.predictor.exists()
+    exact = _numpy_sparse(pw.model, pw.predictor, ids)
+    assert np.abs(exact - sparse_ref).max() / span < 1e-4  # an f32 file: ffn_down_t exact
+
+    for executor in ({"executor": "inprocess"}, {"executor": "process", "n_threads": 2}):
+        sparse, llm = _run(out, ids, **executor)
+        assert llm.sparse and llm.powerinfer_file is not None
+        # The engine runs the predictor on 8-bit weights and activations (fast, as its FFN): about
+        # 0.2-0.5% of the neurons, those whose logit is near 0, flip; each moves this tiny model's
+        # logits by up to ~10% of their range (measured: median position 0.8%, worst 9.8%, top-1 95%).
+        err = np.abs(sparse - sparse_ref).max(-1) / span
+        assert np.median(err) < 2e-2 and err.max() < 0.15, f"sparse {executor}: median {np.median(err):.2e}, max {err.max():.2e}"
+        assert (sparse.argmax(-1) == sparse_ref.argmax(-1)).mean() >= 0.9
+        dense, llm = _run(out, ids, sparse=False, **executor)
+        assert not llm.sparse
+        assert np.abs(dense - dense_ref).max() / span < 1e-4  # --no-sparse: every neuron, ReLU
+
+
+def _numpy_sparse(model: Path, predictor: Path, ids: list[int]) -> np.ndarray:
+    """The sparse forward pass in plain numpy (model/reference.py's pieces), the predictor in float."""
+    f = GGUFFile(model)
+    cfg, pf = config_from_gguf(f), read_predictor(predictor)
+    x = reference.weight(f, "token_embd.weight")[np.asarray(ids)][None]
+    for i in range(cfg.n_layers):
+        w = reference._Layer(f, i, np.float64)
+        x = x + reference.attention(cfg, i, reference.rms_norm(x, w("attn_norm"), cfg.norm_eps), w)
+        h = reference.rms_norm(x, w("ffn_norm"), cfg.norm_eps).reshape(-1, cfg.d_model)
+        on = pf.layers[i].predict(h.astype(np.float32))
+        hidden = reference.glu(h @ w("ffn_gate").T, h @ w("ffn_up").T, cfg.activation, cfg.act_threshold) * on
+        x = x + (hidden @ w("ffn_down").T).reshape(x.shape)
+    out = reference.rms_norm(x[0], reference.weight(f, "output_norm.weight"), cfg.norm_eps)
+    return out @ reference.weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight").T
+
+
+def test_predictor_folder_becomes_our_predictor(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "hf", "relu", seed=8)
+    preds = write_predictor_dir(tmp_path / "pred", src, seed=9)
+    model, pred = convert(src, tmp_path / "m.gguf", "f32", predictor=preds)
+    assert pred == tmp_path / "m.predictor" and pred.exists()
+    ids = _ids(2)
+    ref = oracle_logits(hook_powerinfer_rule(load_oracle(src), preds), ids)
+    assert np.abs(_numpy_sparse(model, pred, ids) - ref).max() / (ref.max() - ref.min()) < 1e-5
+    ours, _ = _run(model, ids, executor="inprocess", predictor=pred)
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+    assert "powerinfer.ffn_activation" in GGUFFile(model).metadata
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q4_0"])
+def test_powerinfer_files_in_its_usual_types_run(tmp_path: Path, outtype: str) -> None:
+    """F16 and Q4_0 PWRI files (what PowerInfer's users have): a quantized ffn_down_t is widened to F16
+    in the runnable form; the engine equals the numpy statement of that form."""
+    src = make_checkpoint(tmp_path / "hf", "relu", seed=11)
+    preds = write_predictor_dir(tmp_path / "pred", src, seed=12)
+    out = convert(src, tmp_path / f"m-{outtype}.powerinfer.gguf", outtype, predictor=preds, powerinfer=True)[0]
+    f = open_powerinfer_gguf(out)
+    assert f.tensor("blk.0.ffn_down_t.weight").qtype.name == outtype.upper()
+    assert f.tensor("blk.0.fc1.weight").qtype.name == "F16"
+    ids = _ids(4)
+    dense, llm = _run(out, ids, executor="inprocess", sparse=False)
+    pw = llm.powerinfer_file
+    assert pw is not None
+    plain = GGUFFile(pw.model)
+    assert plain.tensor("blk.0.ffn_down.weight").shape == (64, 128) and "blk.0.fc1.weight" not in plain.tensors
+    want = reference.logits(plain, config_from_gguf(plain), ids)
+    assert np.abs(dense - want).max() / (want.max() - want.min()) < 2e-2
+    again, llm2 = _run(out, ids, executor="inprocess", sparse=False)  # the second open reuses the cache
+    assert llm2.powerinfer_file == pw and np.array_equal(again, dense)
