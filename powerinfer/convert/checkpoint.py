@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import pickle
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,8 @@ def _pickle(path: Path) -> dict[str, TensorSource]:
     import torch  # the pickle format is torch's; only weights_only loading is ever used
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # mmap for the zip format torch.save writes; a legacy pickle is read whole (still weights only)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:
         raise ModelFileError(f"{path}: refused: the pickle holds more than tensors (only weights are loaded, never code): "
                              f"{str(e).splitlines()[0] if str(e) else 'unpickling error'}") from None
