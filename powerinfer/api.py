@@ -34,7 +34,7 @@ from powerinfer.memory import release_freed_memory
 from powerinfer.generation import GenerationChunk, SequenceState, checked_request
 from powerinfer.sampling import SamplingParams
 from powerinfer.predictors.predictor_file import read_predictor
-from powerinfer.predictors.pwri_model import resolve_model
+from powerinfer.predictors.pwri_model import runnable_model
 from powerinfer.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class LLM:
             raise InvalidArgumentError(f"the default context must be positive, got {default_ctx}")
         # PowerInfer's own files (PWRI) run through the plain GGUF and predictor made from them once
         self.source = Path(model_path)
-        self.path, self.powerinfer_file = resolve_model(self.source)
+        self.path, self.powerinfer_file = runnable_model(self.source)
         if self.powerinfer_file is not None and predictor is None:
             predictor = self.powerinfer_file.predictor
             log.info("%s is a PowerInfer model file: its predictors are used (%s)", self.source,

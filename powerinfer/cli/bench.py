@@ -216,7 +216,12 @@ def run_bench(argv: Sequence[str]) -> int:
         raise PowerInferError("powerinfer bench needs -m MODEL")
     from powerinfer.fetch import resolve_model
 
-    model = str(resolve_model(args.model, progress=sys.stderr.isatty()))
+    from powerinfer.predictors.pwri_model import runnable_model
+
+    path, pwri = runnable_model(resolve_model(args.model, progress=sys.stderr.isatty()))
+    model = str(path)
+    if pwri is not None and not args.predictor:
+        args.predictor = str(pwri.predictor)  # a PowerInfer model file runs with its own predictors
     if args.profile:
         from powerinfer.cli.bench_profile import as_dict, profile_decode
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from powerinfer.errors import ModelFileError, UnsupportedModelError
-from powerinfer.gguf_file import GGUFFile
+from powerinfer.predictors.powerinfer_formats import open_powerinfer_gguf
 
 _LONG = 8  # array values longer than this are summarised
 
@@ -36,7 +36,7 @@ def shown_name(text: str, limit: int = 120) -> str:
 def inspect_text(path: str, tensors: bool) -> str:
     from powerinfer.config import config_from_gguf
 
-    f = GGUFFile(path)
+    f = open_powerinfer_gguf(path)  # GGUF, or PowerInfer's PWRI (the same layout under another magic)
     lines = [f"file: {f.path} ({f.size / 2**20:.1f} MiB), {len(f.metadata)} metadata keys, {len(f.tensors)} tensors", "", "metadata:"]
     lines += [f"  {shown_name(k)} = {show_value(v)}" for k, v in f.metadata.items()]
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])

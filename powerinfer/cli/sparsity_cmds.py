@@ -65,8 +65,11 @@ def run_calibrate(argv: Sequence[str]) -> int:
     settings = CalibrationSettings(mode=args.mode, sparsity=0.5 if args.sparsity is None else args.sparsity, tokens=args.tokens,
                                    recall=args.recall, seed=args.seed, rank=args.rank or 0, steps=args.steps)
     text = read_text(args.text) if args.text else None
-    model = resolve_model(args.model, progress=sys.stderr.isatty())
-    out = output_path(args.output, "-o", (str(model), args.text or ""))  # checked before minutes of work, not after
+    from powerinfer.predictors.pwri_model import runnable_model
+
+    given = resolve_model(args.model, progress=sys.stderr.isatty())
+    model, _ = runnable_model(given)  # a PowerInfer file: calibrate its model (the default output is named after the file given)
+    out = output_path(args.output, "-o", (str(given), args.text or ""))  # checked before minutes of work, not after
     if args.rank:
         from powerinfer.config import config_from_gguf
         from powerinfer.gguf_file import GGUFFile
@@ -112,8 +115,11 @@ def run_perplexity(argv: Sequence[str]) -> int:
     from powerinfer.predictors.predictor_file import read_predictor
     from powerinfer.sparsity.perplexity import perplexity
 
-    model = resolve_model(args.model, progress=sys.stderr.isatty())
-    pf = read_predictor(args.predictor, model=GGUFFile(model)) if args.predictor else None
+    from powerinfer.predictors.pwri_model import runnable_model
+
+    model, pwri = runnable_model(resolve_model(args.model, progress=sys.stderr.isatty()))
+    predictor = args.predictor or (pwri.predictor if pwri is not None else None)  # a PowerInfer file's own predictors
+    pf = read_predictor(predictor, model=GGUFFile(model)) if predictor else None
     rep = perplexity(model, read_text(args.text), pf, n_ctx=args.ctx_size, max_tokens=args.max_tokens, progress=progress)
     print(f"tokens scored: {rep.tokens}")
     print(f"dense perplexity:  {rep.dense_ppl:.4f}")

@@ -184,7 +184,7 @@ def prepare_pwri(path: str | Path) -> PwriModel:
     return PwriModel(path, model, pred, threshold)
 
 
-def resolve_model(path: str | Path) -> tuple[Path, PwriModel | None]:
+def runnable_model(path: str | Path) -> tuple[Path, PwriModel | None]:
     """(the GGUF file to open, the PowerInfer model it came from or None) for a model path."""
     path = Path(path)
     if is_powerinfer_file(path):

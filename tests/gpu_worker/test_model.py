@@ -212,3 +212,25 @@ def test_the_first_run_checks_the_device_path_against_the_per_layer_path(make_mo
     assert bad._device_run is False and "differ from the per-layer path" in caplog.text
     np.testing.assert_array_equal(out, first)  # the per-layer path's numbers, now and after
     np.testing.assert_array_equal(bad.layers(0, 2, x, pos), first)
+
+
+@pytest.mark.parametrize("act", ["relu", "fatrelu", "drelu"])
+def test_relu_family_ffn_matches_the_reference_and_its_sparse_decode(make_model: Callable[..., Path], act: str) -> None:
+    """The numpy backend of the CUDA kernels (act_mul, act_inplace, gather_mul with their activation
+    kinds) against model/reference.py's statement of the FFN, dense and as a sparse decode step."""
+    from powerinfer.model import reference
+
+    f, cfg = load(make_model(arch="llama", qtype=QT.F32, activation=act, act_threshold=0.3 if act == "fatrelu" else 0.0))
+    assert cfg.activation == act
+    x = np.random.default_rng(6).standard_normal((3, cfg.d_model)).astype(np.float32)
+    w = reference._Layer(f, 0, np.float64)
+    xd = x.astype(np.float64)
+    want = reference.glu(xd @ w("ffn_gate").T, xd @ w("ffn_up").T, cfg.activation, cfg.act_threshold) @ w("ffn_down").T
+    dense = gpu_model(f, cfg)
+    assert rel(dense.ffn(0, x), want) < 1e-5
+    pf = make_predictor(f, cfg, "gate")
+    sparse = gpu_model(f, cfg, predictor=pf)
+    decode = sparse.ffn(0, x[:1])  # compacted active list: act_inplace, compact, gather_mul
+    masked = sparse.ffn(0, np.concatenate([x[:1], x[:1]]))[:1]  # every neuron, inactive ones zeroed by act_mul
+    np.testing.assert_allclose(decode, masked, rtol=1e-5, atol=1e-5)
+    assert 0 < int(sparse.ws["count"][0]) < cfg.n_ff
