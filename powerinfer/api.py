@@ -114,13 +114,10 @@ class LLM:
             raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'zmq', got {transport!r}")
         if default_ctx < 1:
             raise InvalidArgumentError(f"the default context must be positive, got {default_ctx}")
-        # PowerInfer's own files (PWRI) run through the plain GGUF and predictor made from them once
-        self.source = Path(model_path)
+        self.source = Path(model_path)  # PowerInfer's files (PWRI) run as the GGUF and predictor made from them once
         self.path, self.powerinfer_file = runnable_model(self.source)
         if self.powerinfer_file is not None and predictor is None:
-            predictor = self.powerinfer_file.predictor
-            log.info("%s is a PowerInfer model file: its predictors are used (%s)", self.source,
-                     "sparse" if sparse else "ignored: --no-sparse computes every neuron")
+            predictor = self.powerinfer_file.predictor  # its own predictors (sparse unless --no-sparse)
         self.file = GGUFFile(self.path)
         self.config: ModelConfig = config_from_gguf(self.file)
         if n_ctx is None:

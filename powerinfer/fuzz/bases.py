@@ -130,24 +130,23 @@ def _write(w: GGUFWriter) -> None:
 
 
 def _powerinfer_model(path: Path) -> Path:
-    """A PWRI model+predictor file laid out as PowerInfer's converter writes it."""
+    """A whole PWRI model (ReLU llama, its predictors inside) as ``powerinfer convert --powerinfer``
+    writes it, which is PowerInfer's converter's layout: the model tensors with ffn_down_t, then
+    blk.N.fc1/fc2 per layer (ranks 16 and 24), F16, the PWRI magic."""
+    from powerinfer.convert.predictors import ResidualPredictors
+    from powerinfer.convert.run import from_gguf
+    from powerinfer.convert.writer import write_model
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.synthetic import SyntheticSpec, write_synthetic_gguf
+
     rng = np.random.default_rng(3)
-    d, n_ff = 64, 160
-    w = GGUFWriter(path, "llama")
-    w.add_name("ReluLLaMA-tiny")
-    w.add_block_count(2)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(n_ff)
-    w.add_float32("powerinfer.sparse_threshold", 0.0)
-    for i, r in enumerate((16, 24)):
-        p = f"blk.{i}."
-        w.add_tensor(p + "fc1.weight", (rng.standard_normal((r, d)) / 8).astype(np.float16))
-        w.add_tensor(p + "fc2.weight", (rng.standard_normal((n_ff, r)) / 4).astype(np.float16))
-        w.add_tensor(p + "ffn_norm.weight", (0.5 + rng.random(d)).astype(np.float32))
-        w.add_tensor(p + "ffn_down_t.weight", rng.standard_normal((n_ff, d)).astype(np.float16))
-    _write(w)
-    with open(path, "r+b") as fh:
-        fh.write(b"PWRI")
+    src = write_synthetic_gguf(path.with_name("relu-source.gguf"), SyntheticSpec(activation="relu", seed=3))
+    model, meta = from_gguf(GGUFFile(src))
+    d, n_ff = model.d_model, model.n_ff
+    preds = ResidualPredictors(tuple((rng.standard_normal((r, d)) / 8).astype(np.float32) for r in (16, 24)),
+                               tuple((rng.standard_normal((n_ff, r)) / 4).astype(np.float32) for r in (16, 24)), 0.0)
+    write_model(path, model, meta, "f16", preds, powerinfer=True)
+    src.unlink()
     return path
 
 

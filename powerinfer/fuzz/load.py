@@ -243,6 +243,28 @@ def load_predictor(path: Path, model_path: str, stages: Stages) -> None:
         stages.run("read_predictor_model", lambda: read_predictor(path, model=_check_model(model_path)))
     stages.run("read_powerinfer_predictor", lambda: read_powerinfer_predictor(path))
     stages.run("read_gpuidx", lambda: read_gpuidx(path))
+    stages.run("runnable_model", lambda: _runnable(path))
+
+
+def _runnable(path: Path) -> None:
+    """What ``-m`` does with a PowerInfer model file: its runnable form written (to a scratch folder), then loaded."""
+    import shutil
+    import tempfile
+
+    from powerinfer.config import config_from_gguf
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.predictors.predictor_file import read_predictor
+    from powerinfer.predictors.pwri_model import prepare_pwri
+
+    scratch = Path(tempfile.mkdtemp(prefix="fuzz-pwri-"))
+    try:
+        pw = prepare_pwri(path, cache=scratch)
+        f = GGUFFile(pw.model)
+        config_from_gguf(f)
+        build_tokenizer(f.metadata)
+        read_predictor(pw.predictor, model=f)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def load_case(job: Mapping[str, Any]) -> dict[str, Any]:

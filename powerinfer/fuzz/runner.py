@@ -83,7 +83,8 @@ _MODEL_STAGES = frozenset({"open", "metadata", "inspect", "config", "tokenizer",
 PRIMARY_STAGES: dict[str, frozenset[str]] = {
     "predictor": frozenset({"open_powerinfer", "read_predictor", "predict", "read_predictor_model"}),
     "predictor-gate": frozenset({"open_powerinfer", "read_predictor", "read_predictor_model"}),
-    "pwri": frozenset({"open_powerinfer", "read_predictor", "predict", "read_predictor_model", "read_powerinfer_predictor"}),
+    "pwri": frozenset({"open_powerinfer", "read_predictor", "predict", "read_predictor_model", "read_powerinfer_predictor",
+                       "runnable_model"}),
     "gpuidx": frozenset({"open_powerinfer", "read_gpuidx"}),
 }
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,13 +73,28 @@ def _key(path: Path) -> str:
 def _value_type(value: object) -> tuple[GGUFValueType, GGUFValueType | None]:
     if isinstance(value, (bool, np.bool_)):
         return GGUFValueType.BOOL, None
-    if isinstance(value, str):
+    if isinstance(value, (str, bytes)):
         return GGUFValueType.STRING, None
     if isinstance(value, (float, np.floating)):
         return GGUFValueType.FLOAT32, None
     if isinstance(value, (int, np.integer)):
-        return (GGUFValueType.INT32 if value < 0 else GGUFValueType.UINT32), None
-    raise TypeError(type(value).__name__)
+        return _int_type(int(value), int(value)), None
+    raise ModelFileError(f"metadata value of type {type(value).__name__} cannot be copied")
+
+
+def _raw(v: object) -> bytes:
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, str):
+        return v.encode("utf-8", "surrogateescape")
+    raise ModelFileError(f"metadata array mixes strings with {type(v).__name__}")
+
+
+def _int_type(lo: int, hi: int) -> GGUFValueType:
+    """The narrowest of the writer's usual integer types that holds every value in [lo, hi]."""
+    if lo >= 0:
+        return GGUFValueType.UINT32 if hi < 2**32 else GGUFValueType.UINT64
+    return GGUFValueType.INT32 if -(2**31) <= lo and hi < 2**31 else GGUFValueType.INT64
 
 
 def _copy_metadata(src: GGUFFile, w: GGUFWriter) -> None:
@@ -87,17 +103,22 @@ def _copy_metadata(src: GGUFFile, w: GGUFWriter) -> None:
         if key.startswith(_SKIPPED_KEYS) or key == "general.architecture":
             continue
         if isinstance(value, np.ndarray):
-            sub = {np.dtype(np.float32): GGUFValueType.FLOAT32, np.dtype(np.int32): GGUFValueType.INT32,
-                   np.dtype(np.uint32): GGUFValueType.UINT32, np.dtype(np.int64): GGUFValueType.INT64,
-                   np.dtype(np.uint8): GGUFValueType.UINT8, np.dtype(np.int8): GGUFValueType.INT8,
-                   np.dtype(np.bool_): GGUFValueType.BOOL}.get(value.dtype, GGUFValueType.FLOAT32 if value.dtype.kind == "f" else GGUFValueType.INT32)
+            if value.dtype.kind == "b":
+                sub = GGUFValueType.BOOL
+            elif value.dtype.kind == "f":
+                sub = GGUFValueType.FLOAT64 if value.dtype.itemsize == 8 else GGUFValueType.FLOAT32
+            elif value.dtype.kind in "iu":
+                sub = _int_type(int(value.min()), int(value.max())) if value.size else GGUFValueType.INT32
+            else:
+                raise ModelFileError(f"{src.path}: metadata {quoted(key)} is an array of {value.dtype}, which cannot be copied")
             w.add_key_value(key, value.tolist(), GGUFValueType.ARRAY, sub)
         elif isinstance(value, list):
-            items = [v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v for v in value]
-            sub = _value_type(items[0])[0] if items else GGUFValueType.STRING
-            w.add_key_value(key, items, GGUFValueType.ARRAY, sub)
-        elif isinstance(value, bytes):
-            w.add_string(key, value.decode("utf-8", "surrogateescape"))
+            sub = _value_type(value[0])[0] if value else GGUFValueType.STRING
+            if sub == GGUFValueType.STRING:  # the bytes as the file had them (the reader keeps invalid UTF-8 as surrogates)
+                value = [_raw(v) for v in value]
+            w.add_key_value(key, value, GGUFValueType.ARRAY, sub)
+        elif isinstance(value, (str, bytes)):
+            w.add_key_value(key, _raw(value), GGUFValueType.STRING)
         else:
             vtype, _ = _value_type(value)
             w.add_key_value(key, value.item() if isinstance(value, np.generic) else value, vtype)
@@ -157,8 +178,9 @@ def _check_layers(f: GGUFFile, arch: str) -> None:
             raise UnsupportedModelError(f"{f.path}: blk.{i}.ffn_down_t.weight has type {info.qtype.name}")
 
 
-def prepare_pwri(path: str | Path) -> PwriModel:
-    """The runnable form of PowerInfer's model file at path (made once, then reused from the cache)."""
+def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
+    """The runnable form of PowerInfer's model file at path (made once, then reused from the cache;
+    ``cache``: another folder than the user cache's ``pwri/``)."""
     path = Path(path)
     f = open_powerinfer_gguf(path)
     arch = f.require("general.architecture", str)
@@ -166,7 +188,7 @@ def prepare_pwri(path: str | Path) -> PwriModel:
         raise UnsupportedModelError(f"{path}: PowerInfer model of architecture {quoted(arch)} is not supported "
                                     f"(supported: {', '.join(ACTIVATION_OF)})")
     _check_layers(f, arch)
-    root = _cache_root()
+    root = cache if cache is not None else _cache_root()
     stem = path.name.removesuffix(".gguf").removesuffix(".powerinfer")[:60]
     key = _key(path)
     model, pred = root / f"{stem}-{key}.gguf", root / f"{stem}-{key}.predictor"
@@ -179,6 +201,8 @@ def prepare_pwri(path: str | Path) -> PwriModel:
         log.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
         _write_plain(f, arch, model)
         write_predictor(pred, pf)
+    except (struct.error, ValueError, OverflowError) as e:  # a value the writer cannot hold (a hostile file)
+        raise ModelFileError(f"{path}: cannot rewrite its metadata as GGUF: {e}") from None
     except OSError as e:
         raise DiskWriteError(f"cannot write the runnable form of {path} to {root}: {write_failure(e, root)}") from None
     return PwriModel(path, model, pred, threshold)
