@@ -45,20 +45,37 @@ def make_tokenizer(folder: Path, vocab: int = 300) -> int:
     return tok.get_vocab_size()
 
 
+def make_spm_tokenizer(folder: Path, vocab: int = 600) -> int:
+    """A SentencePiece BPE tokenizer.model (byte fallback, <unk> <s> </s> = 0 1 2, as Llama 2's) in folder."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXT[:SPLIT].splitlines()), model_writer=model, vocab_size=vocab,
+                                   model_type="bpe", byte_fallback=True, character_coverage=0.995, unk_id=0, bos_id=1, eos_id=2,
+                                   pad_id=-1, minloglevel=2, num_threads=1, remove_extra_whitespaces=False,
+                                   normalization_rule_name="identity")
+    (folder / "tokenizer.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                                              "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"}))
+    return vocab
+
+
 def make_checkpoint(folder: Path, act: str = "relu", seed: int = 0, *, d: int = 64, n_ff: int = 128, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, tied: bool = False, train_steps: int = 0) -> Path:
+                    heads: int = 4, kv_heads: int = 2, tied: bool = False, train_steps: int = 0, spm: bool = False) -> Path:
     """Save a seeded random llama-family checkpoint: act is silu, relu, fatrelu (ProSparse) or drelu (Bamboo).
 
     train_steps > 0 first trains it that many steps on TEXT's training part (deterministic on one
     machine): a random model's next-token distributions are flat, so 8-bit rounding flips near
     ties that a trained model does not have; quantization is judged on a trained one."""
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = make_tokenizer(folder)
+    vocab = make_spm_tokenizer(folder) if spm else make_tokenizer(folder)
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=n_ff, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       hidden_act="silu" if act == "silu" else "relu", rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                      bos_token_id=0, eos_token_id=1)
+                      bos_token_id=1 if spm else 0, eos_token_id=2 if spm else 1)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # larger weights than HF's 0.02 init: activations that are far from zero and from linear
         for name, p in model.named_parameters():
@@ -79,7 +96,11 @@ def make_checkpoint(folder: Path, act: str = "relu", seed: int = 0, *, d: int = 
 
 
 def tokens(folder: Path, text: str) -> list[int]:
-    return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    if (folder / "tokenizer.json").exists():
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).encode(text)
 
 
 def _train(model: LlamaForCausalLM, folder: Path, act: str, steps: int, seed: int) -> None:

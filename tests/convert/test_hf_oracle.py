@@ -133,3 +133,23 @@ def test_tokenizer_and_chat_template_come_along(checkpoints: dict[str, Path], f3
         assert llm.chat_template is not None
     finally:
         llm.close()
+
+
+def test_sentencepiece_checkpoint(tmp_path: Path) -> None:
+    """A Llama-2-style checkpoint with only tokenizer.model: the vocabulary, scores and byte tokens come
+    through the sentencepiece package; tokenization equals SentencePiece's, logits transformers'."""
+    import sentencepiece as spm
+
+    src = make_checkpoint(tmp_path / "spm", "relu", seed=2, spm=True)
+    path = convert(src, tmp_path / "spm.gguf", "f32")[0]
+    sp = spm.SentencePieceProcessor(model_file=str(src / "tokenizer.model"))
+    llm = LLM(path, n_ctx=128, executor="inprocess")
+    try:
+        for text in ("The standard library", "Hello, world! 123", "  two  spaces\nnew line", "ünïcödé ✓"):
+            assert llm.tokenize(text, add_bos=False) == sp.encode(text)
+        assert llm.tokenize("x", add_bos=True)[0] == 1
+        ids = tokens(src, TEXT[SPLIT : SPLIT + 400])[:64]
+        ref = oracle_logits(load_oracle(src), ids)
+        assert np.abs(llm.logits(ids) - ref).max() / (ref.max() - ref.min()) < 1e-3
+    finally:
+        llm.close()
