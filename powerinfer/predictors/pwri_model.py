@@ -28,7 +28,7 @@ import logging
 import os
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +39,11 @@ from powerinfer.config import ACTIVATION_KEY
 from powerinfer.errors import DiskWriteError, ModelFileError, UnsupportedModelError, quoted, write_failure
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.predictors.powerinfer_formats import SPARSE_THRESHOLD_KEY, is_powerinfer_file, open_powerinfer_gguf, read_powerinfer_predictor
-from powerinfer.predictors.predictor_file import write_predictor
+from powerinfer.predictors.predictor_file import model_fingerprint, write_predictor
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what is written changes: old cache entries are then not reused
+FORMAT = 2  # bump when what is written changes: old cache entries are then not reused
 ACTIVATION_OF = {"llama": "relu", "bamboo": "drelu"}  # what PowerInfer's sparse graph computes for each architecture
 _SKIPPED_KEYS = ("general.alignment", "GGUF.", SPARSE_THRESHOLD_KEY)
 
@@ -200,7 +200,8 @@ def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
         root.mkdir(parents=True, exist_ok=True)
         log.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
         _write_plain(f, arch, model)
-        write_predictor(pred, pf)
+        # the runnable model is known exactly: its fingerprint makes later loads check the pairing
+        write_predictor(pred, replace(pf, fingerprint=model_fingerprint(GGUFFile(model))))
     except (struct.error, ValueError, OverflowError) as e:  # a value the writer cannot hold (a hostile file)
         raise ModelFileError(f"{path}: cannot rewrite its metadata as GGUF: {e}") from None
     except OSError as e:

@@ -125,3 +125,31 @@ def test_powerinfer_files_in_its_usual_types_run(tmp_path: Path, outtype: str) -
     assert np.abs(dense - want).max() / (want.max() - want.min()) < 2e-2
     again, llm2 = _run(out, ids, executor="inprocess", sparse=False)  # the second open reuses the cache
     assert llm2.powerinfer_file == pw and np.array_equal(again, dense)
+
+
+def test_the_server_serves_a_powerinfer_file(tmp_path: Path) -> None:
+    """powerinfer-server -m model.powerinfer.gguf: its predictor is on, a completion is the engine's greedy text."""
+    import httpx
+
+    from powerinfer.sampling import SamplingParams
+    from tests.server.conftest import start_server
+
+    src = make_checkpoint(tmp_path / "hf", "relu", seed=13)
+    preds = write_predictor_dir(tmp_path / "pred", src, seed=14)
+    out = convert(src, tmp_path / "m.powerinfer.gguf", "f16", predictor=preds, powerinfer=True)[0]
+    texts = {}
+    for sparse in (True, False):
+        llm = LLM(out, n_ctx=128, executor="inprocess", sparse=sparse)
+        try:
+            texts[sparse] = "".join(c.text for c in llm.generate("The quick", 8, sampling=SamplingParams(temperature=0)))
+        finally:
+            llm.close()
+    want = texts[True]
+    assert want != texts[False]  # the predictor changes this model's text: the server's answer says which ran
+    server = start_server(out, tmp_path, "-c", "128", "-t", "1", "--executor", "inprocess")
+    try:
+        r = httpx.post(server.base_url + "/completions", json={"prompt": "The quick", "max_tokens": 8, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        server.stop()
