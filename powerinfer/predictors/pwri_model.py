@@ -16,7 +16,9 @@ The first open writes, once, into the cache folder (``$POWERINFER_CACHE`` or the
   ffn_down_t is widened to F16, whose rounding is 2^-11 of each value, instead of requantized),
   the predictors left out, and our activation key saying ReLU;
 * ``NAME-KEY.predictor``: the predictors in our format, folded onto the normed FFN input
-  (exact at threshold 0: :func:`powerinfer_formats.read_powerinfer_predictor`).
+  (exact at threshold 0: :func:`powerinfer_formats.read_powerinfer_predictor`); with PowerInfer's
+  GPU index beside the file (``FILE.generated.gpuidx``), its GPU neurons as the layers' activation
+  mass, which our placement solver serves first (the key covers that file too).
 
 Both are written under temporary names and renamed into place, so concurrent first opens are safe.
 """
@@ -38,8 +40,15 @@ from gguf.quants import dequantize
 from powerinfer.config import ACTIVATION_KEY
 from powerinfer.errors import DiskWriteError, ModelFileError, UnsupportedModelError, quoted, write_failure
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.predictors.powerinfer_formats import SPARSE_THRESHOLD_KEY, is_powerinfer_file, open_powerinfer_gguf, read_powerinfer_predictor
-from powerinfer.predictors.predictor_file import model_fingerprint, write_predictor
+from powerinfer.predictors.powerinfer_formats import (
+    SPARSE_THRESHOLD_KEY,
+    GpuSplit,
+    is_powerinfer_file,
+    open_powerinfer_gguf,
+    read_gpuidx,
+    read_powerinfer_predictor,
+)
+from powerinfer.predictors.predictor_file import PredictorFile, model_fingerprint, write_predictor
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +73,37 @@ def _cache_root() -> Path:
     return Path(os.environ.get("POWERINFER_CACHE") or user_cache_dir("powerinfer")) / "pwri"
 
 
-def _key(path: Path) -> str:
-    st = path.stat()
-    h = hashlib.sha256(f"{FORMAT}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
+def _key(path: Path, gpuidx: Path | None) -> str:
+    parts = [str(FORMAT)]
+    for p in (path, gpuidx):
+        if p is not None:
+            st = p.stat()
+            parts += [str(p.resolve()), str(st.st_size), str(st.st_mtime_ns)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def gpuidx_beside(path: Path) -> Path | None:
+    """PowerInfer's GPU index for the model file, where its llama.cpp looks: FILE.generated.gpuidx."""
+    p = path.with_name(path.name + ".generated.gpuidx")
+    return p if p.is_file() else None
+
+
+def _with_gpu_index(pf: PredictorFile, split: GpuSplit, where: Path) -> PredictorFile:
+    """PowerInfer's GPU neurons as each layer's activation mass (shared equally among them): our
+    placement solver then puts those first, under our own byte costs and budget. act_freq stays 0,
+    so the CPU side's choice of sparse layers is not changed by it."""
+    if len(split.layers) != pf.n_layers or split.n_ff != pf.n_ff:
+        raise ModelFileError(f"{where}: a GPU index for {len(split.layers)} layers of {split.n_ff} neurons; the model has "
+                             f"{pf.n_layers} layers of {pf.n_ff}")
+    layers = []
+    for lp, idx in zip(pf.layers, split.layers):
+        mass = np.zeros(pf.n_ff, np.float32)
+        if len(idx):
+            mass[idx] = 1.0 / len(idx)
+        layers.append(replace(lp, act_mass=mass))
+    log.info("%s: PowerInfer's GPU index puts %d of %d neurons on the GPU first", where, sum(len(i) for i in split.layers),
+             pf.n_layers * pf.n_ff)
+    return replace(pf, layers=tuple(layers))
 
 
 def _value_type(value: object) -> tuple[GGUFValueType, GGUFValueType | None]:
@@ -190,12 +226,15 @@ def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
     _check_layers(f, arch)
     root = cache if cache is not None else _cache_root()
     stem = path.name.removesuffix(".gguf").removesuffix(".powerinfer")[:60]
-    key = _key(path)
+    gpuidx = gpuidx_beside(path)
+    key = _key(path, gpuidx)
     model, pred = root / f"{stem}-{key}.gguf", root / f"{stem}-{key}.predictor"
     threshold = float(f.get(SPARSE_THRESHOLD_KEY, 0.0) or 0.0)
     if model.exists() and pred.exists():
         return PwriModel(path, model, pred, threshold)
     pf = read_powerinfer_predictor(path)  # validated before anything is written
+    if gpuidx is not None:
+        pf = _with_gpu_index(pf, read_gpuidx(gpuidx), gpuidx)
     try:
         root.mkdir(parents=True, exist_ok=True)
         log.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)

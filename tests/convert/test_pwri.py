@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from powerinfer.api import LLM
+from powerinfer.errors import ModelFileError
 from powerinfer.convert.run import convert
 from powerinfer.config import config_from_gguf
 from powerinfer.gguf_file import GGUFFile
@@ -153,3 +154,48 @@ def test_the_server_serves_a_powerinfer_file(tmp_path: Path) -> None:
         assert r.json()["choices"][0]["text"] == want
     finally:
         server.stop()
+
+
+def _write_gpuidx(path: Path, hot: list[np.ndarray], n_ff: int) -> None:
+    """PowerInfer's FILE.generated.gpuidx: PWRI magic, generic.gpu_index, per layer gpu_idx and gpu_bucket."""
+    from gguf import GGMLQuantizationType as QT, GGUFWriter
+
+    w = GGUFWriter(str(path), "generic.gpu_index")
+    w.add_block_count(len(hot))
+    w.add_uint64("split.vram_capacity", 1 << 20)
+    for i, idx in enumerate(hot):
+        mask = np.zeros(n_ff, np.int32)
+        mask[idx] = 1
+        w.add_tensor(f"blk.{i}.gpu_idx", mask, raw_dtype=QT.I32)
+        w.add_tensor(f"blk.{i}.gpu_bucket", np.sort(idx).astype(np.int32), raw_dtype=QT.I32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with open(path, "r+b") as fh:
+        fh.write(b"PWRI")
+
+
+def test_powerinfer_gpu_index_beside_the_file_leads_the_gpu_split(tmp_path: Path) -> None:
+    """FILE.generated.gpuidx: its GPU neurons are what our solver places first, under our budget."""
+    from powerinfer.coordinator.placement import layer_costs, solve_neuron_split
+    from powerinfer.predictors.pwri_model import prepare_pwri
+
+    src = make_checkpoint(tmp_path / "hf", "relu", seed=15)
+    preds = write_predictor_dir(tmp_path / "pred", src, seed=16)
+    out = convert(src, tmp_path / "m.powerinfer.gguf", "f16", predictor=preds, powerinfer=True)[0]
+    plain = prepare_pwri(out)
+    hot = [np.array([3, 17, 40, 99], np.int64), np.array([5, 6, 120], np.int64)]
+    _write_gpuidx(out.with_name(out.name + ".generated.gpuidx"), hot, 128)
+    pw = prepare_pwri(out)
+    assert pw.model != plain.model  # the index is part of the cache key
+    f = GGUFFile(pw.model)
+    cfg, pf = config_from_gguf(f), read_predictor(pw.predictor, model=f)
+    assert all(float(lp.act_freq.sum()) == 0 for lp in pf.layers)  # the CPU's sparse-layer choice is unchanged
+    costs = layer_costs(f, cfg, 128, predictor=pf)
+    budget = int(costs.overhead + costs.first_neuron().sum() + costs.per_neuron[0] * 7)  # room for 7 neurons, no attention
+    placed = solve_neuron_split(pf, costs, budget, cfg.n_layers)
+    assert [h.tolist() for h in placed.hot] == [[3, 17, 40, 99], [5, 6, 120]]
+    (out.with_name(out.name + ".generated.gpuidx")).write_bytes(b"PWRI" + b"\0" * 20)
+    with pytest.raises(ModelFileError):
+        prepare_pwri(out)
