@@ -83,6 +83,12 @@ def _convert(argv: Sequence[str]) -> int:
     return run_convert(argv)
 
 
+def _train_relu(argv: Sequence[str]) -> int:
+    from powerinfer.cli.train_cmd import run_train
+
+    return run_train(argv)
+
+
 def _loadtest(argv: Sequence[str]) -> int:
     from powerinfer.server.loadtest import main as run_loadtest
 
@@ -94,6 +100,7 @@ def _loadtest(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "fetch": _fetch, "bench": _bench, "inspect": _inspect, "calibrate": _calibrate, "perplexity": _perplexity,
     "sparsity-curve": _sparsity_curve, "serve": _serve, "loadtest": _loadtest, "convert": _convert,
+    "train-relu": _train_relu,
 }  # fmt: skip
 SUBCOMMANDS = tuple(COMMANDS)
 
