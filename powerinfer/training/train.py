@@ -11,7 +11,8 @@ training text, the model's shape, the steps, batch, sequence length, AdamW with 
 decay, bf16 autocast where the CPU has bf16 (else float32), seeds, and the thread count, so the
 same corpus and torch give the same weights. The output folder is a Hugging Face checkpoint
 (config.json, pytorch_model.bin, tokenizer.json, tokenizer_config.json), the held-out text
-(heldout.txt), the training log (train.jsonl) and ``model.gguf`` (F32, by ``powerinfer convert``).
+(heldout.txt), the end of the training text (calibration.txt, for ``powerinfer calibrate``), the
+training log (train.jsonl), summary.json and ``model.gguf`` (F32, by ``powerinfer convert``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +34,12 @@ from powerinfer.training.model import TinyLlama, TinyLlamaConfig
 log = logging.getLogger(__name__)
 
 ACTIVATIONS = ("relu", "drelu", "fatrelu", "silu")
+CALIBRATION_CHARS = 200_000  # the end of the training text, written as calibration.txt
 
 
 @dataclass(frozen=True)
 class Recipe:
-    vocab: int
-    d: int
-    layers: int
-    heads: int
-    kv_heads: int
-    n_ff: int
+    shape: TinyLlamaConfig  # the model (its activation is the run's --act)
     seq: int
     batch: int
     steps: int
@@ -53,13 +50,14 @@ class Recipe:
 
 RECIPES = {
     # ~1 minute on 2 cores: what the tests make for themselves
-    "ci": Recipe(vocab=1024, d=64, layers=2, heads=4, kv_heads=2, n_ff=256, seq=128, batch=8, steps=200, lr=3e-3, warmup=20,
-                 max_files=60),
+    "ci": Recipe(TinyLlamaConfig(vocab=1024, d=64, layers=2, heads=4, kv_heads=2, n_ff=256), seq=128, batch=8, steps=200, lr=3e-3,
+                 warmup=20, max_files=60),
     # ~14 minutes on 2 cores with bf16 (0.69 s a step), 3M parameters, 4.9M tokens
-    "small": Recipe(vocab=4096, d=192, layers=4, heads=6, kv_heads=2, n_ff=768, seq=256, batch=16, steps=1200, lr=2e-3, warmup=100),
+    "small": Recipe(TinyLlamaConfig(vocab=4096, d=192, layers=4, heads=6, kv_heads=2, n_ff=768), seq=256, batch=16, steps=1200,
+                    lr=2e-3, warmup=100),
     # ~80 minutes on 2 cores with bf16 (2.3 s a step measured here, AVX-512 BF16), 16M parameters, 8.2M tokens
-    "full": Recipe(vocab=8192, d=384, layers=6, heads=6, kv_heads=2, n_ff=1536, seq=256, batch=16, steps=2000, lr=1.5e-3,
-                   warmup=200),
+    "full": Recipe(TinyLlamaConfig(vocab=8192, d=384, layers=6, heads=6, kv_heads=2, n_ff=1536), seq=256, batch=16, steps=2000,
+                   lr=1.5e-3, warmup=200),
 }
 
 
@@ -97,9 +95,9 @@ def train(out: Path, act: str = "relu", size: str = "full", corpus: Path = DEFAU
     t0 = time.perf_counter()
     text = read_corpus(corpus, r.max_files)
     (out / "heldout.txt").write_text(text.held_out, encoding="utf-8")
-    ids = torch.tensor(train_tokenizer(text.train, r.vocab, out), dtype=torch.long)
-    cfg = TinyLlamaConfig(vocab=r.vocab, d=r.d, layers=r.layers, heads=r.heads, kv_heads=r.kv_heads, n_ff=r.n_ff, activation=act,
-                          act_threshold=act_threshold, context=max(512, r.seq))
+    (out / "calibration.txt").write_text(text.train[-CALIBRATION_CHARS:], encoding="utf-8")  # seen in training, for calibrate
+    ids = torch.tensor(train_tokenizer(text.train, r.shape.vocab, out), dtype=torch.long)
+    cfg = replace(r.shape, activation=act, act_threshold=act_threshold, context=max(512, r.seq))
     model = TinyLlama(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
@@ -113,7 +111,7 @@ def train(out: Path, act: str = "relu", size: str = "full", corpus: Path = DEFAU
         x = torch.stack([ids[s : s + r.seq + 1] for s in starts.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(x[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, r.vocab), x[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, cfg.vocab), x[:, 1:].reshape(-1))
         value = float(loss.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -129,7 +127,7 @@ def train(out: Path, act: str = "relu", size: str = "full", corpus: Path = DEFAU
     (out / "config.json").write_text(json.dumps(cfg.hf_config(), indent=1))
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "pytorch_model.bin")
     gguf = convert(out, out / "model.gguf", "f32")[0]
-    summary = {"activation": act, "size": size, "recipe": asdict(r), "seed": seed, "threads": threads, "bf16": bf16,
+    summary = {"activation": act, "size": size, "recipe": asdict(r), "model": asdict(cfg), "seed": seed, "threads": threads, "bf16": bf16,
                "corpus": str(corpus), "corpus_files": text.files, "corpus_sha256": text.sha256, "train_tokens": len(ids),
                "held_out_chars": len(text.held_out), "seconds": round(time.perf_counter() - t0, 1), "torch": torch.__version__,
                "params": sum(p.numel() for p in model.parameters())}

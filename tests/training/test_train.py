@@ -55,9 +55,7 @@ def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(tmp_path: Path) -> 
         ours = llm.logits(ids)
     finally:
         llm.close()
-    cfg = TinyLlamaConfig(**{**{k: v for k, v in summary["recipe"].items() if k in ("vocab", "d", "layers", "heads", "kv_heads", "n_ff")},
-                             "activation": "relu", "context": 512})
-    model = TinyLlama(cfg).eval()
+    model = TinyLlama(TinyLlamaConfig(**summary["model"])).eval()
     model.load_state_dict(torch.load(tmp_path / "run" / "pytorch_model.bin", weights_only=True))
     with torch.no_grad():
         ref = model(torch.tensor([ids]))[0].double().numpy()
