@@ -79,14 +79,18 @@ class ServerState:
         self.created = int(time.time())
         self.thread = threading.Thread(target=self._load, name="powerinfer-load", daemon=True)
         self.closing = False
+        # called (from the model thread) when the model cannot load: the daemon stops, and its
+        # command exits 1 with the error (server/main.py), so a supervisor sees the failure
+        self.on_load_failure: Callable[[], None] = lambda: None
 
     def _load(self) -> None:
         """The model thread: load, then run the scheduler loop here until close()."""
         try:
             llm = self.load()
-        except Exception as e:  # noqa: BLE001 - reported by /health and the server's log
-            log.error("loading the model failed: %s", e)
+        except Exception as e:  # noqa: BLE001 - the command prints it as its one error line and exits 1
+            log.debug("loading the model failed", exc_info=True)
             self.load_error = str(e)
+            self.on_load_failure()
             return
         if self.closing:
             llm.close()

@@ -26,6 +26,11 @@ class GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        state.on_load_failure = self._load_failed
+
+    def _load_failed(self) -> None:
+        """The model could not load: stop serving (uvicorn's loop sees should_exit within 0.1 s)."""
+        self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.state.drain()

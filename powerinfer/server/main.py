@@ -7,7 +7,8 @@ Runs in: the server process (it becomes the coordinator; CPU workers are its chi
          -d '{"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}'
 
 The socket is bound before the model loads (so a busy port is a one-line error at once and
-``/health`` answers 503 while loading). SIGTERM or Ctrl+C: stop accepting, answer the queued
+``/health`` answers 503 while loading); a model that cannot load stops the server: one ``error:``
+line and exit 1, so a supervisor (systemd's Restart=on-failure) sees it. SIGTERM or Ctrl+C: stop accepting, answer the queued
 requests 503 shutting_down, let running ones finish for ``--shutdown-timeout`` seconds, end the
 rest with the same error just before it (server/graceful.py), stop the workers, exit 0.
 """
@@ -142,6 +143,8 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if app.state.server_state.load_error is not None:  # the server stopped because the model could not load
+        raise PowerInferError(f"cannot load the model: {app.state.server_state.load_error}")
     return 0
 
 

@@ -58,3 +58,28 @@ def test_server_context_default(make_model, trained: int, expected: int) -> None
     finally:
         llm.close()
     assert build_generate_parser().parse_args(["-m", path]).default_ctx == 4096
+
+
+@pytest.mark.parametrize("content", [None, b"hello, not a model\n"])
+def test_a_model_that_cannot_load_stops_the_server(tmp_path, content: bytes | None) -> None:  # type: ignore[no-untyped-def]
+    """A missing file or a text file named .gguf: one error line and exit 1 within 5 s, nothing left
+    running (a supervisor with Restart=on-failure sees the failure instead of a server answering 503)."""
+    import time
+
+    import psutil
+
+    path = tmp_path / "model.gguf"
+    if content is not None:
+        path.write_bytes(content)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "powerinfer.server.main", "-m", str(path), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid = proc.pid
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 5.0
+    assert proc.returncode == 1
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(path) in errors[0], err
+    assert "Traceback" not in err
+    assert not any(str(path) in " ".join(p.info["cmdline"] or []) and p.pid != pid
+                   for p in psutil.process_iter(["cmdline"]) if p.pid != psutil.Process().pid)
