@@ -13,8 +13,9 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from powerinfer import __version__
 from powerinfer.errors import PowerInferError
 
 if TYPE_CHECKING:  # imported when used: `fetch` and `--help` stay light
@@ -25,7 +26,12 @@ log = logging.getLogger(__name__)
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with its usage errors as one line like our other errors (status 2 as argparse's)."""
+    """argparse, with its usage errors as one line like our other errors (status 2 as argparse's),
+    and ``--version`` on every command."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version and exit")
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")

@@ -50,7 +50,7 @@ ARGS=(--parts "${PARTS:-kernels,smollm2,overhead,bench}")
 if [[ -n "$MODEL" && -f "$MODEL" ]]; then
     if [[ "$(sha256sum "$MODEL" | cut -d' ' -f1)" == "$SMOLLM2_SHA256" ]]; then ARGS+=(--smollm2 "$MODEL"); else echo "SmolLM2 at $MODEL has the wrong sha256: skipped"; fi
 fi
-for fx in ../shared/fixtures/llamacpp_reference.json shared/fixtures/llamacpp_reference.json "$WHEELHOUSE"/fixtures/llamacpp_reference.json; do
+for fx in tests/fixtures/llamacpp_reference.json ../shared/fixtures/llamacpp_reference.json shared/fixtures/llamacpp_reference.json "$WHEELHOUSE"/fixtures/llamacpp_reference.json; do
     [[ -f "$fx" ]] && { ARGS+=(--fixture "$fx"); break; }
 done
 

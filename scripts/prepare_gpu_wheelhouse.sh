@@ -10,7 +10,7 @@
 #   * pycuda: its sdist always, and a wheel built here when a Python of that version and nvcc are found (pycuda
 #     publishes no wheels; building it there costs minutes of GPU-machine time). The wheel links libcuda.so.1
 #     through a stub library made here; the GPU machine's driver provides the real one;
-#   * the llama.cpp reference fixture (../shared does not travel with the working tree).
+#   * the llama.cpp reference fixture (tests/fixtures travels with the working tree; kept for older checkouts).
 # The image already has torch, numpy, tokenizers, jinja2, msgpack, psutil, tqdm, requests, pyyaml, markupsafe,
 # typing-extensions, setuptools and wheel (/work/.library/device/KINDS.md); EXTRA_PACKAGES adds more.
 # SmolLM2 (98 MB) does not fit one 64 MiB device call, so it is split in two halves: see docs/gpu.md.
@@ -58,7 +58,7 @@ else
     echo "no python$PY_VERSION or nvcc here (or a wheel exists): gpu_check.sh builds pycuda from the sdist on the GPU machine"
 fi
 
-FIXTURE=../shared/fixtures/llamacpp_reference.json
+FIXTURE=tests/fixtures/llamacpp_reference.json
 [[ -f "$FIXTURE" ]] && mkdir -p "$OUT/fixtures" && cp "$FIXTURE" "$OUT/fixtures/"
 
 # SmolLM2 in two halves (each carried by its own device call, see docs/gpu.md).

@@ -1,7 +1,7 @@
 """GGUFTokenizer: synthetic vocabularies of both kinds, plus llama.cpp's tokenizations of the real models.
 
 Runs in: the pytest process. The real-model tests use the models fetched by ``powerinfer.fetch``
-(see tests/conftest.py) and llama.cpp's reference in ../shared/fixtures.
+(see tests/conftest.py) and llama.cpp's reference in tests/fixtures.
 """
 
 from __future__ import annotations

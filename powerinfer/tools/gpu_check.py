@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m powerinfer.tools.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="kernels,smollm2,overhead,bench", help="comma-separated: kernels, smollm2, overhead, bench")
     p.add_argument("--smollm2", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf (the part is skipped without it)")
-    p.add_argument("--fixture", type=Path, default=Path("../shared/fixtures/llamacpp_reference.json"))
+    p.add_argument("--fixture", type=Path, default=Path("tests/fixtures/llamacpp_reference.json"))
     p.add_argument("--workdir", type=Path, default=Path("/tmp/powerinfer-gpu-check"))
     p.add_argument("--bench-shape", default="llama2-7b", help="relu_model shape (default llama2-7b)")
     p.add_argument("--bench-layers", type=int, default=12, help="layers of the benchmark model (default 12: 5.1 GB in F16)")

@@ -334,3 +334,12 @@ def test_grammar_time_has_help_and_one_line_errors(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as e:
         grammar_time(["--help"])
     assert e.value.code == 0 and "model" in capsys.readouterr().out
+
+
+def test_version_on_both_commands() -> None:
+    from powerinfer import __version__
+
+    for args in (["launch.py", "--version"], ["-m", "powerinfer.server.main", "--version"], ["launch.py", "convert", "--version"]):
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60,
+                              cwd=Path(__file__).resolve().parents[2])
+        assert proc.returncode == 0 and proc.stdout.strip().endswith(__version__), (args, proc.stdout, proc.stderr)
