@@ -166,6 +166,8 @@ def run_generate(argv: Sequence[str]) -> int:
     try:
         if args.verbose or args.log_level in ("INFO", "DEBUG") or sys.stderr.isatty():
             print(report.load_summary(llm), file=sys.stderr)
+        elif llm.predictor is not None:  # sparse or not, a loaded predictor is said in one line
+            print(report.mode_line(llm), file=sys.stderr)
         if args.interactive:
             return run_chat(llm, params, args.system, args.n_predict, first=prompt or None)
         ids = llm.tokenize(prompt, add_bos=True, special=True)  # as llama.cpp: "<|im_start|>" in -p is that token

@@ -39,7 +39,14 @@ def _mode_line(llm: LLM) -> str:
     if not llm.sparse:
         return f"mode       dense (--no-sparse): predictor for {pf.model_name} loaded and checked, not used"
     how = "a low-rank predictor picks the neurons" if pf.mode == "predictor" else "gate computed, up/down for gated neurons"
+    if pf.calibration.get("source") == "powerinfer":  # PowerInfer records no expected sparsity
+        return f"mode       sparse ({pf.mode}): {how}; PowerInfer's predictor (no expected sparsity recorded)"
     return f"mode       sparse ({pf.mode}): {how}; calibrated for {100 * pf.target_sparsity:.0f}% of neurons skipped"
+
+
+def mode_line(llm: LLM) -> str:
+    """The one line saying whether sparse execution is on (printed even when the full summary is not)."""
+    return _mode_line(llm).replace("mode       ", "", 1)
 
 
 def load_summary(llm: LLM) -> str:
