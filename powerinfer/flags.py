@@ -110,7 +110,8 @@ def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None:
                         "trained on less)")
     p.set_defaults(default_ctx=default_ctx)
     p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
-    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper)
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"], type=str.upper,
+                   help="log level on stderr (default WARNING)")
     p.add_argument("--verbose", action="store_true", help="same as --log-level DEBUG")
 
 

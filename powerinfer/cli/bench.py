@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
-    p.add_argument("-b", "--batch-size", type=positive_int, default=512)
+    p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--plot", default=None, help="also write a PNG plot of decode tokens/s against workers")
     p.add_argument("--one", type=positive_int, default=None, help=argparse.SUPPRESS)  # child mode

@@ -51,7 +51,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
                    help="predictor mode: the predictor's hidden width (default d_model / 4 within [32, 128]); it is read every token, "
                         "so a smaller one costs fewer bytes and may choose less well")
     p.add_argument("--steps", type=positive_int, default=300, help="predictor mode: training steps per layer (default 300)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration text and the predictor's training (default 0)")
     _threads_flag(p)
     args = p.parse_args(argv)
     _use_threads(args.threads)
@@ -145,7 +145,7 @@ def run_sparsity_curve(argv: Sequence[str]) -> int:
     p = Parser(prog="powerinfer sparsity-curve", description="Perplexity against sparsity on held-out text: FFN neurons (gate, predictor) "
                                                                      "or every projection's inputs (input: one level for all; input-greedy: "
                                                                      "levels per layer and site by measured damage).")
-    p.add_argument("-m", "--model", required=True)
+    p.add_argument("-m", "--model", required=True, help="GGUF file or known model name")
     p.add_argument("--calib", required=True, help="calibration text file")
     p.add_argument("--held-out", required=True, help="text to score, not seen in calibration")
     p.add_argument("--targets", default="0.05,0.1,0.2,0.3,0.5", help="comma-separated target sparsities")

@@ -343,3 +343,28 @@ def test_version_on_both_commands() -> None:
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60,
                               cwd=Path(__file__).resolve().parents[2])
         assert proc.returncode == 0 and proc.stdout.strip().endswith(__version__), (args, proc.stdout, proc.stderr)
+
+
+def test_every_flag_of_every_command_has_help(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command's parser is built by asking for its --help; an option added without help text fails."""
+    from powerinfer import flags
+    from powerinfer.cli.main import COMMANDS, build_generate_parser
+
+    missing: list[str] = []
+    original = flags.Parser.add_argument
+
+    def add_argument(self, *names, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("help") in (None, "") and names and names[0].startswith("-"):
+            missing.append(f"{self.prog} {names[0]}")
+        return original(self, *names, **kwargs)
+
+    monkeypatch.setattr(flags.Parser, "add_argument", add_argument)
+    build_generate_parser()
+    for name, run in COMMANDS.items():
+        if name == "fetch":
+            continue  # its subparser is built by add_fetch_subcommand (checked through `powerinfer fetch --help` below)
+        with pytest.raises(SystemExit):
+            run(["--help"])
+    with pytest.raises(SystemExit):
+        COMMANDS["fetch"](["--help"])
+    assert not missing, missing
