@@ -79,9 +79,7 @@ class ServerState:
         self.created = int(time.time())
         self.thread = threading.Thread(target=self._load, name="powerinfer-load", daemon=True)
         self.closing = False
-        # called (from the model thread) when the model cannot load: the daemon stops, and its
-        # command exits 1 with the error (server/main.py), so a supervisor sees the failure
-        self.on_load_failure: Callable[[], None] = lambda: None
+        self.on_load_failure: Callable[[], None] = lambda: None  # the model cannot load: the daemon stops (main.py exits 1)
 
     def _load(self) -> None:
         """The model thread: load, then run the scheduler loop here until close()."""
