@@ -4,8 +4,8 @@ Runs in: the CLI process (``powerinfer convert``).
 
 Output types (``--outtype``): ``f32``; ``f16`` (weight matrices F16, vectors F32, as llama.cpp);
 ``q8_0`` and ``q4_0`` (matrices whose rows are whole blocks of 32 in that type, the head and the
-embeddings Q8_0 under q4_0, others F16); ``keep`` for a GGUF source (each tensor's type as it is,
-its bytes copied). PowerInfer's layout (``--powerinfer``) differs in four ways, from its converter:
+embeddings Q8_0 under q4_0, others F16); a GGUF source is decoded and re-encoded in that type.
+PowerInfer's layout (``--powerinfer``) differs in four ways, from its converter:
 the magic ``PWRI``; ``blk.N.ffn_down_t.weight`` = down^T [n_ff, d] instead of ``ffn_down`` (in the
 output type: an F32 file runs here exactly, while PowerInfer's sparse CPU kernel reads ffn_down_t
 as F16 and gives NaN on it, so for PowerInfer write f16 or q4_0; a warning says so); the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from gguf.quants import quantize
 
 from powerinfer.convert.families import Converted, OutTensor
 from powerinfer.convert.predictors import ResidualPredictors
-from powerinfer.errors import DiskWriteError, InvalidArgumentError, write_failure
+from powerinfer.errors import DiskWriteError, InvalidArgumentError, ModelFileError, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,11 @@ def plan(model: Converted, outtype: str, predictors: ResidualPredictors | None, 
 def _add_value(w: GGUFWriter, key: str, value: Any) -> None:
     if isinstance(value, bool):
         w.add_bool(key, value)
-    elif isinstance(value, int):
-        w.add_uint32(key, value)
+    elif isinstance(value, int):  # the narrowest usual type that holds it (a copied key may be 64-bit or negative)
+        if value >= 0:
+            w.add_uint32(key, value) if value < 2**32 else w.add_uint64(key, value)
+        else:
+            w.add_int32(key, value) if value >= -(2**31) else w.add_int64(key, value)
     elif isinstance(value, float):
         w.add_float32(key, value)
     elif isinstance(value, str):
@@ -122,7 +126,7 @@ def _add_value(w: GGUFWriter, key: str, value: Any) -> None:
         else:
             w.add_array(key, list(value))
     else:
-        raise TypeError(f"metadata {key}: cannot write a {type(value).__name__}")
+        raise ModelFileError(f"metadata {key}: cannot write a {type(value).__name__}")
 
 
 def write_model(path: str | Path, model: Converted, metadata: dict[str, Any], outtype: str,
@@ -140,7 +144,10 @@ def write_model(path: str | Path, model: Converted, metadata: dict[str, Any], ou
         w.add_name(model.name)
         w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[outtype])
         for key, value in {**model.metadata, **metadata}.items():
-            _add_value(w, key, value)
+            try:
+                _add_value(w, key, value)
+            except (struct.error, OverflowError, ValueError, TypeError) as e:  # a value copied from a hostile file
+                raise ModelFileError(f"metadata {key!r} cannot be written as GGUF: {e}") from None
         if predictors is not None and powerinfer and predictors.threshold:
             w.add_float32(SPARSE_THRESHOLD_KEY, predictors.threshold)
         for t in tensors:
