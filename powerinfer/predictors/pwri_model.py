@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -181,21 +182,21 @@ def _write_plain(f: GGUFFile, arch: str, out: Path) -> None:
         _copy_metadata(f, w)
         if ACTIVATION_KEY not in f.metadata:
             w.add_string(ACTIVATION_KEY, ACTIVATION_OF[arch])
-        plan = []
-        for name in names:
+        for name in names:  # the table first: a down projection's shape and size follow without computing it
             info = f.tensor(name)
             if ".ffn_down_t." in name:
-                data, qtype = _down(f, name)
-                plan.append((name.replace(".ffn_down_t.", ".ffn_down."), data, qtype))
+                n_ff, d = info.shape
+                qtype = info.qtype if info.qtype in (QT.F32, QT.F16) else QT.F16
+                dtype = np.dtype(np.float32 if qtype == QT.F32 else np.float16)
+                w.add_tensor_info(name.replace(".ffn_down_t.", ".ffn_down."), (d, n_ff), dtype, d * n_ff * dtype.itemsize, raw_dtype=qtype)
             else:
-                plan.append((name, np.asarray(f.raw(name)), info.qtype))
-        for name, data, qtype in plan:
-            w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=qtype)
+                raw = f.raw(name)
+                w.add_tensor_info(name, raw.shape, raw.dtype, raw.nbytes, raw_dtype=info.qtype)
         w.write_header_to_file(path=Path(tmp))
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for _, data, _ in plan:
-            w.write_tensor_data(data)
+        for name in names:  # one transposed down projection in memory at a time
+            w.write_tensor_data(_down(f, name)[0] if ".ffn_down_t." in name else np.asarray(f.raw(name)))
         w.close()
         os.replace(tmp, out)
     finally:
@@ -229,7 +230,10 @@ def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
     gpuidx = gpuidx_beside(path)
     key = _key(path, gpuidx)
     model, pred = root / f"{stem}-{key}.gguf", root / f"{stem}-{key}.predictor"
-    threshold = float(f.get(SPARSE_THRESHOLD_KEY, 0.0) or 0.0)
+    threshold = f.get(SPARSE_THRESHOLD_KEY, 0.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+        raise ModelFileError(f"{path}: metadata {SPARSE_THRESHOLD_KEY} must be a finite number, got {quoted(threshold)}")
+    threshold = float(threshold)
     if model.exists() and pred.exists():
         return PwriModel(path, model, pred, threshold)
     pf = read_powerinfer_predictor(path)  # validated before anything is written
