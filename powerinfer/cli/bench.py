@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs-dense", action="store_true",
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
                         "and print the paired sparse/dense speed ratio (uses the first --workers value)")
-    p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense / --vs-llama-cpp (default 12)")
+    p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense, --vs-llama-cpp and --paired (default 12; at least 2: a ratio is a median over rounds)")
     p.add_argument("--vs-llama-cpp", action="store_true",
                    help="run llama.cpp (llama-cpp-python) on the same file with the same threads in alternating rounds and print "
                         "the paired ratios for prefill and decode (first --workers value; --rounds); with --vs-dense: a column "
