@@ -29,7 +29,7 @@ ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "relu", "fatrelu", "drelu")
 # Their codes in the C kernels (cpu_workers/kernels/act.h) and the CUDA kernels (ffn_ops.cu):
 # FATReLU is ReLU with a threshold (ReLU's is 0).
 ACT_CODES: dict[str, int] = {"silu": 0, "gelu_tanh": 1, "relu": 2, "fatrelu": 2, "drelu": 3}
-# Our metadata keys for a file's activation (docs/file-format.md): a string of ACTIVATIONS and
+# Our metadata keys for a file's activation (docs/powerinfer-models.md): a string of ACTIVATIONS and
 # FATReLU's float32 threshold. Files without them get their architecture's activation.
 ACTIVATION_KEY = "powerinfer.ffn_activation"
 ACTIVATION_THRESHOLD_KEY = "powerinfer.ffn_activation_threshold"

@@ -18,6 +18,7 @@ disagrees with its tensors is an error naming the first tensor that disagrees.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ import numpy as np
 from powerinfer.config import ACTIVATION_KEY, ACTIVATION_THRESHOLD_KEY
 from powerinfer.convert.checkpoint import HFCheckpoint
 from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "bamboo")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some checkpoints carry
@@ -108,6 +111,10 @@ def llama_family(ckpt: HFCheckpoint, model_type: str) -> Converted:
     head_dim = _cfg_int({"head_dim": head_dim}, "head_dim")
     vocab = _cfg_int(cfg, "vocab_size")
     activation, act_t = _activation(cfg, model_type)
+    window = cfg.get("sliding_window")
+    if isinstance(window, int) and 0 < window < _cfg_int(cfg, "max_position_embeddings", 2048):
+        log.warning("config.json: sliding_window %d is not kept: like llama.cpp, the file attends to the whole context "
+                    "(the same up to %d tokens)", window, window)
     arch = "bamboo" if model_type == "bamboo" else "llama"
     out = Converted(arch=arch, name=str(cfg.get("_name_or_path") or ckpt.folder.name), activation=activation,
                     n_layers=n_layers, d_model=d, n_ff=n_ff)

@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from powerinfer.convert.families import Converted, OutTensor
+from powerinfer.convert.families import Converted
 from powerinfer.convert.predictors import ResidualPredictors
 from powerinfer.errors import DiskWriteError, InvalidArgumentError, ModelFileError, write_failure
 

@@ -23,7 +23,7 @@ import torch
 
 from powerinfer.config import ACT_CODES
 from powerinfer.cpu_workers.neuron_major import MODES, PiCall, pack_layer
-from powerinfer.model.reference import activation as reference_activation
+from powerinfer.model.reference import activation as reference_activation, up_value
 from powerinfer.native.cbuild import load_library
 from powerinfer.quants.grouped import Grouped
 
@@ -177,15 +177,12 @@ def reference_ffn(x: np.ndarray, gate: Grouped, up: Grouped, down: Grouped, acti
         xs = x.reshape(T, d // g, g).astype(np.float64).sum(axis=2)
         return np.einsum("tng,ng,tg->tn", per, s, xd_g) + np.einsum("ng,tg->tn", z, xs)
 
-    def up_value(u: np.ndarray) -> np.ndarray:  # dReLU rectifies the up value too
-        return np.maximum(u, 0.0) if activation == "drelu" else u
-
     if given_a is not None:
         a = np.asarray(given_a, dtype=np.float64)
-        h = np.asarray(given_h, dtype=np.float64) if mode == "given_h" else a * up_value(dots(up))
+        h = np.asarray(given_h, dtype=np.float64) if mode == "given_h" else a * up_value(dots(up), activation)
     else:
         a = reference_activation(dots(gate), activation, act_threshold)
-        h = a * up_value(dots(up))
+        h = a * up_value(dots(up), activation)
     chosen = {"all": np.ones_like(h, dtype=bool), "gate": np.abs(a) > threshold, "oracle": np.abs(h) > threshold,
               "given_gate": np.abs(a) > threshold, "given_h": np.abs(a) > threshold}.get(mode)
     if chosen is None:

@@ -72,9 +72,14 @@ def activation(g: np.ndarray, kind: str, threshold: float = 0.0) -> np.ndarray:
     raise ValueError(f"unknown activation {kind!r}")
 
 
+def up_value(u: np.ndarray, kind: str) -> np.ndarray:
+    """The up projection as the activation multiplies it: dReLU rectifies it too."""
+    return np.maximum(u, 0.0) if kind == "drelu" else u
+
+
 def glu(g: np.ndarray, u: np.ndarray, kind: str, threshold: float = 0.0) -> np.ndarray:
     """The gated FFN's hidden state: act(g) * u, or relu(g) * relu(u) for dReLU."""
-    return activation(g, kind, threshold) * (np.maximum(u, 0.0) if kind == "drelu" else u)
+    return activation(g, kind, threshold) * up_value(u, kind)
 
 
 def attention(cfg: ModelConfig, i: int, h: np.ndarray, w: "_Layer") -> np.ndarray:

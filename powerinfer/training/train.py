@@ -17,7 +17,6 @@ training log (train.jsonl), summary.json and ``model.gguf`` (F32, by ``powerinfe
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
