@@ -18,7 +18,12 @@ import numpy as np
 from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 from powerinfer.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3", "bamboo")  # bamboo: PowerInfer's llama-shaped dReLU model
+# bamboo: PowerInfer's llama-shaped dReLU model; opt: Meta's OPT as PowerInfer's llama.cpp defines it
+# (LayerNorm, biases everywhere, learned positions, a two-matrix ReLU MLP)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3", "bamboo", "opt")
+# OPT's learned position table starts two rows in (HF's OPTLearnedPositionalEmbedding offset, which
+# PowerInfer's llama.cpp adds to every position); its converter writes the whole table.
+OPT_POSITION_OFFSET = 2
 
 RopeStyle = Literal["norm", "neox"]
 # The gated FFN's activation, h = act(gate) * up: SiLU (llama, qwen2), GELU's tanh form (gemma3),
@@ -65,6 +70,21 @@ class ModelConfig:
     tied_embeddings: bool
     final_logit_softcap: float  # 0: none
     act_threshold: float = 0.0  # FATReLU's t (activation "fatrelu"); 0 for every other activation
+    norm: Literal["rms", "layer"] = "rms"  # RMSNorm, or LayerNorm with a bias (OPT)
+    gated_ffn: bool = True  # act(gate) * up; False: OPT's act(up + b_up), the only matrix before down
+    proj_bias: bool = False  # biases on the attention output, the FFN's first matrix and down (OPT)
+    learned_pos: bool = False  # position_embd.weight row pos + pos_offset added to the embeddings (OPT); no rope
+    pos_offset: int = 0
+
+    @property
+    def gate_part(self) -> str:
+        """The tensor whose activation decides a neuron: ffn_gate, or OPT's ffn_up (fc1)."""
+        return "ffn_gate" if self.gated_ffn else "ffn_up"
+
+    @property
+    def ffn_parts(self) -> tuple[str, ...]:
+        """The FFN's matrices before down, in the order the hidden state uses them: (gate, up) or (up,)."""
+        return ("ffn_gate", "ffn_up") if self.gated_ffn else ("ffn_up",)
 
     @property
     def gqa_group(self) -> int:
@@ -132,7 +152,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         raise ModelFileError(f"{f.path}: {n_heads} attention heads do not fit the model width {d_model}")
     head_dim = _int(f, f"{arch}.attention.key_length", d_model // n_heads)
     v_head_dim = _int(f, f"{arch}.attention.value_length", head_dim)
-    rope_dim = _int(f, f"{arch}.rope.dimension_count", head_dim)
+    rope_dim = 0 if arch == "opt" else _int(f, f"{arch}.rope.dimension_count", head_dim)
     if rope_dim > head_dim or rope_dim % 2:
         raise ModelFileError(f"{f.path}: rope dimension {rope_dim} does not fit head size {head_dim}")
     tokens = f.get("tokenizer.ggml.tokens")
@@ -154,7 +174,14 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         rope_scale = 1.0 / factor
     elif scaling != "none":
         raise UnsupportedModelError(f"{f.path}: rope scaling {quoted(scaling)} is not supported")
-    norm_eps = _float(f, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    norm_eps = _float(f, f"{arch}.attention.layer_norm_epsilon" if arch == "opt" else f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    context_length = _int(f, f"{arch}.context_length", 2048)
+    if arch == "opt":
+        pos = f.tensor("position_embd.weight")
+        if len(pos.shape) != 2 or pos.shape[1] != d_model or pos.shape[0] <= OPT_POSITION_OFFSET:
+            raise ModelFileError(f"{f.path}: position_embd.weight has shape {list(pos.shape)}, expected [n_positions + "
+                                 f"{OPT_POSITION_OFFSET}, {d_model}]")
+        context_length = min(context_length, pos.shape[0] - OPT_POSITION_OFFSET)  # no position past the table
     activation, act_threshold = _activation(f, arch)
     sliding_window = 0
     global_layers = tuple(True for _ in range(n_layers))
@@ -177,7 +204,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         head_dim=head_dim,
         v_head_dim=v_head_dim,
         vocab_size=vocab_size,
-        context_length=_int(f, f"{arch}.context_length", 2048),
+        context_length=context_length,
         norm_eps=norm_eps,
         rope_dim=rope_dim,
         rope_base=rope_base,
@@ -187,7 +214,7 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         # gemma are stored unpermuted and rotate halves (GPT-NeoX style).
         rope_style="norm" if arch in ("llama", "bamboo") else "neox",
         activation=activation,
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch in ("qwen2", "opt"),
         qk_norm=arch == "gemma3",
         post_norms=arch == "gemma3",
         embed_scale=math.sqrt(d_model) if arch == "gemma3" else 1.0,
@@ -197,6 +224,11 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         tied_embeddings="output.weight" not in f.tensors,
         final_logit_softcap=_float(f, f"{arch}.final_logit_softcapping", 0.0),
         act_threshold=act_threshold,
+        norm="layer" if arch == "opt" else "rms",
+        gated_ffn=arch != "opt",
+        proj_bias=arch == "opt",
+        learned_pos=arch == "opt",
+        pos_offset=OPT_POSITION_OFFSET if arch == "opt" else 0,
     )
 
 
@@ -204,12 +236,14 @@ def _activation(f: GGUFFile, arch: str) -> tuple[Activation, float]:
     """The file's FFN activation and FATReLU threshold: our key when present, else the architecture's own."""
     kind = f.get(ACTIVATION_KEY)
     if kind is None:
-        return ("gelu_tanh" if arch == "gemma3" else "drelu" if arch == "bamboo" else "silu"), 0.0
+        return ("gelu_tanh" if arch == "gemma3" else "drelu" if arch == "bamboo" else "relu" if arch == "opt" else "silu"), 0.0
     if not isinstance(kind, str) or kind not in ACTIVATIONS:
         raise UnsupportedModelError(
             f"{f.path}: FFN activation {quoted(kind)} ({ACTIVATION_KEY}) is not supported (supported: {', '.join(ACTIVATIONS)})"
         )
     threshold = _float(f, ACTIVATION_THRESHOLD_KEY, 0.0)
+    if arch == "opt" and kind not in ("relu", "fatrelu"):  # dReLU needs an up matrix OPT does not have
+        raise UnsupportedModelError(f"{f.path}: FFN activation {quoted(kind)} does not fit OPT's two-matrix MLP (relu or fatrelu)")
     if threshold and kind != "fatrelu":
         raise ModelFileError(f"{f.path}: {ACTIVATION_THRESHOLD_KEY} is {threshold}, but only fatrelu has a threshold (activation {kind})")
     return kind, threshold  # type: ignore[return-value]

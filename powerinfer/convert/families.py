@@ -9,6 +9,11 @@ Families (``config.json``'s ``model_type``):
   llama.cpp reads the SiLU files we write. ``hidden_act`` picks the activation: ``silu``, ``relu``
   (ReluLLaMA: ReGLU), ``fatrelu`` with ``hidden_act_param`` (ProSparse); anything else is refused.
 * ``bamboo``: PowerInfer's ``bamboo`` architecture, llama-shaped with dReLU (relu(gate) * relu(up)).
+* ``opt``: PowerInfer's ``opt`` layout: LayerNorms with biases, biased projections, the learned
+  position table whole (its first two rows are HF's offset, added at run time as PowerInfer does),
+  fc1 as ``ffn_up`` and fc2 as ``ffn_down``, the head tied to the embeddings. Both key layouts
+  (``model.decoder.*`` as transformers saves them, ``decoder.*`` as the original release). OPT-350m's
+  post-LayerNorm and projected embeddings are refused.
 
 A non-SiLU activation is written in our key (config.py's ACTIVATION_KEY) so no reader of ours can
 take the file for a SiLU model. Every tensor of the checkpoint must be one we map, every tensor we
@@ -31,7 +36,7 @@ from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 
 log = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "mistral", "bamboo")
+FAMILIES = ("llama", "mistral", "bamboo", "opt")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # derived buffers some checkpoints carry
 
 
@@ -167,9 +172,64 @@ def llama_family(ckpt: HFCheckpoint, model_type: str) -> Converted:
     return out
 
 
+def opt_family(ckpt: HFCheckpoint) -> Converted:
+    cfg = ckpt.config
+    d, n_ff, n_layers = _cfg_int(cfg, "hidden_size"), _cfg_int(cfg, "ffn_dim"), _cfg_int(cfg, "num_hidden_layers")
+    n_head, vocab = _cfg_int(cfg, "num_attention_heads"), _cfg_int(cfg, "vocab_size")
+    if d % n_head:
+        raise ModelFileError(f"config.json: hidden_size {d} is not a multiple of {n_head} attention heads")
+    if cfg.get("word_embed_proj_dim", d) != d:
+        raise UnsupportedModelError("config.json: word_embed_proj_dim differs from hidden_size (OPT-350m's projected embeddings) "
+                                    "is not supported")
+    for flag, want in (("do_layer_norm_before", True), ("enable_bias", True), ("layer_norm_elementwise_affine", True),
+                       ("_remove_final_layer_norm", False)):
+        if cfg.get(flag, want) != want:
+            raise UnsupportedModelError(f"config.json: {flag} = {quoted(cfg.get(flag))} is not supported (only {want}: pre-LayerNorm OPT)")
+    act = cfg.get("activation_function", "relu")
+    if act != "relu":
+        raise UnsupportedModelError(f"config.json: activation_function {quoted(act)} is not supported for opt (relu)")
+    n_pos = _cfg_int(cfg, "max_position_embeddings", 2048)
+    out = Converted(arch="opt", name=str(cfg.get("_name_or_path") or ckpt.folder.name), activation="relu", n_layers=n_layers,
+                    d_model=d, n_ff=n_ff)
+    m = out.metadata
+    m["opt.context_length"] = n_pos
+    m["opt.embedding_length"] = d
+    m["opt.block_count"] = n_layers
+    m["opt.feed_forward_length"] = n_ff
+    m["opt.attention.head_count"] = n_head
+    m["opt.attention.head_count_kv"] = n_head
+    m["opt.attention.layer_norm_epsilon"] = 1e-5  # torch.nn.LayerNorm's, which HF's OPT uses
+
+    root = "model.decoder." if any(n.startswith("model.decoder.") for n in ckpt.tensors) else "decoder."
+    Spec = tuple[str, tuple[int, ...], None, bool]
+
+    def both(hf: str, gg: str, shape: tuple[int, ...]) -> dict[str, Spec]:
+        """A biased projection or LayerNorm: its weight (a matrix when 2-D) and its bias."""
+        return {hf + ".weight": (gg + ".weight", shape, None, len(shape) == 2), hf + ".bias": (gg + ".bias", (shape[0],), None, False)}
+
+    want: dict[str, Spec] = {root + "embed_tokens.weight": ("token_embd.weight", (vocab, d), None, True),
+                             root + "embed_positions.weight": ("position_embd.weight", (n_pos + 2, d), None, False)}
+    want.update(both(root + "final_layer_norm", "output_norm", (d,)))
+    if "lm_head.weight" in ckpt.tensors and not cfg.get("tie_word_embeddings", True):
+        want["lm_head.weight"] = ("output.weight", (vocab, d), None, True)
+    for i in range(n_layers):
+        hf, g = f"{root}layers.{i}.", f"blk.{i}."
+        want.update(both(hf + "self_attn_layer_norm", g + "attn_norm", (d,)))
+        for proj, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("out_proj", "attn_output")):
+            want.update(both(hf + "self_attn." + proj, g + name, (d, d)))
+        want.update(both(hf + "final_layer_norm", g + "ffn_norm", (d,)))
+        want.update(both(hf + "fc1", g + "ffn_up", (n_ff, d)))
+        want.update(both(hf + "fc2", g + "ffn_down", (d, n_ff)))
+    # a tied head saved anyway (transformers writes lm_head.weight for some versions): the same values as the embeddings
+    ignored = ("lm_head.weight",) if "lm_head.weight" not in want else ()
+    out.tensors = _map_tensors(ckpt, want, ignored)
+    return out
+
+
 def _map_tensors(ckpt: HFCheckpoint,
-                 want: dict[str, tuple[str, tuple[int, ...], Callable[[np.ndarray], np.ndarray] | None, bool]]) -> list[OutTensor]:
-    extra = [n for n in ckpt.tensors if n not in want and not n.endswith(_IGNORED_SUFFIXES)]
+                 want: dict[str, tuple[str, tuple[int, ...], Callable[[np.ndarray], np.ndarray] | None, bool]],
+                 ignored: tuple[str, ...] = ()) -> list[OutTensor]:
+    extra = [n for n in ckpt.tensors if n not in want and n not in ignored and not n.endswith(_IGNORED_SUFFIXES)]
     if extra:
         raise ModelFileError(f"{ckpt.folder}: tensor {quoted(extra[0])} is not part of this model as its config.json describes it"
                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
@@ -197,4 +257,6 @@ def convert_family(ckpt: HFCheckpoint) -> Converted:
     model_type = ckpt.config.get("model_type")
     if model_type in ("llama", "mistral", "bamboo"):
         return llama_family(ckpt, str(model_type))
+    if model_type == "opt":
+        return opt_family(ckpt)
     raise UnsupportedModelError(f"{ckpt.folder}: model_type {quoted(model_type)} is not supported (supported: {', '.join(FAMILIES)})")

@@ -19,7 +19,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.coordinator.executor import Executor
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.layer_loop import load_layer_norms, rms_norm, run_layers
+from powerinfer.model.layer_loop import load_layer_norms, norm, run_layers
 from powerinfer.model.weights import embed_rows, load_vector
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,9 @@ class Engine:
         d = cfg.d_model
         self.norms = load_layer_norms(f, cfg)
         self.output_norm = load_vector(f, "output_norm.weight", d)
+        self.output_norm_b = load_vector(f, "output_norm.bias", d) if cfg.norm == "layer" else None
+        # OPT's learned positions, float32 [rows, d] (a few MiB; row pos + cfg.pos_offset is position pos)
+        self.pos_embd = load_vector(f, "position_embd.weight").reshape(-1, d) if cfg.learned_pos else None
         # The output head [T, d] -> [T, vocab] is computed by the executor (split across workers);
         # the engine only re-reads a few of its rows to refine the best logits.
         self.head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
@@ -120,6 +123,8 @@ class Engine:
         x = native_embed(ids) if native_embed is not None else embed_rows(self.f, ids)
         if cfg.embed_scale != 1.0:
             x = x * np.float32(cfg.embed_scale)
+        if self.pos_embd is not None:
+            x = x + self.pos_embd[positions + cfg.pos_offset]
         whole_step = getattr(self.executor, "forward", None)
         if whole_step is not None:  # the native executor runs every layer and the final norm in one call
             return whole_step(x, positions, slots)
@@ -135,7 +140,7 @@ class Engine:
                 stop = next((a for a, _ in runs if a > layer), cfg.n_layers)
                 x = run_layers(cfg, self.norms, layer, stop, x, positions, slots, self.executor.attention, self.executor.ffn)
             layer = stop
-        return rms_norm(x, self.output_norm, cfg.norm_eps)
+        return norm(x, self.output_norm, self.output_norm_b, cfg.norm_eps)
 
     def logits_of(self, hidden: np.ndarray, decode: bool = False) -> np.ndarray:
         """hidden [T, d] -> logits float32 [T, vocab].

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
 HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "act.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h",
-                                      "sparse_rows.h")) + COMM_HEADERS  # the segment's merge and hand-off: powerinfer/native/kernels
+                                      "sparse_rows.h", "norms.h", "attend.h")) + COMM_HEADERS  # the segment's merge and hand-off: powerinfer/native/kernels
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{COMM_KERNELS}")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),
@@ -55,7 +55,8 @@ class PiLayer(ctypes.Structure):
         (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
                                        "k_cache", "v_cache", "rope_cos", "rope_sin")
     ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32), ("sp", ctypes.c_void_p), ("pred", ctypes.c_void_p),
-         ("cold", ctypes.c_void_p), ("cold_blocks", ctypes.c_void_p), ("gpu_part", ctypes.c_int32), ("down_col0", ctypes.c_int32)]
+         ("cold", ctypes.c_void_p), ("cold_blocks", ctypes.c_void_p), ("gpu_part", ctypes.c_int32), ("down_col0", ctypes.c_int32)] + [
+        (n, ctypes.c_void_p) for n in ("attn_norm_b", "ffn_norm_b", "bo", "bd", "bg")]
 
 
 class PiSparse(ctypes.Structure):
@@ -77,7 +78,8 @@ class PiModel(ctypes.Structure):
         ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("act_thr", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
         ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
         *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "sparse")], ("comm", ctypes.c_void_p),
-        ("ffn_active", ctypes.c_void_p), ("on_gpu", ctypes.c_void_p)]
+        ("ffn_active", ctypes.c_void_p), ("on_gpu", ctypes.c_void_p), ("out_norm_b", ctypes.c_void_p), ("pos_embd", ctypes.c_void_p),
+        *[(n, ctypes.c_int32) for n in ("layernorm", "gateless", "pos_rows", "pos_offset")]]
 
 
 class PiComm(ctypes.Structure):

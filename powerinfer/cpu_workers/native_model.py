@@ -75,7 +75,7 @@ def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:
 def supports(f: GGUFFile, cfg: ModelConfig) -> str | None:
     """None when the native decoder can run this model, else why not."""
     names = [layer_tensor(i, p) for i in range(cfg.n_layers)
-             for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+             for p in ("attn_q", "attn_k", "attn_v", "attn_output", *cfg.ffn_parts, "ffn_down")]
     names.append("token_embd.weight" if cfg.tied_embeddings else "output.weight")
     for name in names:
         info = f.tensor(name)
@@ -126,7 +126,8 @@ class NativeDecoder:
                 continue
             L = layers[i]
             self._gpu_part(L, i, i in gpu_attn, np.asarray(hot[i]) if hot else None, f)
-            mats = (("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down"))
+            # OPT's fc1 (ffn_up) sits where a gate would, and wu stays empty (pi_model.gateless)
+            mats = (("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down")) if cfg.gated_ffn else (("wg", "ffn_up"), ("wd", "ffn_down"))
             if i not in gpu_attn:
                 mats = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")) + mats
             for field, part in mats:
@@ -143,6 +144,13 @@ class NativeDecoder:
                 setattr(L, field, w)
             L.attn_norm = self._vec(f, layer_tensor(i, "attn_norm"), d)
             L.ffn_norm = self._vec(f, layer_tensor(i, "ffn_norm"), d)
+            if cfg.norm == "layer":
+                L.attn_norm_b = self._vec(f, layer_bias(i, "attn_norm"), d)
+                L.ffn_norm_b = self._vec(f, layer_bias(i, "ffn_norm"), d)
+            if cfg.proj_bias:  # whole [d] vectors: every rank adds them to the gathered sums alike
+                L.bo = self._vec(f, layer_bias(i, "attn_output"), d)
+                L.bd = self._vec(f, layer_bias(i, "ffn_down"), d)
+                L.bg = self._vec(f, layer_bias(i, "ffn_up"), cfg.n_ff, (sh.n0, sh.n1))
             if cfg.post_norms:
                 L.post_attn_norm = self._vec(f, layer_tensor(i, "post_attention_norm"), d)
                 L.post_ffn_norm = self._vec(f, layer_tensor(i, "post_ffw_norm"), d)
@@ -189,6 +197,13 @@ class NativeDecoder:
                              ACT_CODES[cfg.activation], n_ctx, n_slots, n_threads, max_t, cfg.norm_eps, cfg.attn_scale, cfg.act_threshold,
                              self._vec(f, "output_norm.weight", d), self.head, layers, None, sh.q0, sh.kv0, cfg.gqa_group, cfg.n_heads,
                              cfg.n_ff, sh.n0, sh.d0)
+        if cfg.norm == "layer":
+            self.model.layernorm, self.model.out_norm_b = 1, self._vec(f, "output_norm.bias", d)
+        self.model.gateless = int(not cfg.gated_ffn)
+        if cfg.learned_pos:
+            table = load_vector(f, "position_embd.weight").reshape(-1, d)  # float32 [rows, d]
+            self._keep.append(table)
+            self.model.pos_embd, self.model.pos_rows, self.model.pos_offset = table.ctypes.data, table.shape[0], cfg.pos_offset
         if sparse is not None:
             self.model.sparse = 1
             sparse.attach(layers)

@@ -152,8 +152,9 @@ class NativeSparseFFNs:
             codes, self.rules[i].down_t = down_t_q8(f, i, d0, d1)
             self._down_t.append(codes)
             # decode dots the chosen up (and, with a predictor, gate) rows one by one: split layout where the build has it
-            for kind, field in (("ffn_up", "up_split"), ("ffn_gate", "gate_split")):
-                if kind == "ffn_gate" and pf.mode != "predictor":
+            # (OPT: no up rows; its fc1, ffn_up, is the gate the kernel reads)
+            for kind, field in ((("ffn_up", "up_split"),) if cfg.gated_ffn else ()) + ((cfg.gate_part, "gate_split"),):
+                if field == "gate_split" and pf.mode != "predictor":
                     continue
                 split = split_rows(lib, f, layer_tensor(i, kind), n0, n1)
                 if split is not None:
@@ -167,7 +168,8 @@ class NativeSparseFFNs:
             log.info("%d of %d layers run dense: their calibrated share of active neurons exceeds %.0f%%, where skipping "
                      "stops paying on this CPU (layers %s)", len(dense), sum(built), 100 * max_share, dense)
         # bytes a neuron's gate and up rows take in the file (the per-token figures below)
-        self.row_bytes = [(f.tensor(layer_tensor(i, "ffn_gate")).row_bytes, f.tensor(layer_tensor(i, "ffn_up")).row_bytes,
+        self.row_bytes = [(f.tensor(layer_tensor(i, cfg.gate_part)).row_bytes,
+                           f.tensor(layer_tensor(i, "ffn_up")).row_bytes if cfg.gated_ffn else 0,
                            f.tensor(layer_tensor(i, "ffn_down")).row_bytes) for i in range(cfg.n_layers)]
         self.active = np.zeros(cfg.n_layers, dtype=np.int64)  # neurons computed per layer (the decoder adds to it)
         self._attached: ctypes.Array | None = None  # type: ignore[type-arg]  # the decoder's PiLayer array

@@ -17,6 +17,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import (
     RopeTable,
+    activation,
     glu,
     attend,
     attention_mask,
@@ -68,9 +69,9 @@ class AttentionShard:
             f, [(layer_tensor(layer, "attn_output"), None)], cols=(heads.q_start * Dv, heads.q_stop * Dv)
         )
         key = cfg.layer_rope(layer)
-        if key not in ropes:
+        if key not in ropes and cfg.rope_dim:
             ropes[key] = RopeTable(cfg.rope_dim, key[0], key[1])
-        self.rope = ropes[key]
+        self.rope = ropes.get(key)  # None: no rotary positions (OPT's are added to the embeddings)
         self.window = 0 if cfg.global_layers[layer] else cfg.sliding_window
         # KV cache per slot (sequence), indexed by absolute position: [slots, Hkv_local, n_ctx, D],
         # head-major so each head's keys are one contiguous matrix for the score matmul. Only
@@ -99,7 +100,8 @@ class AttentionShard:
         v = qkv[:, self.n_q + self.n_k :].reshape(T, -1, cfg.v_head_dim)
         if self.qk_norm is not None:
             qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * self.qk_norm
-        qk = self.rope.apply(qk, positions)
+        if self.rope is not None:
+            qk = self.rope.apply(qk, positions)
         n_qh = self.n_q // D
         q, k = qk[:, :n_qh], qk[:, n_qh:]
         first = 0 if slots is None else int(slots[0])
@@ -127,7 +129,8 @@ class AttentionShard:
 
 
 class FFNShard:
-    """A set of FFN neurons of one layer: their gate/up rows and their down-projection columns.
+    """A set of FFN neurons of one layer: their gate/up rows and their down-projection columns
+    (OPT: its up rows with their bias, act(up + b), no gate; down's bias is the engine's, added once).
 
     A range on the quantization groups packs the down columns like the unsharded matrix. Any other
     set (the cold neurons next to a GPU worker's hot ones) gathers its columns into int8 with the
@@ -145,7 +148,8 @@ class FFNShard:
         contiguous = packs_as_columns(f, layer, neurons)
         # gate and up rows are neuron-major already: [T, d] -> [T, 2n]
         rows: slice | np.ndarray = slice(start, stop) if contiguous else np.asarray(neurons, dtype=np.int64)
-        self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows), (layer_tensor(layer, "ffn_up"), rows)])
+        self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, part), rows) for part in cfg.ffn_parts])
+        self.bias = torch.from_numpy(load_vector(f, layer_bias(layer, "ffn_up"))[neurons]) if not cfg.gated_ffn else None
         # down [d, n_ff]: this shard's columns, [T, n] -> [T, d]
         if contiguous:
             self.down: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop))
@@ -168,8 +172,11 @@ class FFNShard:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] (already normed) -> partial output [T, d]."""
-        gu = self.gate_up(x)  # [T, 2n]
-        h = glu(gu[:, : self.n], gu[:, self.n :], self.cfg.activation, self.cfg.act_threshold)
+        gu = self.gate_up(x)  # [T, 2n] (OPT: [T, n])
+        if self.bias is not None:
+            h = activation(gu + self.bias, self.cfg.activation, self.cfg.act_threshold)
+        else:
+            h = glu(gu[:, : self.n], gu[:, self.n :], self.cfg.activation, self.cfg.act_threshold)
         return self.down(h)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.weights import layer_tensor, load_vector
+from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 
 # attention(layer, x_normed [T, d], positions [T], slots [T]) -> [T, d]; ffn(layer, x_normed [T, d]) -> [T, d]
 AttentionFn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -24,22 +24,37 @@ FfnFn = Callable[[int, np.ndarray], np.ndarray]
 
 @dataclass(frozen=True)
 class LayerNorms:
-    """One layer's RMSNorm weights, float32 [d] (post norms: Gemma-3's, else None)."""
+    """One layer's norm weights, float32 [d] (post norms: Gemma-3's, else None), and what OPT adds:
+    LayerNorm biases (attn_b, ffn_b: a LayerNorm when set) and the biases of the two sub-layers'
+    output projections, added once to the sum of the shards' partials (out_b: attention, down_b: FFN)."""
 
     attn: np.ndarray
     ffn: np.ndarray
     post_attn: np.ndarray | None
     post_ffn: np.ndarray | None
+    attn_b: np.ndarray | None = None
+    ffn_b: np.ndarray | None = None
+    out_b: np.ndarray | None = None
+    down_b: np.ndarray | None = None
 
 
 def load_layer_norms(f: GGUFFile, cfg: ModelConfig) -> list[LayerNorms]:
     d = cfg.d_model
+
+    def vec(i: int, part: str, bias: bool = False) -> np.ndarray:
+        return load_vector(f, layer_bias(i, part) if bias else layer_tensor(i, part), d)
+
+    ln, pb = cfg.norm == "layer", cfg.proj_bias
     return [
         LayerNorms(
-            attn=load_vector(f, layer_tensor(i, "attn_norm"), d),
-            ffn=load_vector(f, layer_tensor(i, "ffn_norm"), d),
-            post_attn=load_vector(f, layer_tensor(i, "post_attention_norm"), d) if cfg.post_norms else None,
-            post_ffn=load_vector(f, layer_tensor(i, "post_ffw_norm"), d) if cfg.post_norms else None,
+            attn=vec(i, "attn_norm"),
+            ffn=vec(i, "ffn_norm"),
+            post_attn=vec(i, "post_attention_norm") if cfg.post_norms else None,
+            post_ffn=vec(i, "post_ffw_norm") if cfg.post_norms else None,
+            attn_b=vec(i, "attn_norm", True) if ln else None,
+            ffn_b=vec(i, "ffn_norm", True) if ln else None,
+            out_b=vec(i, "attn_output", True) if pb else None,
+            down_b=vec(i, "ffn_down", True) if pb else None,
         )
         for i in range(cfg.n_layers)
     ]
@@ -51,17 +66,30 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + np.float32(eps))).astype(np.float32) * weight
 
 
+def norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> np.ndarray:
+    """RMSNorm of x [T, n], or LayerNorm when the norm has a bias [n] (OPT): (x - mean) / std * weight + bias."""
+    if bias is None:
+        return rms_norm(x, weight, eps)
+    c = x - x.mean(1, keepdims=True, dtype=np.float32)
+    var = np.einsum("ij,ij->i", c, c)[:, None] / np.float32(x.shape[1])
+    return c * (1.0 / np.sqrt(var + np.float32(eps))).astype(np.float32) * weight + bias
+
+
 def run_layers(cfg: ModelConfig, norms: Sequence[LayerNorms], first: int, stop: int, x: np.ndarray, positions: np.ndarray,
                slots: np.ndarray, attention: AttentionFn, ffn: FfnFn) -> np.ndarray:
     """x [T, d] float32, the residual stream entering layer `first` -> the stream leaving layer stop - 1."""
     eps = cfg.norm_eps
     for layer in range(first, stop):
         n = norms[layer]
-        h = attention(layer, rms_norm(x, n.attn, eps), positions, slots)
+        h = attention(layer, norm(x, n.attn, n.attn_b, eps), positions, slots)
+        if n.out_b is not None:
+            h = h + n.out_b
         if n.post_attn is not None:
             h = rms_norm(h, n.post_attn, eps)
         x = x + h
-        h = ffn(layer, rms_norm(x, n.ffn, eps))
+        h = ffn(layer, norm(x, n.ffn, n.ffn_b, eps))
+        if n.down_b is not None:
+            h = h + n.down_b
         if n.post_ffn is not None:
             h = rms_norm(h, n.post_ffn, eps)
         x = x + h

@@ -55,8 +55,8 @@ def embed_rows(f: GGUFFile, ids: np.ndarray, name: str = "token_embd.weight") ->
 
 def decode_weight_bytes(f: GGUFFile, n_layers: int, tied_embeddings: bool) -> int:
     """Bytes of the file's matrices that one decode step reads: every layer's seven projections
-    and the output head (the embedding row and the norms are a few KiB)."""
+    (six: OPT has no gate) and the output head (the embedding row and the norms are a few KiB)."""
     parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    names = [layer_tensor(i, p) for i in range(n_layers) for p in parts]
+    names = [layer_tensor(i, p) for i in range(n_layers) for p in parts if p != "ffn_gate" or layer_tensor(i, p) in f.tensors]
     names.append("token_embd.weight" if tied_embeddings else "output.weight")
     return sum(f.tensor(n).nbytes for n in names)

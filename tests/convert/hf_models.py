@@ -1,7 +1,8 @@
 """Seeded tiny Hugging Face checkpoints of each family and transformers as their oracle.
 
 Runs in: pytest. ``make_checkpoint`` saves a random ``LlamaForCausalLM`` (ReLU, FATReLU, dReLU or
-SiLU) with a small byte-level BPE tokenizer; ``oracle`` loads it back into transformers with the
+SiLU), or with act "opt" an ``OPTForCausalLM`` (LayerNorm, biases, learned positions, fc1/fc2 ReLU
+MLP), with a small byte-level BPE tokenizer; ``oracle`` loads it back into transformers with the
 activation the family defines written as a hook where transformers has none (ProSparse's FATReLU:
 gate where gate > t; Bamboo's dReLU: relu(gate) * relu(up)), and returns its logits.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 FATRELU_T = 0.02
 
@@ -64,7 +65,8 @@ def make_spm_tokenizer(folder: Path, vocab: int = 600) -> int:
 
 def make_checkpoint(folder: Path, act: str = "relu", seed: int = 0, *, d: int = 64, n_ff: int = 128, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, tied: bool = False, train_steps: int = 0, spm: bool = False) -> Path:
-    """Save a seeded random llama-family checkpoint: act is silu, relu, fatrelu (ProSparse) or drelu (Bamboo).
+    """Save a seeded random llama-family checkpoint: act is silu, relu, fatrelu (ProSparse) or drelu (Bamboo);
+    opt: an OPT checkpoint (heads and kv_heads alike, its 2048 positions: PowerInfer's table size).
 
     train_steps > 0 first trains it that many steps on TEXT's training part (deterministic on one
     machine): a random model's next-token distributions are flat, so 8-bit rounding flips near
@@ -72,17 +74,24 @@ def make_checkpoint(folder: Path, act: str = "relu", seed: int = 0, *, d: int = 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = make_spm_tokenizer(folder) if spm else make_tokenizer(folder)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=n_ff, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                      hidden_act="silu" if act == "silu" else "relu", rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                      bos_token_id=1 if spm else 0, eos_token_id=2 if spm else 1)
-    model = LlamaForCausalLM(cfg)
+    model: LlamaForCausalLM | OPTForCausalLM
+    if act == "opt":
+        model = OPTForCausalLM(OPTConfig(vocab_size=vocab, hidden_size=d, ffn_dim=n_ff, num_hidden_layers=layers,
+                                         num_attention_heads=heads, max_position_embeddings=2048, word_embed_proj_dim=d,
+                                         bos_token_id=0, eos_token_id=1, pad_token_id=1, dropout=0.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=n_ff, num_hidden_layers=layers,
+                                             num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                                             hidden_act="silu" if act == "silu" else "relu", rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                                             bos_token_id=1 if spm else 0, eos_token_id=2 if spm else 1))
     with torch.no_grad():  # larger weights than HF's 0.02 init: activations that are far from zero and from linear
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim == 2 and "embed_positions" not in name:
                 p.normal_(0.0, 1.0 / np.sqrt(p.shape[1]))
-            elif "norm" in name:
+            elif "norm" in name and name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1 or "embed_positions" in name:  # biases, LayerNorm biases, positions: small, not zero
+                p.normal_(0.0, 0.1)
     if train_steps:
         _train(model, folder, act, train_steps, seed)
     model.save_pretrained(folder, safe_serialization=True)
@@ -103,8 +112,9 @@ def tokens(folder: Path, text: str) -> list[int]:
     return spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).encode(text)
 
 
-def _train(model: LlamaForCausalLM, folder: Path, act: str, steps: int, seed: int) -> None:
-    _hook(model, act, FATRELU_T)
+def _train(model: LlamaForCausalLM | OPTForCausalLM, folder: Path, act: str, steps: int, seed: int) -> None:
+    if act != "opt":
+        _hook(model, act, FATRELU_T)
     data = torch.tensor(tokens(folder, TEXT[:SPLIT]))
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -129,9 +139,11 @@ class _FATReLU(torch.nn.Module):
         return torch.nn.functional.threshold(x, self.t, 0.0)
 
 
-def load_oracle(folder: Path) -> LlamaForCausalLM:
+def load_oracle(folder: Path) -> LlamaForCausalLM | OPTForCausalLM:
     """The checkpoint in transformers, with the family's activation hooked in."""
     config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") == "opt":
+        return OPTForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     act = "drelu" if config.get("model_type") == "bamboo" else config.get("hidden_act")
     cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures", "hidden_act_param")})
     if act in ("fatrelu", "drelu"):
@@ -152,7 +164,7 @@ def _hook(model: LlamaForCausalLM, act: str, t: float) -> None:
             mlp.forward = (lambda m: lambda x: m.down_proj(torch.relu(m.gate_proj(x)) * torch.relu(m.up_proj(x))))(mlp)
 
 
-def oracle_logits(model: LlamaForCausalLM, ids: list[int]) -> np.ndarray:
+def oracle_logits(model: LlamaForCausalLM | OPTForCausalLM, ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].double().numpy()
 

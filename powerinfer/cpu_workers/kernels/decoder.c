@@ -8,12 +8,13 @@
  * matrix, tokens, or (token, head) pairs) and the implicit barrier between loops is the only
  * synchronisation, so Python is entered once per step instead of ~40 times per layer.
  * Per layer (T tokens; x [T, d] is the residual stream, updated in place):
- *   xn = rmsnorm(x) * attn_norm, quantized to 8 bits
+ *   xn = rmsnorm(x) * attn_norm (OPT: LayerNorm, + bias), quantized to 8 bits
  *   q, k, v = xn @ Wq.T, Wk.T, Wv.T (+ biases)          [T, Hq*D], [T, Hkv*D], [T, Hkv*Dv]
  *   per head: rmsnorm * q_norm / k_norm (Gemma), rope (adjacent pairs or NEOX halves)
  *   k, v -> cache[slot, head, pos]; each query attends over its slot's positions lo..pos
- *   x += post_norm(att @ Wo.T);  xn = rmsnorm(x) * ffn_norm
+ *   x += post_norm(att @ Wo.T (+ bo));  xn = rmsnorm(x) * ffn_norm
  *   x += post_norm((act(xn @ Wg.T) * up_act(xn @ Wu.T)) @ Wd.T)     (act.h: SiLU, GELU, (FAT)ReLU, dReLU)
+ *   OPT (gateless): x += act(xn @ Wg.T + bg) @ Wd.T + bd, its fc1 in Wg; no rope (learned positions, step.h)
  * Tokens are either one prompt chunk (one slot, consecutive positions) or one token of each of
  * T sequences (distinct slots): every token's k, v is written before any token attends. A
  * token's numbers never depend on the others in the call (per-row arithmetic throughout).
@@ -21,6 +22,8 @@
 #include "model.h"
 #include "qdot_k.h"
 #include "vecmath.h"
+#include "norms.h"
+#include "attend.h"
 #include "qtile.h"
 #include "qx8.h"
 #include "qsplit.h"
@@ -85,12 +88,6 @@ static void matmul_blocks(const pi_wt *w, const pi_scratch *s, const float *f, i
 
 static void matmul(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy) { matmul_blocks(w, s, f, T, y, ldy, NULL); }
 
-static void rmsnorm(const float *x, const float *w, int n, float eps, float *out) {
-    const float ss = dotf(x, x, n);
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
-}
-
 static void rope(float *h, const float *c, const float *sn, int rope_dim, int neox) {
     const int half = rope_dim / 2;
     for (int i = 0; i < half; i++) {
@@ -98,48 +95,6 @@ static void rope(float *h, const float *c, const float *sn, int rope_dim, int ne
         const float x0 = h[a], x1 = h[b];
         h[a] = x0 * c[i] - x1 * sn[i];
         h[b] = x0 * sn[i] + x1 * c[i];
-    }
-}
-
-/* g query heads of one kv head (q [g, D], consecutive): out [g, Dv] = softmax(scale * q . k[lo..p])
- * . v[lo..p] over kc, vc [n_ctx, D / Dv]; each key and value row is loaded once for the g heads.
- * sc: g * ld scratch floats. A head's numbers do not depend on g (same order of operations). */
-static void attend_group(const float *q, int g, const float *kc, const float *vc, int lo, int p, int D, int Dv, float scale, float *sc,
-                         int ld, float *out) {
-    const int n = p - lo + 1;
-    for (int j = 0; j < n; j++) {
-        const float *kj = kc + (size_t)(lo + j) * D;
-        for (int h = 0; h < g; h++) sc[(size_t)h * ld + j] = dotf(q + (size_t)h * D, kj, D) * scale;
-    }
-    float inv[64]; /* g <= 64: native_model.supports() */
-    for (int h = 0; h < g; h++) {
-        float *row = sc + (size_t)h * ld, mx = -INFINITY;
-        for (int j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;
-        inv[h] = 1.0f / exp_sub_sum(row, n, mx);
-        for (int j = 0; j < n; j++) row[j] *= inv[h];
-    }
-    /* out_h = sum_j p_hj v_j, 64 output values at a time held in registers while the keys pass */
-    for (int h = 0; h < g; h++) {
-        const float *p = sc + (size_t)h * ld;
-        float *o = out + (size_t)h * Dv;
-        int i = 0;
-#ifdef PI_SIMD
-        for (; i + 64 <= Dv; i += 64) {
-            __m256 a[8];
-            for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
-            for (int j = 0; j < n; j++) {
-                const __m256 pj = _mm256_set1_ps(p[j]);
-                const float *vj = vc + (size_t)(lo + j) * Dv + i;
-                for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), a[c]);
-            }
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + i + 8 * c, a[c]);
-        }
-#endif
-        for (; i < Dv; i++) {
-            float acc = 0.0f;
-            for (int j = 0; j < n; j++) acc += p[j] * vc[(size_t)(lo + j) * Dv + i];
-            o[i] = acc;
-        }
     }
 }
 
@@ -196,7 +151,7 @@ static void attention_cpu(const pi_model *m, const pi_layer *L, const int64_t *p
         const float *nw = is_k ? L->k_norm : L->q_norm;
         if (nw) rmsnorm(row, nw, D, m->eps, row);
         const size_t pr = (size_t)pos[t] * (m->rope_dim / 2);
-        rope(row, L->rope_cos + pr, L->rope_sin + pr, m->rope_dim, m->neox);
+        if (m->rope_dim) rope(row, L->rope_cos + pr, L->rope_sin + pr, m->rope_dim, m->neox);
         if (is_k) {
             const size_t c = (((size_t)slot[t] * Hkv + hh) * m->n_ctx + (size_t)pos[t]);
             memcpy(L->k_cache + c * D, row, sizeof(float) * D);
@@ -254,8 +209,9 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     const int d = m->d, nff = m->n_ff;
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
+        add_vec(s->tmp + (size_t)t * d, L->bo, d);
         add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_attn_norm, d, m->eps);
-        rmsnorm(x + (size_t)t * d, L->ffn_norm, d, m->eps, s->xn + (size_t)t * d);
+        norm_row(m, x + (size_t)t * d, L->ffn_norm, L->ffn_norm_b, s->xn + (size_t)t * d);
     }
     const int on_gpu = (L->gpu_part & PI_PART_FFN) != 0;
     pi_comm *comm = (pi_comm *)m->comm;
@@ -272,7 +228,7 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
         sparse_hidden(m, L, T, s, last); /* g [T, nffA] at [n0, n0 + nff): zero but for the computed neurons */
     } else {
         matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: not here */
-        matmul_blocks(&L->wu, s, s->xn, T, s->u, nff, L->cold_blocks);
+        if (!m->gateless) matmul_blocks(&L->wu, s, s->xn, T, s->u, nff, L->cold_blocks);
 #pragma omp barrier
         mark(m, PH_GATE_UP, last);
 #pragma omp for schedule(static)
@@ -280,7 +236,11 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
             const int t = i / nchunk, c = (i % nchunk) * 256;
             const int n = c + 256 < nff ? 256 : nff - c;
             float *gt = s->g + (size_t)t * nffA + n0 + c;
-            act_mul(gt, s->u + (size_t)t * nff + c, n, m->act, m->act_thr);
+            add_vec(gt, L->bg ? L->bg + c : NULL, n);
+            if (m->gateless)
+                act_only(gt, n, m->act, m->act_thr);
+            else
+                act_mul(gt, s->u + (size_t)t * nff + c, n, m->act, m->act_thr);
             if (L->cold) /* the GPU rank's hot neurons: their values come as its partial of the down */
                 for (int j = 0; j < n; j++)
                     if (!L->cold[c + j]) gt[j] = 0.0f;
@@ -314,7 +274,10 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     }
     gather(m, s->tmp, T, d, d0, d1);
 #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
+    for (int t = 0; t < T; t++) {
+        add_vec(s->tmp + (size_t)t * d, L->bd, d);
+        add_post(x + (size_t)t * d, s->tmp + (size_t)t * d, L->post_ffn_norm, d, m->eps);
+    }
     mark(m, PH_DOWN, last);
 }
 
@@ -322,7 +285,7 @@ static void layer_forward(const pi_model *m, const pi_layer *L, float *x, const 
                           double *last) {
     const int d = m->d;
 #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * d, L->attn_norm, d, m->eps, s->xn + (size_t)t * d);
+    for (int t = 0; t < T; t++) norm_row(m, x + (size_t)t * d, L->attn_norm, L->attn_norm_b, s->xn + (size_t)t * d);
     if (L->gpu_part & PI_PART_ATTN) {
         gpu_attention(m, s, T, (int)(L - m->layers));
         mark(m, PH_ATTN, last);
@@ -366,7 +329,7 @@ int pi_forward_range(const pi_model *m, float *x, const int64_t *pos, const int6
         }
         if (out_norm) {
 #pragma omp for schedule(static)
-            for (int t = 0; t < T; t++) rmsnorm(x + (size_t)t * m->d, m->out_norm, m->d, m->eps, x + (size_t)t * m->d);
+            for (int t = 0; t < T; t++) norm_row(m, x + (size_t)t * m->d, m->out_norm, m->out_norm_b, x + (size_t)t * m->d);
         }
     }
     return m->comm ? ((pi_comm *)m->comm)->err : 0;

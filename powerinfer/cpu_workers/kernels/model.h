@@ -42,6 +42,10 @@ typedef struct {
      * there: the GPU's leading neurons cost the CPU ranks nothing). */
     const uint8_t *cold, *cold_blocks;
     int32_t gpu_part, down_col0;
+    /* OPT (NULL elsewhere): LayerNorm biases [d]; the attention output's and down's biases [d]
+     * (whole: added after the gather, by every rank alike); bg: the gate's bias at this rank's
+     * neurons [n_ff] (OPT's fc1, which sits in wg; a gate-less model's wu has no rows). */
+    const float *attn_norm_b, *ffn_norm_b, *bo, *bd, *bg;
 } pi_layer;
 
 enum { PI_PART_ATTN = 1, PI_PART_FFN = 2 };
@@ -84,6 +88,11 @@ typedef struct {
     void *comm;
     int64_t *ffn_active; /* NULL, or [n_layers] neurons computed by each sparse FFN, summed over tokens and calls */
     const int8_t *on_gpu; /* NULL, or [n_layers]: 1 for a layer of the GPU rank (a rank of a pool with one: handoff.h) */
+    /* OPT: layernorm (every norm is a LayerNorm with the *_b biases), gateless (h = act(wg x + bg):
+     * no up), learned positions: row pos + pos_offset of pos_embd [pos_rows, d] added to each
+     * embedding (NULL: none). out_norm_b: the final LayerNorm's bias. */
+    const float *out_norm_b, *pos_embd;
+    int32_t layernorm, gateless, pos_rows, pos_offset;
 } pi_model;
 
 /* Query heads per kv head of the whole model (grp, or what the local counts imply). */

@@ -89,13 +89,14 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         quantize_rows(s, s->xn, T, d); /* the predictor's hidden took the activation scratch */
     }
     if (dense_gate) matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: never chosen */
-    if (!rows_only) matmul_blocks(&L->wu, s, s->xn, T, s->u, n, L->cold_blocks);
+    if (!rows_only && !m->gateless) matmul_blocks(&L->wu, s, s->xn, T, s->u, n, L->cold_blocks);
 #pragma omp barrier
     if (dense_gate) {
 #pragma omp for schedule(static)
         for (int i = 0; i < T * nchunk; i++) { /* chunks of 256: a decode step's one token over every thread */
-            const int t = i / nchunk, c = (i % nchunk) * 256;
-            act_only(s->g + (size_t)t * nffA + n0 + c, n - c < 256 ? n - c : 256, m->act, m->act_thr);
+            const int t = i / nchunk, c = (i % nchunk) * 256, len = n - c < 256 ? n - c : 256;
+            add_vec(s->g + (size_t)t * nffA + n0 + c, L->bg ? L->bg + c : NULL, len); /* OPT's fc1 bias */
+            act_only(s->g + (size_t)t * nffA + n0 + c, len, m->act, m->act_thr);
         }
     }
     /* per token, the chosen neurons' list (idx [T, n]) and its length */
@@ -136,19 +137,22 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
                 const int k2 = 4 * (q2 - qo[t2]), left = off[t2 + 1] - off[t2] - k2;
                 for (int r = 0; r < (left < 4 ? left : 4); r++) {
                     const int j2 = s->idx[(size_t)t2 * n + k2 + r];
-                    prefetch_row_bytes((S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * L->wu.row_bytes, L->wu.row_bytes);
+                    if (!m->gateless)
+                        prefetch_row_bytes((S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * L->wu.row_bytes, L->wu.row_bytes);
                     if (!dense_gate)
                         prefetch_row_bytes((S->gate_split ? S->gate_split : L->wg.data) + (size_t)j2 * L->wg.row_bytes, L->wg.row_bytes);
                 }
             }
             const pi_act a = act_row(s, s->xn, t, d);
-            float uo[4], go[4];
+            float uo[4] = {1.0f, 1.0f, 1.0f, 1.0f}, go[4]; /* OPT (gateless): no up rows, up = 1 */
+            if (!m->gateless) {
 #ifdef PI_VNNI
-            if (S->up_split)
-                for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * L->wu.row_bytes, L->wu.type, &a, d);
-            else
+                if (S->up_split)
+                    for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * L->wu.row_bytes, L->wu.type, &a, d);
+                else
 #endif
-                dot_quad(&L->wu, ur, udot, it, nr, &a, d, uo);
+                    dot_quad(&L->wu, ur, udot, it, nr, &a, d, uo);
+            }
             if (!dense_gate) {
 #ifdef PI_VNNI
                 if (S->gate_split)
@@ -160,7 +164,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
             float *hu = s->hu + off[t] + k0, *ha = s->ha + off[t] + k0;
             for (int r = 0; r < nr; r++) {
                 hu[r] = uo[r];
-                ha[r] = dense_gate ? s->g[(size_t)t * nffA + n0 + it[r]] : go[r];
+                ha[r] = dense_gate ? s->g[(size_t)t * nffA + n0 + it[r]] : go[r] + (L->bg ? L->bg[it[r]] : 0.0f);
             }
         }
         if (!dense_gate) { /* act over the packed gate values, in the threads' shares */
@@ -176,7 +180,8 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
         const int a0 = off[t], k = off[t + 1] - a0;
         float *h = s->ha + a0;
         for (int q = 0; q < k; q++)
-            h[q] = (rows_only ? h[q] : s->g[(size_t)t * nffA + n0 + it[q]]) * up_act(rows_only ? s->hu[a0 + q] : s->u[(size_t)t * n + it[q]], m->act);
+            h[q] = (rows_only ? h[q] : s->g[(size_t)t * nffA + n0 + it[q]]) *
+                   (m->gateless ? 1.0f : up_act(rows_only ? s->hu[a0 + q] : s->u[(size_t)t * n + it[q]], m->act));
     }
     /* the rows of g become the hidden state: zeroed in chunks, then each token's chosen neurons */
 #pragma omp for schedule(static)

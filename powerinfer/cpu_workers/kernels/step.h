@@ -40,8 +40,9 @@ int pi_decode_logits(const pi_model *m, const float *hidden, int T, float *out, 
     return rc ? rc : pi_refine_best(&m->head, hidden, T, out, margin, k, cand, row);
 }
 
-/* x [T, d] = embedding rows of ids times embed_scale. 0, 1 (a bad table), 3 (an id outside it). */
-static int embed_ids(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, int T, float *x) {
+/* x [T, d] = embedding rows of ids times embed_scale (plus the learned position rows of pos:
+ * OPT). 0, 1 (a bad table), 2 (a position outside the table), 3 (an id outside it). */
+static int embed_ids(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, int T, float *x) {
     if (embd->cols != m->d) return 1;
     for (int t = 0; t < T; t++) {
         if (ids[t] < 0 || ids[t] >= embd->rows) return 3;
@@ -49,6 +50,11 @@ static int embed_ids(const pi_model *m, const pi_wt *embd, float embed_scale, co
         if (dequant_row(embd->type, embd->data + (size_t)ids[t] * embd->row_bytes, m->d, xt)) return 1;
         if (embed_scale != 1.0f)
             for (int i = 0; i < m->d; i++) xt[i] *= embed_scale;
+        if (m->pos_embd) {
+            const int64_t p = pos[t] + m->pos_offset;
+            if (pos[t] < 0 || p >= m->pos_rows) return 2;
+            add_vec(xt, m->pos_embd + (size_t)p * m->d, m->d);
+        }
     }
     return 0;
 }
@@ -59,7 +65,7 @@ static int embed_ids(const pi_model *m, const pi_wt *embd, float embed_scale, co
 int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
             int each, float *x, float *out, float margin, int k, void *scratch, int32_t *cand, float *row) {
     if (T < 1 || T > m->max_t) return 1;
-    int rc = embed_ids(m, embd, embed_scale, ids, T, x);
+    int rc = embed_ids(m, embd, embed_scale, ids, pos, T, x);
     if (!rc) rc = pi_forward(m, x, pos, slot, T, scratch);
     if (rc) return rc;
     return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
@@ -76,7 +82,7 @@ int pi_rank_step(const pi_model *m, const pi_wt *embd, float embed_scale, const 
                  int mode, float *x, float *logits, int64_t ld, float *hidden, void *scratch) {
     if (T < 1 || T > m->max_t || mode < 0 || mode > 3) return 1;
     if (mode != 3) {
-        int rc = embed_ids(m, embd, embed_scale, ids, T, x);
+        int rc = embed_ids(m, embd, embed_scale, ids, pos, T, x);
         if (!rc) rc = pi_forward(m, x, pos, slot, T, scratch);
         if (rc) return rc;
         if (hidden) memcpy(hidden, x, sizeof(float) * (size_t)T * m->d);
