@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from powerinfer.chat import ChatMessage, ChatTemplate
-from powerinfer.config import ModelConfig, config_from_gguf
+from powerinfer.config import ModelConfig, check_context, config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.engine_core import EngineCore, Seq
 from powerinfer.coordinator.executor import Executor, InProcessExecutor
@@ -128,8 +128,7 @@ class LLM:
             raise InvalidArgumentError(f"context size must be positive, got {n_ctx}")
         if n_ctx > MAX_CTX:  # -c 0 takes the file's context_length, which a hostile file sets to anything
             raise InvalidArgumentError(f"context size {n_ctx} exceeds the supported maximum of {MAX_CTX} tokens (give a smaller -c)")
-        if n_ctx > self.config.context_length:
-            log.warning("context %d exceeds the %d the model was trained with", n_ctx, self.config.context_length)
+        check_context(self.config, n_ctx)
         if n_batch < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {n_batch}")
         n_batch = min(n_batch, n_ctx)  # a pass never holds more tokens than the context (llama.cpp clamps it too)

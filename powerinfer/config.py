@@ -9,17 +9,20 @@ pattern and local rope base, its query scale) are hard-coded here too, with the 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
+from powerinfer.errors import InvalidArgumentError, ModelFileError, UnsupportedModelError, quoted
 from powerinfer.gguf_file import GGUFFile
 
 # bamboo: PowerInfer's llama-shaped dReLU model; opt: Meta's OPT as PowerInfer's llama.cpp defines it
 # (LayerNorm, biases everywhere, learned positions, a two-matrix ReLU MLP)
+log = logging.getLogger(__name__)
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "gemma3", "bamboo", "opt")
 # OPT's learned position table starts two rows in (HF's OPTLearnedPositionalEmbedding offset, which
 # PowerInfer's llama.cpp adds to every position); its converter writes the whole table.
@@ -95,6 +98,17 @@ class ModelConfig:
         if self.global_layers[layer]:
             return self.rope_base, self.rope_scale
         return self.rope_base_local, 1.0
+
+
+def check_context(cfg: ModelConfig, n_ctx: int) -> None:
+    """A runtime context past the model's training context: a warning, or an error where positions
+    come from a learned table (OPT) that has no row for them."""
+    if n_ctx <= cfg.context_length:
+        return
+    if cfg.learned_pos:
+        raise InvalidArgumentError(f"context size {n_ctx} exceeds the {cfg.context_length} positions of this {cfg.arch} model "
+                                   "(its position table ends there; give a smaller -c)")
+    log.warning("context %d exceeds the %d the model was trained with", n_ctx, cfg.context_length)
 
 
 def _int(f: GGUFFile, key: str, default: int | None = None) -> int:

@@ -18,7 +18,7 @@ from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import (
     RopeTable,
     activation,
-    glu,
+    up_value,
     attend,
     attention_mask,
     neox_to_norm_perm,
@@ -170,14 +170,18 @@ class FFNShard:
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] (already normed) -> partial output [T, d]."""
+    def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act(gate), the hidden state act(gate) * up) [T, n] of normed x [T, d] (OPT: act(up + b) twice)."""
         gu = self.gate_up(x)  # [T, 2n] (OPT: [T, n])
         if self.bias is not None:
-            h = activation(gu + self.bias, self.cfg.activation, self.cfg.act_threshold)
-        else:
-            h = glu(gu[:, : self.n], gu[:, self.n :], self.cfg.activation, self.cfg.act_threshold)
-        return self.down(h)
+            g = activation(gu + self.bias, self.cfg.activation, self.cfg.act_threshold)
+            return g, g
+        g = activation(gu[:, : self.n], self.cfg.activation, self.cfg.act_threshold)
+        return g, g * up_value(gu[:, self.n :], self.cfg.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] (already normed) -> partial output [T, d]."""
+        return self.down(self.hidden(x)[1])
 
 
 class HeadShard:

@@ -41,7 +41,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import activation, up_value
 from powerinfer.model.sharding import down_columns, packs_as_columns
-from powerinfer.model.weights import layer_tensor
+from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 from powerinfer.quants import Int8Linear, PackedLinear
 from powerinfer.quants.grouped import Grouped
 from powerinfer.quants.formats import decode
@@ -121,7 +121,10 @@ class SparseFFNShard:
         self.mine: torch.Tensor | None = None
         self.native: NativeFFN | None = None
         covered: slice | np.ndarray = rows
-        if native:
+        # OPT's gate-less FFN (act(up + b), cfg.gated_ffn False) runs on the torch path: the kernel
+        # here has gate and up rows; the native decoder (the default executors) has its own sparse FFN
+        self.bias = torch.from_numpy(load_vector(f, layer_bias(layer, "ffn_up"))[idx]) if not cfg.gated_ffn else None
+        if native and cfg.gated_ffn:
             loaded = self._load_native(f, layer, idx, contiguous)
             if loaded is not None:
                 self.native, covered = loaded
@@ -203,11 +206,12 @@ class SparseFFNShard:
         # then exactly the dense model's numbers. Gate mode computes both for every neuron (one
         # fused int4 matmul) and skips the down rows of the inactive ones; predictor mode keeps
         # int8 neuron-major copies so it can also skip the gate and up rows of unpredicted neurons.
-        self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows), (layer_tensor(layer, "ffn_up"), rows)])
+        self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, part), rows) for part in self.cfg.ffn_parts])
         self.gate_w = self.gate_s = self.up_w = self.up_s = None
         if mode == "predictor":
-            self.gate_w, self.gate_s = _int8_rows(load_linear(f, [(layer_tensor(layer, "ffn_gate"), rows)], kind="int8"))  # [n, d], [n]
-            self.up_w, self.up_s = _int8_rows(load_linear(f, [(layer_tensor(layer, "ffn_up"), rows)], kind="int8"))
+            self.gate_w, self.gate_s = _int8_rows(load_linear(f, [(layer_tensor(layer, self.cfg.gate_part), rows)], kind="int8"))  # [n, d], [n]
+            if self.cfg.gated_ffn:
+                self.up_w, self.up_s = _int8_rows(load_linear(f, [(layer_tensor(layer, "ffn_up"), rows)], kind="int8"))
         # down [d, n] -> neuron-major down_t [n, d] in float16: row i is neuron i's output direction.
         # The down matrix's quantization groups run along n, so one int8 scale per neuron would
         # span many groups' scales and lose the small ones (measured +2.45% perplexity on SmolLM2);
@@ -258,8 +262,12 @@ class SparseFFNShard:
     # -- forward ---------------------------------------------------------------------------------
 
     def dense_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(act(gate) [T, n], act(gate) * up [T, n]) for every neuron, as the dense FFN computes them."""
-        gu = self.gate_up(x)  # [T, 2n]
+        """(act(gate) [T, n], act(gate) * up [T, n]) for every neuron, as the dense FFN computes them
+        (OPT: act(up + b) twice)."""
+        gu = self.gate_up(x)  # [T, 2n] (OPT: [T, n])
+        if self.bias is not None:
+            g = activation(gu + self.bias, self.cfg.activation, self.cfg.act_threshold)
+            return g, g
         g = activation(gu[:, : self.n], self.cfg.activation, self.cfg.act_threshold)
         return g, g * up_value(gu[:, self.n :], self.cfg.activation)
 
@@ -285,13 +293,17 @@ class SparseFFNShard:
             return self._down(self.dense_activations(x)[1], None)
         if self.mode == "predictor" and T == 1 and not self.oracle:
             # decode: the predictor picks the neurons; gate and up rows of the others are never read
-            assert self.gate_w is not None and self.gate_s is not None and self.up_w is not None and self.up_s is not None
+            assert self.gate_w is not None and self.gate_s is not None
             idx = torch.nonzero(self.predict(x)[0]).flatten()
             self._count_decode(len(idx))
             if len(idx) == 0:
                 return torch.zeros(T, self.cfg.d_model)
-            g = activation(self._mm(x, _rows(self.gate_w, idx), self.gate_s[idx]), self.cfg.activation, self.cfg.act_threshold)
-            h = g * up_value(self._mm(x, _rows(self.up_w, idx), self.up_s[idx]), self.cfg.activation)  # [1, k]
+            pre = self._mm(x, _rows(self.gate_w, idx), self.gate_s[idx])
+            g = activation(pre if self.bias is None else pre + self.bias[idx], self.cfg.activation, self.cfg.act_threshold)
+            if self.up_w is None or self.up_s is None:  # OPT: no up
+                h = g
+            else:
+                h = g * up_value(self._mm(x, _rows(self.up_w, idx), self.up_s[idx]), self.cfg.activation)  # [1, k]
             return F.embedding_bag(idx, self.down_t, _ZERO_OFFSET, mode="sum",
                                    per_sample_weights=h[0].to(self.down_t.dtype)).float()
         g, h = self.dense_activations(x)

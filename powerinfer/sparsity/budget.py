@@ -176,8 +176,9 @@ def read_cost(reads: tuple[int, int]) -> float:
 
 
 def _layer_rows(p: Profile) -> list[tuple[int, int, int]]:
-    """Per layer: bytes of one row of its gate, up and down matrices in the file."""
-    return [tuple(p.f.tensor(layer_tensor(i, part)).row_bytes for part in ("ffn_gate", "ffn_up", "ffn_down"))  # type: ignore[misc]
+    """Per layer: bytes of one row of its gate, up and down matrices in the file (OPT: fc1 as the gate, no up)."""
+    parts = (p.cfg.gate_part, "ffn_up" if p.cfg.gated_ffn else None, "ffn_down")
+    return [tuple(p.f.tensor(layer_tensor(i, part)).row_bytes if part else 0 for part in parts)  # type: ignore[misc]
             for i in range(p.cfg.n_layers)]
 
 

@@ -47,16 +47,12 @@ class ProfilingExecutor(InProcessExecutor):
     def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
         import torch
 
-        from powerinfer.model.ops import activation, up_value
-
         if not self.recording:
             return super().ffn(layer, x)
         xt = torch.from_numpy(x)
         out, gates, acts = None, [], []
         for shard in self.ffns[layer]:
-            gu = shard.gate_up(xt)  # [T, 2n]
-            g = activation(gu[:, : shard.n], shard.cfg.activation, shard.cfg.act_threshold)
-            h = g * up_value(gu[:, shard.n :], shard.cfg.activation)
+            g, h = shard.hidden(xt)  # [T, n] each
             y = shard.down(h)
             out = y if out is None else out + y
             gates.append(g.abs())

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from powerinfer.config import ModelConfig, config_from_gguf
-from powerinfer.errors import InvalidArgumentError
+from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.reference import attention_heads, glu, rms_norm, weight
 from powerinfer.sparsity.profile import windows_of
@@ -83,6 +83,8 @@ class InputSparsity:
     def __init__(self, model: str | Path) -> None:
         self.f = GGUFFile(model)
         self.cfg: ModelConfig = config_from_gguf(self.f)
+        if not self.cfg.gated_ffn or self.cfg.norm != "rms":
+            raise UnsupportedModelError(f"{model}: input sparsity is measured on gated RMSNorm models; this is {self.cfg.arch}")
         self.tok = GGUFTokenizer.from_metadata(self.f.metadata)
         self.w = _Weights(self.f)
         names = {s: [[f"blk.{i}.{c}.weight" for c in CONSUMERS[s]] for i in range(self.cfg.n_layers)] for s in SITES}

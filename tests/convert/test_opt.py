@@ -1,0 +1,108 @@
+"""OPT end to end: greedy decoding against transformers' (learned positions through the decode
+steps), the sparse rules on every executor, and what the engine refuses for OPT (a context past its
+position table, the GPU worker, a post-LayerNorm checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer.api import LLM
+from powerinfer.convert.run import convert
+from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
+from powerinfer.predictors.predictor_file import read_predictor
+from tests.convert.hf_models import SPLIT, TEXT, load_oracle, make_checkpoint, tokens
+
+REPO = Path(__file__).resolve().parents[2]
+EXECUTORS = {"native": dict(executor="inprocess"), "pool": dict(executor="process", n_threads=2),
+             "torch": dict(executor="inprocess", native=False)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An OPT checkpoint trained 120 steps (clear next-token choices), and its Q8_0 GGUF beside it."""
+    root = tmp_path_factory.mktemp("opt")
+    src = make_checkpoint(root / "hf", "opt", seed=0, train_steps=120)
+    convert(src, root / "opt.gguf", "q8_0")
+    convert(src, root / "opt-f32.gguf", "f32")
+    return root
+
+
+def _greedy(path: Path, ids: list[int], n: int, **kw: object) -> list[int]:
+    llm = LLM(path, n_ctx=128, **kw)  # type: ignore[arg-type]
+    try:
+        return [c.token for c in llm.generate(ids, max_tokens=n, temperature=0) if c.token >= 0]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_greedy_decoding_matches_transformers(trained: Path, executor: str) -> None:
+    """Prefill, then one decode step per token: each step's position row comes from the table."""
+    ids = [int(i) for i in np.random.default_rng(1).integers(2, 290, 20)]
+    with torch.no_grad():
+        want = load_oracle(trained / "hf").generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                                    eos_token_id=1)[0, 20:].tolist()
+    want = want[: want.index(1) + 1] if 1 in want else want
+    assert _greedy(trained / "opt-f32.gguf", ids, 24, **EXECUTORS[executor]) == want
+
+
+@pytest.mark.parametrize("mode", ("gate", "predictor"))
+def test_sparse_rules_run_alike_on_every_executor(trained: Path, mode: str) -> None:
+    """calibrate on OPT, then the file's rule on the native decoder, the pool and the torch path.
+    The native decoder and the pool share their kernels: the same logits. The torch path computes
+    the same rule in other arithmetic (bf16 activations, a float16 down_t), so a neuron near the
+    threshold may fall either way: measured 0.5% of the range apart, top-1 all equal (F32 file).
+    perplexity reports the rule's recall (gate mode: exact, it reads the true activations)."""
+    path = trained / "opt-f32.gguf"
+    (trained / "cal.txt").write_text(TEXT[:SPLIT])
+    pred = trained / f"{mode}.predictor"
+    r = subprocess.run([sys.executable, "launch.py", "calibrate", "-m", str(path), "-o", str(pred), "--text",
+                        str(trained / "cal.txt"), "--mode", mode], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert read_predictor(pred).mode == mode
+    ids = tokens(trained / "hf", TEXT[SPLIT:])[:64]
+    out = {}
+    for name, kw in {**EXECUTORS, "dense": EXECUTORS["native"]}.items():
+        llm = LLM(path, n_ctx=128, predictor=None if name == "dense" else str(pred), **kw)  # type: ignore[arg-type]
+        try:
+            out[name] = llm.logits(ids)
+        finally:
+            llm.close()
+    span = out["dense"].max() - out["dense"].min()
+    assert np.abs(out["pool"] - out["native"]).max() / span < 1e-5
+    assert np.abs(out["torch"] - out["native"]).max() / span < 2e-2
+    assert (out["torch"].argmax(-1) == out["native"].argmax(-1)).mean() >= 0.95
+    assert np.abs(out["native"] - out["dense"]).max() > 1e-3 * span  # the rule did skip neurons
+    (trained / "held.txt").write_text(TEXT[SPLIT:])
+    r = subprocess.run([sys.executable, "launch.py", "perplexity", "-m", str(path), "--text", str(trained / "held.txt"),
+                        "--predictor", str(pred)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    recalls = [float(line.split()[1]) for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(recalls) == 2 and min(recalls) >= (0.999 if mode == "gate" else 0.9), r.stdout
+
+
+def test_context_past_the_position_table_is_refused(trained: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="2048 positions"):
+        LLM(trained / "opt.gguf", n_ctx=4096, executor="inprocess")
+
+
+def test_gpu_offload_is_refused_clearly(trained: Path) -> None:
+    from powerinfer.coordinator.hybrid_executor import GpuOptions
+
+    with pytest.raises(UnsupportedModelError, match="CPU only"):
+        LLM(trained / "opt.gguf", n_ctx=128, gpu=GpuOptions(n_gpu_layers=1, backend="cpu", vram_budget_gib=0.01))
+
+
+def test_post_layernorm_opt_is_refused(tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "hf", "opt", seed=1)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "do_layer_norm_before": False}))
+    with pytest.raises(UnsupportedModelError, match="do_layer_norm_before"):
+        convert(src, tmp_path / "x.gguf", "f32")
