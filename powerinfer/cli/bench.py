@@ -220,7 +220,7 @@ def run_bench(argv: Sequence[str]) -> int:
 
     path, pwri = runnable_model(resolve_model(args.model, progress=sys.stderr.isatty()))
     model = str(path)
-    if pwri is not None and not args.predictor:
+    if pwri is not None and pwri.predictor is not None and not args.predictor:
         args.predictor = str(pwri.predictor)  # a PowerInfer model file runs with its own predictors
     if args.profile:
         from powerinfer.cli.bench_profile import as_dict, profile_decode

@@ -39,8 +39,8 @@ _NOT_COPIED = ("general.architecture", "general.name", "general.file_type", "gen
 def from_gguf(f: GGUFFile) -> tuple[Converted, dict[str, object]]:
     """One of our GGUF files as a Converted model (tensors decoded to float32 when written) and its other metadata."""
     cfg = config_from_gguf(f)
-    if cfg.arch not in ("llama", "bamboo"):
-        raise UnsupportedModelError(f"{f.path}: converting a {cfg.arch} file is not supported (llama and bamboo files)")
+    if cfg.arch not in ("llama", "bamboo", "opt"):
+        raise UnsupportedModelError(f"{f.path}: converting a {cfg.arch} file is not supported (llama, bamboo and opt files)")
     out = Converted(arch=cfg.arch, name=cfg.name, activation=cfg.activation, n_layers=cfg.n_layers, d_model=cfg.d_model,
                     n_ff=cfg.n_ff)
     meta: dict[str, object] = {}
@@ -61,7 +61,12 @@ def from_gguf(f: GGUFFile) -> tuple[Converted, dict[str, object]]:
 
 
 def _norms(model: Converted) -> list[np.ndarray]:
+    """Each layer's ffn_norm weights, to move a predictor between the residual stream and the normed
+    input (exact for RMSNorm); a LayerNorm's mean subtraction does not move (OPT): refused."""
     by_name = {t.name: t for t in model.tensors}
+    if "blk.0.ffn_norm.bias" in by_name:
+        raise UnsupportedModelError(f"{model.arch}: a predictor cannot be moved across its LayerNorm (PowerInfer's read the residual "
+                                    "stream, ours the normed input); give PowerInfer's predictor folder with --powerinfer")
     return [by_name[f"blk.{i}.ffn_norm.weight"].read().astype(np.float32) for i in range(model.n_layers)]
 
 

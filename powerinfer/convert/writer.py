@@ -94,7 +94,8 @@ def plan(model: Converted, outtype: str, predictors: ResidualPredictors | None, 
             continue
         qtype = matrix_type(outtype, t.name, t.shape[-1]) if t.matrix else QT.F32
         out.append(Planned(t.name, t.shape, qtype, t.read))
-        if powerinfer and t.name == "token_embd.weight" and "output.weight" not in names:
+        # PowerInfer's llama graph reads output.weight; its opt graph the embeddings (an extra tensor there is an error)
+        if powerinfer and t.name == "token_embd.weight" and "output.weight" not in names and model.arch != "opt":
             out.append(Planned("output.weight", t.shape, matrix_type(outtype, "output.weight", t.shape[-1]), t.read))
     if predictors is not None:
         fc_type = QT.F32 if outtype == "f32" else QT.F16

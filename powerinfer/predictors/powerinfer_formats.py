@@ -201,6 +201,9 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
         have = f.get(key)
         if isinstance(have, int) and have != want:
             raise ModelFileError(f"{f.path}: predictors map {d} -> {n_ff}, but {key} is {have}")
+    if fold_ffn_norm and "blk.0.ffn_norm.bias" in f.tensors:  # a LayerNorm (OPT): mean subtraction does not fold
+        raise UnsupportedModelError(f"{f.path}: its predictors read the residual stream before a LayerNorm ({arch}), which "
+                                    "cannot be folded onto the normed input our predictors read; run it dense or calibrate one of ours")
     norms = _norm_weights(f, n_layers, d) if fold_ffn_norm else None
     fcs = []
     for i in range(n_layers):

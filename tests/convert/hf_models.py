@@ -173,7 +173,7 @@ def write_predictor_dir(folder: Path, checkpoint: Path, rank: int = 16, seed: in
     """A PowerInfer predictor folder for the checkpoint: model_N.pt with fc1 [rank, d], fc2 [n_ff, rank]
     (seeded random; about half the neurons predicted on), and config.json with sparse_threshold."""
     config = json.loads((checkpoint / "config.json").read_text())
-    d, n_ff, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    d, n_ff, layers = config["hidden_size"], config.get("intermediate_size") or config["ffn_dim"], config["num_hidden_layers"]
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     for i in range(layers):

@@ -106,3 +106,32 @@ def test_post_layernorm_opt_is_refused(tmp_path: Path) -> None:
     (src / "config.json").write_text(json.dumps({**config, "do_layer_norm_before": False}))
     with pytest.raises(UnsupportedModelError, match="do_layer_norm_before"):
         convert(src, tmp_path / "x.gguf", "f32")
+
+
+def test_powerinfer_opt_file_runs_dense(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """convert --powerinfer writes PowerInfer's opt layout (ffn_down_t, fc1/fc2, no output.weight:
+    its opt graph reads the embeddings); -m on it runs dense, equal to transformers, saying why
+    its predictors are not used. A predictor cannot cross a LayerNorm, so folding one is refused."""
+    from powerinfer.gguf_file import GGUFFile
+    from tests.convert.hf_models import oracle_logits, write_predictor_dir
+
+    monkeypatch.setenv("POWERINFER_CACHE", str(tmp_path / "cache"))
+    src = make_checkpoint(tmp_path / "hf", "opt", seed=4)
+    preds = write_predictor_dir(tmp_path / "pred", src)
+    pwri = convert(src, tmp_path / "opt.powerinfer.gguf", "f16", predictor=preds, powerinfer=True)[0]
+    assert pwri.read_bytes()[:4] == b"PWRI"
+    with pytest.raises(UnsupportedModelError, match="LayerNorm"):
+        convert(src, tmp_path / "x.gguf", "f16", predictor=preds)
+    ids = [int(i) for i in np.random.default_rng(5).integers(2, 290, 64)]
+    ref = oracle_logits(load_oracle(src), ids)
+    with caplog.at_level("WARNING"):
+        llm = LLM(pwri, n_ctx=128, executor="inprocess")
+    try:
+        names = GGUFFile(llm.path).tensors
+        assert "blk.0.ffn_down.weight" in names and "output.weight" not in names and "blk.0.fc1.weight" not in names
+        assert llm.predictor is None and "running dense" in caplog.text
+        ours = llm.logits(ids)
+    finally:
+        llm.close()
+    assert np.abs(ours - ref).max() / (ref.max() - ref.min()) < 5e-3  # F16 weights
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.95
