@@ -56,7 +56,7 @@ from powerinfer.predictors.predictor_file import PredictorFile, model_fingerprin
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when what is written changes: old cache entries are then not reused
+FORMAT = 3  # bump when what is written changes: old cache entries are then not reused
 ACTIVATION_OF = {"llama": "relu", "bamboo": "drelu", "opt": "relu"}  # what PowerInfer's sparse graph computes for each architecture
 UNFOLDABLE = ("opt",)  # LayerNorm models: PowerInfer's residual-stream predictors have no exact form on the normed input
 _SKIPPED_KEYS = ("general.alignment", "GGUF.", SPARSE_THRESHOLD_KEY)
@@ -188,7 +188,10 @@ def _write_plain(f: GGUFFile, arch: str, out: Path) -> None:
             w.add_string(ACTIVATION_KEY, ACTIVATION_OF[arch])
         for name in names:  # the table first: a down projection's shape and size follow without computing it
             info = f.tensor(name)
-            if ".ffn_down_t." in name:
+            if name.endswith(".ffn_down_t.bias"):  # PowerInfer's OPT converter renames fc2's bias with its weight
+                raw = f.raw(name)
+                w.add_tensor_info(name.replace(".ffn_down_t.", ".ffn_down."), raw.shape, raw.dtype, raw.nbytes, raw_dtype=info.qtype)
+            elif ".ffn_down_t." in name:
                 n_ff, d = info.shape
                 qtype = info.qtype if info.qtype in (QT.F32, QT.F16) else QT.F16
                 dtype = np.dtype(np.float32 if qtype == QT.F32 else np.float16)
@@ -200,7 +203,7 @@ def _write_plain(f: GGUFFile, arch: str, out: Path) -> None:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name in names:  # one transposed down projection in memory at a time
-            w.write_tensor_data(_down(f, name)[0] if ".ffn_down_t." in name else np.asarray(f.raw(name)))
+            w.write_tensor_data(_down(f, name)[0] if name.endswith(".ffn_down_t.weight") else np.asarray(f.raw(name)))
         w.close()
         os.replace(tmp, out)
     finally:

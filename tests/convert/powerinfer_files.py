@@ -9,7 +9,9 @@ transformers, sentencepiece, safetensors), e.g. a venv:
 
 For each family (ReluLLaMA: ReGLU; Bamboo: dReLU) and type (its F16, then its Q4_0) it prints our
 logits' distance from transformers' on 64 held-out tokens, dense (``--no-sparse``) and sparse
-(PowerInfer's rule as a transformers hook), as a share of the dense logits' range.
+(PowerInfer's rule as a transformers hook), as a share of the dense logits' range. Then OPT, F16,
+dense only on each executor (its predictors read the residual before a LayerNorm and do not run
+here: docs/powerinfer-models.md); the Q4_0 one too when ``build/bin/quantize`` is there.
 """
 
 from __future__ import annotations
@@ -58,8 +60,53 @@ def main(argv: list[str]) -> int:
                 err = np.abs(got - ref).max(-1) / span
                 print(f"  {path.name:28} {'sparse' if sparse else 'dense ':6} first step {err[0]:.1e}, worst {err.max():.1e}, "
                       f"median {np.median(err):.1e}, top-1 {(got.argmax(-1) == ref.argmax(-1)).mean():.1%}")
+    _opt(pi, python, root)
     shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _as_original_opt(src: Path) -> None:
+    """PowerInfer's converter reads the original OPT release's layout: decoder.* keys, no lm_head,
+    vocab.json + merges.txt, and a tokenizer class its AutoTokenizer loads from tokenizer.json."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    st = load_file(str(src / "model.safetensors"))
+    save_file({k.removeprefix("model."): v.contiguous() for k, v in st.items() if k != "lm_head.weight"},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    tok = json.loads((src / "tokenizer.json").read_text())
+    (src / "vocab.json").write_text(json.dumps(tok["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    (src / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def _opt(pi: Path, python: str, root: Path) -> None:
+    src = make_checkpoint(root / "hf-opt", "opt", seed=3, train_steps=120)
+    ids = tokens(src, TEXT[SPLIT : SPLIT + 400])[:64]
+    ref = oracle_logits(load_oracle(src), ids)
+    span = ref.max() - ref.min()
+    _as_original_opt(src)
+    preds = write_predictor_dir(root / "pred-opt", src, rank=32, seed=4, threshold=0.0)
+    f16 = root / "opt-f16.powerinfer.gguf"
+    env = {**os.environ, "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    subprocess.run([python, "convert.py", "--outtype", "f16", "--outfile", str(f16), str(src), str(preds)], cwd=pi, check=True,
+                   capture_output=True, env=env)
+    paths = [f16]
+    if (pi / "build/bin/quantize").exists():
+        paths.append(root / "opt-q4_0.powerinfer.gguf")
+        subprocess.run([str(pi / "build/bin/quantize"), str(f16), str(paths[-1]), "q4_0"], check=True, capture_output=True)
+    for path in paths:
+        for name, kw in (("native", dict(executor="inprocess")), ("pool", dict(executor="process", n_threads=2)),
+                         ("torch", dict(executor="inprocess", native=False))):
+            llm = LLM(path, n_ctx=128, **kw)  # type: ignore[arg-type]
+            got = llm.logits(ids)
+            llm.close()
+            err = np.abs(got - ref).max(-1) / span
+            print(f"  {path.name:28} dense {name:6} first step {err[0]:.1e}, worst {err.max():.1e}, "
+                  f"top-1 {(got.argmax(-1) == ref.argmax(-1)).mean():.1%}")
 
 
 if __name__ == "__main__":
