@@ -10,7 +10,7 @@ because it has no torch dependency (our workers and the server process do not lo
 wheel is 3 MB, it compiles JSON schemas lazily (no per-schema precomputation over the
 vocabulary) and it reads GBNF, llama.cpp's grammar format, directly. The per-token mask time on
 this CPU: ``python -m powerinfer.cli.grammar_time MODEL`` (SmolLM2's 49k tokens: median 72 µs; Gemma-3's
-262k: 83 µs; README).
+262k: 83 µs; docs/guide.md).
 
 The tokenizer bridge: llguidance needs each token's bytes and a way to tokenize text; both come
 from our GGUF tokenizer (control tokens count as special and never match grammar text).

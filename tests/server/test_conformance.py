@@ -17,7 +17,7 @@ import pytest
 from tests.server.conftest import RunningServer, serving
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "conformance.py"
-# llama.cpp conventions this server does not follow, on purpose (README, "Server")
+# llama.cpp conventions this server does not follow, on purpose (docs/guide.md, "Server")
 LLAMA_CPP_ONLY = {
     "props_n_ctx_per_slot",  # llama.cpp splits -c over the slots; here every slot has the whole context
     "unknown_model_name_accepted",  # llama.cpp answers any model name; OpenAI (and this server) say 404
