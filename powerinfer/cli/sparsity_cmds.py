@@ -9,6 +9,7 @@ Runs in: the user's process.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Sequence
 
@@ -58,7 +59,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
     from powerinfer.errors import PowerInferError
     from powerinfer.fetch import resolve_model
     from powerinfer.predictors.predictor_file import read_predictor, write_predictor
-    from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
+    from powerinfer.sparsity.calibrate import CalibrationSettings
 
     if args.seed < 0:
         raise CLIError(f"--seed must be >= 0, got {args.seed}")
@@ -88,13 +89,22 @@ def run_calibrate(argv: Sequence[str]) -> int:
         pf, point = calibrate_within_budget(model, settings, args.max_ppl_increase, text, progress=progress)
         progress(point.report())
     else:
-        from powerinfer.sparsity.budget import MIN_LEVEL
+        from powerinfer.sparsity.budget import FORCED_WARN, MIN_LEVEL, calibrate_forced
 
         if args.sparsity < MIN_LEVEL:  # said up front, at the default log level: the file will look like it works
             print(f"note: --sparsity {args.sparsity:g} is below {MIN_LEVEL:g}, the share of inactive neurons at which the native "
                   "decoder starts skipping rows; every layer will decode dense with this predictor (it still sets what "
                   "perplexity and the torch paths compute)", file=sys.stderr)
-        pf = calibrate(model, settings, text, progress=progress)
+        pf, dense, sparse = calibrate_forced(model, settings, text, progress=progress)
+        change = sparse / dense - 1
+        if math.isnan(change):  # too little held-out text
+            print("note: too few held-out tokens to score this predictor's quality (raise --tokens)", file=sys.stderr)
+        else:
+            print(f"held-out perplexity {dense:.3f} dense -> {sparse:.3f} at --sparsity {args.sparsity:g} ({100 * change:+.1f}%)",
+                  file=sys.stderr)
+        if change > FORCED_WARN:
+            print(f"warning: this predictor costs {100 * change:+.0f}% perplexity on held-out text: output will be visibly worse "
+                  f"than the model's; a lower --sparsity, or --max-ppl-increase instead, keeps the quality", file=sys.stderr)
     write_predictor(args.output, pf)
     print(args.output)
     return 0

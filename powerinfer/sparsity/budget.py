@@ -288,3 +288,30 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
     out = replace(out, calibration={**out.calibration, "budget": budget, "held_out_ppl_dense": dense,
                                     "held_out_ppl_sparse": point.sparse_ppl})
     return out, point
+
+
+# A forced level whose held-out perplexity rises past this is reported as damaging, not just printed
+FORCED_WARN = 0.10
+
+
+def calibrate_forced(model: str | Path, settings: CalibrationSettings, text: str | None = None,
+                     progress: Callable[[str], None] = lambda _: None) -> tuple[PredictorFile, float, float]:
+    """One forced level for every layer (settings.sparsity), made from all but a held-out fifth of
+    the text and scored on that fifth: (the predictor, dense and sparse held-out perplexity), so a
+    level that wrecks the model is said at once (FORCED_WARN), not found by its first user. Fewer
+    than 32 held-out tokens (a short --tokens): NaN for both, the predictor made all the same."""
+    p = profile(model, settings, text, hold_out=HOLD_OUT, progress=progress)
+    pf = build_predictor(p, settings, [settings.sparsity] * p.cfg.n_layers, progress)
+    windows = windows_of(p.held_out, settings.window + 1, p.tok.bos_id if p.tok.add_bos else None)
+    if not windows or sum(len(w) - 1 for w in windows) < 32:
+        return pf, math.nan, math.nan
+    n_ctx = settings.window + 1
+    ex = InProcessExecutor(p.f, p.cfg, n_ctx)
+    try:
+        total, count = nll(Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
+    finally:
+        ex.close()
+    dense = math.exp(total / count)
+    sparse = _score_file(p, pf, windows, n_ctx)
+    pf = replace(pf, calibration={**pf.calibration, "held_out_ppl_dense": dense, "held_out_ppl_sparse": sparse})
+    return pf, dense, sparse
