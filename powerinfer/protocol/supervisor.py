@@ -11,7 +11,9 @@ multiprocessing's spawn it never re-imports the user's ``__main__``. A worker th
 killed, or stops beating (SIGSTOP, a hang) for HEARTBEAT_TIMEOUT_S is a WorkerDiedError for the
 request in flight; workers die with the coordinator (PR_SET_PDEATHSIG plus their heartbeat
 thread's liveness check), so none is orphaned. A coordinator killed outright cannot remove its
-socket directory; the next one to start removes such directories (``sweep_stale_dirs``).
+socket directory: a small shell started beside it (``_start_reaper``) removes it within
+REAP_INTERVAL_S of the coordinator's death, and the next coordinator to start sweeps any left
+anyway (``sweep_stale_dirs``: a reaper killed too, a reboot).
 """
 
 from __future__ import annotations
@@ -52,6 +54,23 @@ def describe_exit(code: int | None) -> str:
 
 
 STALE_AFTER_S = 60.0  # a socket directory this old whose control socket nobody listens on is a dead coordinator's
+
+
+REAP_INTERVAL_S = 1
+
+
+def _start_reaper(path: str) -> subprocess.Popen[bytes] | None:
+    """A shell, in its own session so a terminal's Ctrl+C or a group kill spares it, that waits
+    while this process lives and the directory exists, then removes the directory: what a
+    coordinator killed outright (SIGKILL, the OOM killer) cannot do itself. It ends with the
+    directory when close() removes it first. None where no shell runs (the sweep still cleans up)."""
+    script = f'while kill -0 "$0" 2>/dev/null && [ -d "$1" ]; do sleep {REAP_INTERVAL_S}; done; rm -rf -- "$1"'
+    try:
+        return subprocess.Popen(["sh", "-c", script, str(os.getpid()), path], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    except OSError as e:
+        log.debug("no reaper for %s: %s", path, e)
+        return None
 
 
 def sweep_stale_dirs(prefix: str, root: str | None = None) -> list[str]:
@@ -113,6 +132,7 @@ class Supervisor:
         # removed by close(), or else when this object is collected or the interpreter exits (an
         # owner that never closed its pool left one directory per pool in /tmp)
         weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
+        self._reaper = _start_reaper(self.dir)
         self._ctx: zmq.Context | None = zmq.Context()
         self.procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -268,3 +288,5 @@ class Supervisor:
         self._ctx.term()
         self._ctx = None
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._reaper is not None:
+            self._reaper.poll()  # it exits within REAP_INTERVAL_S; reaped here or by the next Popen

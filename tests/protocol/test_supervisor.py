@@ -130,3 +130,32 @@ def test_the_next_coordinator_removes_a_dead_ones_socket_directory(tmp_path: Pat
         assert server is not None
         server.close()
     assert not dead.exists() and young.exists() and live.exists() and setting_up.exists() and other.exists()
+
+
+def test_a_sigkilled_coordinator_leaves_no_socket_directory() -> None:
+    """SIGKILL (the OOM killer, kill -9 of a server) runs no cleanup in the coordinator: its reaper
+    shell removes the directory within a second or two; the worker dies with the coordinator."""
+    code = ("import sys, time\nfrom powerinfer.protocol.supervisor import Supervisor\n"
+            "s = Supervisor('powerinfer.cpu_workers.worker', 1, 'WARNING', lambda i: 'worker')\n"
+            "s.gather({0}, 60.0, 'starting')\nprint(s.dir, s.pids[0], flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        folder, worker = proc.stdout.readline().split()
+        assert Path(folder).is_dir()
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while (Path(folder).exists() or Path(f"/proc/{worker}").exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(folder).exists(), "the killed coordinator's socket directory stayed"
+        assert not Path(f"/proc/{worker}").exists(), "the worker outlived its coordinator"
+    finally:
+        proc.kill()
+
+
+def test_a_closed_pool_ends_its_reaper() -> None:
+    sup = Supervisor("powerinfer.cpu_workers.worker", 1, "WARNING", lambda i: "worker")
+    reaper = sup._reaper
+    sup.close()
+    assert reaper is not None and reaper.wait(10) == 0
