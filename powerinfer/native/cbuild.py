@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+phase = logging.getLogger("powerinfer.phase")  # the first-run steps the commands always show (flags.configure_logging)
 
 
 class BuildError(OSError):
@@ -69,7 +70,8 @@ def load_library(source: Path, headers: Sequence[Path], flags: Sequence[str], st
     key = hashlib.sha256(sources + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     path = cache_dir() / f"{stem}-{key}.so"
     if not path.exists():
-        log.info("compiling %s with %s %s", source.name, cc, " ".join(flags))
+        phase.info("compiling %s, once for this machine and compiler (up to a minute)", source.name)
+        log.debug("%s %s", cc, " ".join(flags))
         try:
             _compile(cc, source, flags, path)
         except subprocess.SubprocessError as e:

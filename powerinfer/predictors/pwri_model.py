@@ -252,7 +252,7 @@ def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
         pf = _with_gpu_index(pf, read_gpuidx(gpuidx), gpuidx)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        log.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
+        logging.getLogger("powerinfer.phase").info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
         _write_plain(f, arch, model)
         if pf is None:
             return PwriModel(path, model, None, threshold)
