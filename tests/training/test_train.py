@@ -41,9 +41,18 @@ def test_the_training_model_is_transformers_llama(act: str) -> None:
     assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), float((a - b).abs().max())
 
 
-@pytest.mark.skipif(not DEFAULT_CORPUS.is_dir(), reason="Debian's python3.11-doc is not installed")
-def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(tmp_path: Path) -> None:
-    gguf = train(tmp_path / "run", "relu", "ci", threads=2)
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ci recipe's ReLU model, trained once for this module (about a minute)."""
+    if not DEFAULT_CORPUS.is_dir():
+        pytest.skip("Debian's python3.11-doc is not installed")
+    run = tmp_path_factory.mktemp("ci") / "run"
+    train(run, "relu", "ci", threads=2)
+    return run
+
+
+def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(ci_run: Path) -> None:
+    tmp_path, gguf = ci_run.parent, ci_run / "model.gguf"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["train_tokens"] > 50_000 and summary["seconds"] < 180
     losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "train.jsonl").read_text().splitlines()]
@@ -62,3 +71,43 @@ def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(tmp_path: Path) -> 
     assert np.abs(ours - ref).max() / (ref.max() - ref.min()) < 1e-4
     zeros = zero_share(gguf, held, 256)
     assert len(zeros) == 2 and (zeros > 0.3).all()  # ReLU: a large share of exact zeros already
+
+
+def test_calibrate_learns_the_trained_models_firing(ci_run: Path) -> None:
+    """The sparse machinery on a model it was built for: the default calibrate (a perplexity budget)
+    on the trained ReLU model's own calibration text, then perplexity on its held-out text with the
+    predictor, and the native decoder and the pool decoding alike with it."""
+    import subprocess
+    import sys
+
+    from powerinfer.training.corpus import read_corpus
+    from powerinfer.training.train import CALIBRATION_CHARS, RECIPES
+
+    repo = Path(__file__).resolve().parents[2]
+    (ci_run / "calibration.txt").write_text(read_corpus(max_files=RECIPES["ci"].max_files).train[-CALIBRATION_CHARS:])
+    pred = ci_run / "model.predictor"
+    for mode in ("predictor", "gate"):
+        r = subprocess.run([sys.executable, "launch.py", "calibrate", "-m", str(ci_run / "model.gguf"), "-o", str(pred), "--text",
+                            str(ci_run / "calibration.txt"), "--mode", mode], cwd=repo, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        r = subprocess.run([sys.executable, "launch.py", "perplexity", "-m", str(ci_run / "model.gguf"), "--text", str(ci_run / "heldout.txt"),
+                            "--max-tokens", "4000", "--predictor", str(pred)], cwd=repo, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        print(mode, r.stdout)
+        rows = [line.split() for line in r.stdout.splitlines() if line.strip()[:1].isdigit()]
+        recall = [float(row[1]) for row in rows]
+        sparsity = [float(row[3].rstrip("%")) / 100 for row in rows]
+        change = float(r.stdout.split("sparse perplexity:")[1].split("(")[1].split("%")[0]) / 100
+        assert len(rows) == 2
+        assert np.mean(sparsity) >= 0.5, r.stdout  # at least half the neurons skipped at the budget's point
+        assert change < 0.05, r.stdout  # the default budget is +2% on the calibration's own held-out fifth
+        assert min(recall) >= (0.99 if mode == "gate" else 0.8), r.stdout  # gate: |act(gate)| decides, "true" is |act(gate) * up|
+    ids = LLM(ci_run / "model.gguf", executor="inprocess", n_ctx=64).tokenize((ci_run / "heldout.txt").read_text()[:300])[:24]
+    outs = []
+    for kw in (dict(executor="inprocess"), dict(executor="process", n_threads=2)):
+        llm = LLM(ci_run / "model.gguf", n_ctx=128, predictor=str(pred), **kw)  # type: ignore[arg-type]
+        try:
+            outs.append(llm.logits(ids))
+        finally:
+            llm.close()
+    assert np.abs(outs[0] - outs[1]).max() < 1e-5
