@@ -34,14 +34,12 @@ from typing import IO
 import platformdirs
 
 from powerinfer.errors import ChecksumError, FetchError, write_failure
+from powerinfer.phase import phase
 
 if sys.platform != "win32":
     import fcntl
 
 logger = logging.getLogger(__name__)
-# one line per slow first-run step, shown by the commands at their default level (flags.configure_logging):
-# a fetch's progress bar needs a terminal, and a log or a pipe would otherwise see minutes of silence
-phase = logging.getLogger("powerinfer.phase")
 
 Downloader = Callable[[Sequence[str], Path], None]
 _CHUNK = 1 << 20
@@ -108,9 +106,7 @@ DEFAULT_MODEL = "smollm2"
 def cache_dir() -> Path:
     """``$POWERINFER_CACHE`` if set, else ``<user cache dir>/powerinfer/models``."""
     env = os.environ.get("POWERINFER_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path(platformdirs.user_cache_dir("powerinfer")) / "models"
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("powerinfer")) / "models"
 
 
 def _spec(name: str, specs: Mapping[str, ModelSpec] | None) -> ModelSpec:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from powerinfer import __version__
 from powerinfer.errors import PowerInferError
+from powerinfer.phase import PHASE_LOGGER
 
 if TYPE_CHECKING:  # imported when used: `fetch` and `--help` stay light
     from powerinfer.api import LLM
@@ -161,8 +162,9 @@ def configure_logging(level: str, verbose: bool) -> None:
     logging.basicConfig(level="DEBUG" if verbose else level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # the slow first-run steps (a model's download, the C build, a PowerInfer file's runnable copy)
     # are said at the default level too, one line each, terminal or not; --log-level ERROR silences them
-    if logging.getLevelName(level) == logging.WARNING or verbose:
-        logging.getLogger("powerinfer.phase").setLevel(logging.INFO)
+    # (NOTSET otherwise: a second call in one process, as in tests, must not keep the first one's level)
+    promote = logging.getLevelName(level) == logging.WARNING or verbose
+    logging.getLogger(PHASE_LOGGER).setLevel(logging.INFO if promote else logging.NOTSET)
 
 
 def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:

@@ -96,10 +96,11 @@ def run_calibrate(argv: Sequence[str]) -> int:
                   "decoder starts skipping rows; every layer will decode dense with this predictor (it still sets what "
                   "perplexity and the torch paths compute)", file=sys.stderr)
         pf, dense, sparse = calibrate_forced(model, settings, text, progress=progress)
-        change = sparse / dense - 1
-        if math.isnan(change):  # too little held-out text
+        if dense is None or sparse is None:  # too little held-out text
             print("note: too few held-out tokens to score this predictor's quality (raise --tokens)", file=sys.stderr)
+            change = 0.0
         else:
+            change = sparse / dense - 1
             print(f"held-out perplexity {dense:.3f} dense -> {sparse:.3f} at --sparsity {args.sparsity:g} ({100 * change:+.1f}%)",
                   file=sys.stderr)
         if change > FORCED_WARN:

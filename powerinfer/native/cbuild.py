@@ -19,8 +19,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from powerinfer.phase import phase
+
 log = logging.getLogger(__name__)
-phase = logging.getLogger("powerinfer.phase")  # the first-run steps the commands always show (flags.configure_logging)
 
 
 class BuildError(OSError):

@@ -43,6 +43,7 @@ from gguf.quants import dequantize
 
 from powerinfer.config import ACTIVATION_KEY
 from powerinfer.errors import DiskWriteError, ModelFileError, UnsupportedModelError, quoted, write_failure
+from powerinfer.phase import phase
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.predictors.powerinfer_formats import (
     SPARSE_THRESHOLD_KEY,
@@ -252,7 +253,7 @@ def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
         pf = _with_gpu_index(pf, read_gpuidx(gpuidx), gpuidx)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        logging.getLogger("powerinfer.phase").info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
+        phase.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
         _write_plain(f, arch, model)
         if pf is None:
             return PwriModel(path, model, None, threshold)

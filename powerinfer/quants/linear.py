@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from powerinfer.quants.grouped import Grouped, split_nibbles
+from powerinfer.quants.int4_layout import unpack_int4
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,6 @@ KINDS = ("int4", "int4x2", "int8", "bf16", "f32")
 CHUNK_ROWS = 4096  # rows decoded/dequantized at a time while packing: bounds float32 transients
 INT4_GROUP = 32  # the only group size whose GGML codes map 1:1 onto the int4 kernel's groups
 _INT4_ROW_ALIGN = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0: pad, then slice output
-_INT4_BLOCK_N = 64  # the packed layout interleaves rows in blocks of 64 (tail block: pairs of rows)
 _INT4_PACK_ROWS = 4096  # rows converted per torch call; a multiple of 64 so chunks pack like the whole
 INT8_K_ALIGN = 32
 _FAST_M = 32  # int8: from this many input rows on, bf16 widening + dense matmul beats the kernel
@@ -104,19 +104,7 @@ class Int4Linear:
     def codes(self) -> torch.Tensor:
         """uint8 [N, K] codes 0..15 unpacked from torch's layout (for tests and dequantized()); 2K for int4x2."""
         n, k = self.packed.shape[0], self.packed.shape[1] * 2
-        flat = self.packed.reshape(-1)
-        out = torch.empty(n, k, dtype=torch.uint8)
-        full = n // _INT4_BLOCK_N * _INT4_BLOCK_N
-        if full:
-            # Each 64-row block is [K, 32] bytes: low nibble = row d, high nibble = row d + 32.
-            b = flat[: full * k // 2].view(full // _INT4_BLOCK_N, k, 32)
-            out[:full] = torch.cat([b & 15, b >> 4], dim=2).transpose(1, 2).reshape(full, k)
-        tail = n - full
-        if tail:
-            # The last partial block is [K, tail / 2] bytes: low nibble = row 2j, high = row 2j + 1.
-            b = flat[full * k // 2 :].view(k, tail // 2)
-            out[full:] = torch.stack([b & 15, b >> 4], dim=2).reshape(k, tail).T
-        return out[: self.out_features]
+        return unpack_int4(self.packed, n, k)[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.out_features, self.packed.shape[1] * 2
@@ -227,7 +215,8 @@ def _build_int4(chunks: Iterable[Part], n: int, k: int) -> Int4Linear:
     def flush(rows: int) -> None:
         nonlocal done, fill
         # Full stages are a multiple of 64 rows, so each packs exactly like that slice of the whole
-        # matrix (the layout is per 64-row block); only the final flush may hold a partial block.
+        # matrix (the layout is per block of at most 64 rows: quants/int4_layout.py); only the final
+        # flush may hold a partial block.
         codes = torch.from_numpy(stage[:rows]).to(torch.int32)
         packed[done : done + rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         done += rows

@@ -182,8 +182,8 @@ def _layer_rows(p: Profile) -> list[tuple[int, int, int]]:
             for i in range(p.cfg.n_layers)]
 
 
-def _score_file(p: Profile, pf: PredictorFile, windows: list[list[int]], n_ctx: int) -> float:
-    """Held-out perplexity with a predictor file's own rule (a fresh in-process executor)."""
+def _score_file(p: Profile, pf: PredictorFile | None, windows: list[list[int]], n_ctx: int) -> float:
+    """Held-out perplexity with a predictor file's own rule, or dense (pf None); a fresh in-process executor."""
     ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=pf)
     try:
         total, count = nll(Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
@@ -295,23 +295,21 @@ FORCED_WARN = 0.10
 
 
 def calibrate_forced(model: str | Path, settings: CalibrationSettings, text: str | None = None,
-                     progress: Callable[[str], None] = lambda _: None) -> tuple[PredictorFile, float, float]:
+                     progress: Callable[[str], None] = lambda _: None) -> tuple[PredictorFile, float | None, float | None]:
     """One forced level for every layer (settings.sparsity), made from all but a held-out fifth of
     the text and scored on that fifth: (the predictor, dense and sparse held-out perplexity), so a
     level that wrecks the model is said at once (FORCED_WARN), not found by its first user. Fewer
-    than 32 held-out tokens (a short --tokens): NaN for both, the predictor made all the same."""
+    than 32 held-out tokens (a short --tokens): None for both, the predictor made all the same.
+    Mode 'auto' means gate here: with no budget there is nothing to weigh the predictors against."""
+    if settings.mode == "auto":
+        settings = replace(settings, mode="gate")
     p = profile(model, settings, text, hold_out=HOLD_OUT, progress=progress)
     pf = build_predictor(p, settings, [settings.sparsity] * p.cfg.n_layers, progress)
     windows = windows_of(p.held_out, settings.window + 1, p.tok.bos_id if p.tok.add_bos else None)
     if not windows or sum(len(w) - 1 for w in windows) < 32:
-        return pf, math.nan, math.nan
+        return pf, None, None
     n_ctx = settings.window + 1
-    ex = InProcessExecutor(p.f, p.cfg, n_ctx)
-    try:
-        total, count = nll(Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx), windows)
-    finally:
-        ex.close()
-    dense = math.exp(total / count)
+    dense = _score_file(p, None, windows, n_ctx)
     sparse = _score_file(p, pf, windows, n_ctx)
     pf = replace(pf, calibration={**pf.calibration, "held_out_ppl_dense": dense, "held_out_ppl_sparse": sparse})
     return pf, dense, sparse

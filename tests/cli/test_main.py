@@ -12,6 +12,8 @@ from typing import Callable
 import pytest
 from gguf import GGMLQuantizationType as QT
 
+from tests.processes import worker_children
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -107,7 +109,7 @@ def test_sigterm_stops_generation_and_workers(make_model: Callable[..., Path]) -
         deadline = time.monotonic() + 60
         workers: list[psutil.Process] = []
         while time.monotonic() < deadline and len(workers) < 2:  # wait until generation runs
-            workers = psutil.Process(proc.pid).children()
+            workers = worker_children(proc.pid)  # not the socket folder's reaper shell
             time.sleep(0.1)
         assert len(workers) == 2
         time.sleep(1.0)

@@ -162,10 +162,11 @@ def test_predictor_when_the_kernel_refuses_the_tensor_data(bases: dict[str, Base
 
 def test_calibrate_command_on_a_full_disk(bases: dict[str, Base], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    import powerinfer.sparsity.calibrate as calibrate_module
+    import powerinfer.sparsity.budget as budget_module
 
     pf = read_predictor(bases["predictor"].path)
-    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: pf)  # the profiling is not the point
+    # the profiling and its held-out scoring are not the point: a predictor with no score, as after a short --tokens
+    monkeypatch.setattr(budget_module, "calibrate_forced", lambda *args, **kwargs: (pf, None, None))
     out = tmp_path / "out.predictor"
     previous = bases["predictor"].path.read_bytes()  # an older predictor: calibrate refuses to overwrite anything else
     out.write_bytes(previous)
@@ -174,7 +175,8 @@ def test_calibrate_command_on_a_full_disk(bases: dict[str, Base], tmp_path: Path
     argv = ["calibrate", "-m", str(bases["synthetic-llama"].path), "-o", str(out), "--text", str(tmp_path / "calib.txt"), "--sparsity", "0.8"]
     assert cli_main(argv) == 1
     captured = capsys.readouterr()
-    assert captured.err == f"error: could not write the predictor file {out}: no space left on device\n"
+    assert captured.err == ("note: too few held-out tokens to score this predictor's quality (raise --tokens)\n"
+                            f"error: could not write the predictor file {out}: no space left on device\n")
     assert "Traceback" not in captured.err and captured.out == ""
     assert out.read_bytes() == previous and _others(tmp_path, out) == ["calib.txt"]
 

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.hybrid_executor import GpuOptions
 from powerinfer.protocol import WorkerDiedError
+from tests.processes import worker_children
 from tests.server.conftest import start_server
 
 OPTS = GpuOptions(backend="cpu", vram_budget_gib=0.002, n_gpu_layers=1)
@@ -55,7 +56,7 @@ def test_server_replaces_a_dead_gpu_worker(make_model: Callable[..., Path], tmp_
     server = start_server(model, tmp_path, "-c", "64", "--executor", "inprocess", "-ngl", "1", "--vram-budget", "0.002",
                           "--gpu-backend", "cpu")
     try:
-        gpu = [p for p in psutil.Process(server.proc.pid).children() if "gpu_worker.worker" in " ".join(p.cmdline())]
+        gpu = worker_children(server.proc.pid, "gpu_worker.worker")
         assert len(gpu) == 1
         gpu[0].kill()
         codes = []

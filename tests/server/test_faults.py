@@ -24,6 +24,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.processes import worker_children
 from tests.server.conftest import RunningServer, start_server
 
 pytestmark = pytest.mark.real_model
@@ -37,7 +38,7 @@ def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 
 
 def workers(server: RunningServer) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children() if "cpu_workers.worker" in " ".join(p.cmdline())]
+    return worker_children(server.proc.pid)
 
 
 def stream_events(server: RunningServer, after: int, fault: signal.Signals | None, max_tokens: int = 300) -> tuple[list[dict], psutil.Process | None]:

@@ -16,6 +16,7 @@ import openai
 import psutil
 import pytest
 
+from tests.processes import worker_children
 from tests.server.conftest import N_PREDICT, RunningServer, start_server
 
 pytestmark = pytest.mark.real_model
@@ -313,7 +314,7 @@ def test_api_key_queue_full_and_sigterm(smollm2_path: Path, tmp_path: Path) -> N
 
 
 def test_dead_worker_turns_health_503_until_restarted(smollm2_server: RunningServer) -> None:
-    worker = next(p for p in psutil.Process(smollm2_server.proc.pid).children() if "cpu_workers.worker" in " ".join(p.cmdline()))
+    worker = worker_children(smollm2_server.proc.pid)[0]
     worker.kill()
     codes: list[int] = []
     deadline = time.monotonic() + 60
