@@ -145,7 +145,6 @@ def run_perplexity(argv: Sequence[str]) -> int:
 
 def run_sparsity_curve(argv: Sequence[str]) -> int:
     import json
-    import math
     from dataclasses import asdict
     from pathlib import Path
 

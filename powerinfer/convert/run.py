@@ -56,7 +56,7 @@ def from_gguf(f: GGUFFile) -> tuple[Converted, dict[str, object]]:
         meta[key] = value
     for name, info in f.tensors.items():
         out.tensors.append(OutTensor(name, tuple(info.shape), lambda name=name: np.asarray(weight(f, name, np.float32)),
-                                     matrix=len(info.shape) == 2))
+                                     matrix=len(info.shape) == 2 and name != "position_embd.weight"))  # F32, as from HF
     return out, meta
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from powerinfer.config import ModelConfig
+from powerinfer.config import ModelConfig, check_context
 from powerinfer.coordinator.executor import Executor
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
@@ -40,6 +40,8 @@ class Engine:
             raise InvalidArgumentError(f"batch size must be positive, got {n_batch}")
         if n_slots < 1:
             raise InvalidArgumentError(f"the number of sequence slots must be positive, got {n_slots}")
+        if cfg.learned_pos:  # a learned position table has no rows past it: refused here for every tool, not only the API
+            check_context(cfg, n_ctx)
         self.f, self.cfg, self.executor = f, cfg, executor
         self.n_ctx, self.n_batch = n_ctx, n_batch
         d = cfg.d_model

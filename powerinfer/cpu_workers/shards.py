@@ -15,14 +15,7 @@ import torch
 from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
-from powerinfer.model.ops import (
-    RopeTable,
-    activation,
-    up_value,
-    attend,
-    attention_mask,
-    neox_to_norm_perm,
-)
+from powerinfer.model.ops import RopeTable, attend, attention_mask, ffn_hidden, ffn_up_bias, neox_to_norm_perm
 from powerinfer.model.sharding import HeadRange, down_columns, packs_as_columns
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 from powerinfer.quants import Int8Packer, PackedLinear
@@ -149,7 +142,7 @@ class FFNShard:
         # gate and up rows are neuron-major already: [T, d] -> [T, 2n]
         rows: slice | np.ndarray = slice(start, stop) if contiguous else np.asarray(neurons, dtype=np.int64)
         self.gate_up: PackedLinear = load_linear(f, [(layer_tensor(layer, part), rows) for part in cfg.ffn_parts])
-        self.bias = torch.from_numpy(load_vector(f, layer_bias(layer, "ffn_up"))[neurons]) if not cfg.gated_ffn else None
+        self.bias = ffn_up_bias(f, cfg, layer, neurons)
         # down [d, n_ff]: this shard's columns, [T, n] -> [T, d]
         if contiguous:
             self.down: PackedLinear = load_linear(f, [(layer_tensor(layer, "ffn_down"), None)], cols=(start, stop))
@@ -172,12 +165,7 @@ class FFNShard:
 
     def hidden(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(act(gate), the hidden state act(gate) * up) [T, n] of normed x [T, d] (OPT: act(up + b) twice)."""
-        gu = self.gate_up(x)  # [T, 2n] (OPT: [T, n])
-        if self.bias is not None:
-            g = activation(gu + self.bias, self.cfg.activation, self.cfg.act_threshold)
-            return g, g
-        g = activation(gu[:, : self.n], self.cfg.activation, self.cfg.act_threshold)
-        return g, g * up_value(gu[:, self.n :], self.cfg.activation)
+        return ffn_hidden(self.gate_up(x), self.cfg, self.bias)  # gate_up: [T, 2n] (OPT: [T, n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] (already normed) -> partial output [T, d]."""

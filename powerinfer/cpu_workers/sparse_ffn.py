@@ -39,9 +39,9 @@ from powerinfer.cpu_workers.native import NativeFFN, native_lib
 from powerinfer.cpu_workers.neuron_major import supported
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
-from powerinfer.model.ops import activation, up_value
+from powerinfer.model.ops import activation, ffn_hidden, ffn_up_bias, up_value
 from powerinfer.model.sharding import down_columns, packs_as_columns
-from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
+from powerinfer.model.weights import layer_tensor
 from powerinfer.quants import Int8Linear, PackedLinear
 from powerinfer.quants.grouped import Grouped
 from powerinfer.quants.formats import decode
@@ -123,7 +123,7 @@ class SparseFFNShard:
         covered: slice | np.ndarray = rows
         # OPT's gate-less FFN (act(up + b), cfg.gated_ffn False) runs on the torch path: the kernel
         # here has gate and up rows; the native decoder (the default executors) has its own sparse FFN
-        self.bias = torch.from_numpy(load_vector(f, layer_bias(layer, "ffn_up"))[idx]) if not cfg.gated_ffn else None
+        self.bias = ffn_up_bias(f, cfg, layer, idx)
         if native and cfg.gated_ffn:
             loaded = self._load_native(f, layer, idx, contiguous)
             if loaded is not None:
@@ -264,12 +264,7 @@ class SparseFFNShard:
     def dense_activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(act(gate) [T, n], act(gate) * up [T, n]) for every neuron, as the dense FFN computes them
         (OPT: act(up + b) twice)."""
-        gu = self.gate_up(x)  # [T, 2n] (OPT: [T, n])
-        if self.bias is not None:
-            g = activation(gu + self.bias, self.cfg.activation, self.cfg.act_threshold)
-            return g, g
-        g = activation(gu[:, : self.n], self.cfg.activation, self.cfg.act_threshold)
-        return g, g * up_value(gu[:, self.n :], self.cfg.activation)
+        return ffn_hidden(self.gate_up(x), self.cfg, self.bias)  # gate_up: [T, 2n] (OPT: [T, n])
 
     def active_mask(self, x: torch.Tensor, g: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
         if self.oracle and h is not None:

@@ -10,6 +10,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from powerinfer.config import ModelConfig
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.weights import layer_bias, load_vector
+
 
 def activation(gate: torch.Tensor, kind: str, threshold: float = 0.0) -> torch.Tensor:
     """act(gate) [T, n] of config.py's activation kind (threshold: FATReLU's)."""
@@ -27,6 +31,24 @@ def activation(gate: torch.Tensor, kind: str, threshold: float = 0.0) -> torch.T
 def up_value(up: torch.Tensor, kind: str) -> torch.Tensor:
     """The up projection as the activation multiplies it: dReLU rectifies it too."""
     return F.relu(up) if kind == "drelu" else up
+
+
+def ffn_up_bias(f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray) -> torch.Tensor | None:
+    """fc1's bias of these neurons, float32 [n], for OPT's gate-less FFN (cfg.gated_ffn False); else None."""
+    if cfg.gated_ffn:
+        return None
+    return torch.from_numpy(load_vector(f, layer_bias(layer, "ffn_up"), cfg.n_ff)[neurons])
+
+
+def ffn_hidden(gu: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(gate), the hidden state act(gate) * up) [T, n] of a shard's packed gate|up output gu
+    [T, 2n]; OPT (bias given): gu is fc1's output [T, n], act(gu + b) twice."""
+    if bias is not None:
+        g = activation(gu + bias, cfg.activation, cfg.act_threshold)
+        return g, g
+    n = gu.shape[1] // 2
+    g = activation(gu[:, :n], cfg.activation, cfg.act_threshold)
+    return g, g * up_value(gu[:, n:], cfg.activation)
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, kind: str, threshold: float = 0.0) -> torch.Tensor:

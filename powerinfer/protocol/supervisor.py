@@ -18,6 +18,7 @@ anyway (``sweep_stale_dirs``: a reaper killed too, a reboot).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -289,4 +290,9 @@ class Supervisor:
         self._ctx = None
         shutil.rmtree(self.dir, ignore_errors=True)
         if self._reaper is not None:
-            self._reaper.poll()  # it exits within REAP_INTERVAL_S; reaped here or by the next Popen
+            # its work is done: ended now (the shell and its sleep, one process group) and reaped,
+            # so a long-lived server leaves neither a zombie nor a shell behind per pool restart
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._reaper.pid, signal.SIGKILL)
+            self._reaper.wait()
+            self._reaper = None

@@ -91,6 +91,11 @@ def test_sparse_rules_run_alike_on_every_executor(trained: Path, mode: str) -> N
 def test_context_past_the_position_table_is_refused(trained: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="2048 positions"):
         LLM(trained / "opt.gguf", n_ctx=4096, executor="inprocess")
+    # the tools below the API (perplexity's windows, calibrate, bench) build their engine directly
+    (trained / "t.txt").write_text(TEXT)
+    r = subprocess.run([sys.executable, "launch.py", "perplexity", "-m", str(trained / "opt.gguf"), "--text", str(trained / "t.txt"),
+                        "-c", "4096"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "2048 positions" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def test_gpu_offload_is_refused_clearly(trained: Path) -> None:

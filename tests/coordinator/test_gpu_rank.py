@@ -188,7 +188,7 @@ def test_a_dead_gpu_rank_fails_the_step_and_the_pool_restarts(make_model: Callab
         gpu_pid = ex.pids[-1]
         psutil.Process(gpu_pid).kill()
         t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="the GPU worker") as info:
+        with pytest.raises(WorkerDiedError, match="the GPU worker"):
             ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)
         assert time.monotonic() - t0 < 10  # noticed inside the hand-off's wait, not at a deadline
         ex.restart()

@@ -158,4 +158,5 @@ def test_a_closed_pool_ends_its_reaper() -> None:
     sup = Supervisor("powerinfer.cpu_workers.worker", 1, "WARNING", lambda i: "worker")
     reaper = sup._reaper
     sup.close()
-    assert reaper is not None and reaper.wait(10) == 0
+    # ended and reaped by close() itself: no shell or zombie per pool restart in a long-lived server
+    assert reaper is not None and reaper.returncode is not None and sup._reaper is None
