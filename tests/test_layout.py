@@ -42,3 +42,12 @@ def test_no_module_imports_another_modules_private_names() -> None:
                 found += [f"{p.relative_to(PACKAGE)}:{node.lineno} {node.module}.{a.name}" for a in node.names
                           if a.name.startswith("_") and not a.name.startswith("__")]
     assert not found, "private names imported across modules: " + ", ".join(found)
+
+
+def test_ci_runs_the_readmes_install_and_test_command() -> None:
+    """.ci/run is the README's test command (its CPU-torch install line included), not a variant."""
+    root = PACKAGE.parent
+    readme = (root / "README.md").read_text()
+    ci_line = (root / ".ci" / "run").read_text().rstrip().splitlines()[-1]
+    assert "pytest" in ci_line and "download.pytorch.org/whl/cpu" in ci_line
+    assert f"```sh\n{ci_line}\n```" in readme
