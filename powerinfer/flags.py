@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from powerinfer import __version__
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import InvalidArgumentError, PowerInferError
 from powerinfer.phase import PHASE_LOGGER
 
 if TYPE_CHECKING:  # imported when used: `fetch` and `--help` stay light
@@ -65,6 +65,14 @@ class CLIError(PowerInferError):
     """A bad command-line argument."""
 
 
+USAGE_ERROR = 2  # argparse's own status for a bad command line; runtime failures exit 1
+
+
+def exit_status(e: PowerInferError) -> int:
+    """2 for a usage error (a flag's value refused, by the command or by the API it calls), else 1."""
+    return USAGE_ERROR if isinstance(e, (CLIError, InvalidArgumentError)) else 1
+
+
 def report_paths(json_path: str | None, plot_path: str | None) -> None:
     """--json / --plot, checked before a run rather than after it (a plot is PNG, SVG or PDF)."""
     if json_path is not None:
@@ -90,9 +98,9 @@ def output_path(path: str, flag: str, inputs: tuple[str, ...] = ()) -> Path:
             raise CLIError(f"{flag} {path} is the input {given}: writing it would destroy it; give another file name")
     parent = Path(real).parent
     if not parent.is_dir():
-        raise CLIError(f"{flag} {path}: the directory {parent} does not exist")
+        raise PowerInferError(f"{flag} {path}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise CLIError(f"{flag} {path}: the directory {parent} is not writable")
+        raise PowerInferError(f"{flag} {path}: the directory {parent} is not writable")
     return p
 
 
@@ -145,7 +153,7 @@ def check_gpu_flags(args: argparse.Namespace) -> None:
 
     probe = find_gpu()
     if probe.name is None:
-        raise CLIError(f"-ngl/--vram-budget need an NVIDIA GPU, and none was found ({probe.reason}); use -ngl 0")
+        raise PowerInferError(f"-ngl/--vram-budget need an NVIDIA GPU, and none was found ({probe.reason}); use -ngl 0")
 
 
 def gpu_options(args: argparse.Namespace) -> "GpuOptions | None":
@@ -177,7 +185,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
         log.warning("--transport %s applies to the worker processes; --executor inprocess has none, so it is ignored", args.transport)
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
-        raise CLIError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
+        raise PowerInferError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     return LLM(path, n_ctx=args.ctx_size, default_ctx=getattr(args, "default_ctx", 4096), n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
                worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
                progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),

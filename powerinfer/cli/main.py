@@ -6,8 +6,9 @@ Runs in: the user's process (the coordinator).
     powerinfer fetch gemma3-270m
     powerinfer bench -m smollm2 --threads 1,2
 
-Expected errors (bad flags, missing or malformed files) print one ``error:`` line on stderr and
-exit with status 1; only genuine bugs show a traceback.
+Expected errors print one ``error:`` line on stderr and exit with status 2 for a usage error (a
+flag's value refused, as argparse does) or 1 for a runtime failure (missing or malformed files, a
+full disk); only genuine bugs show a traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from powerinfer.flags import (
     add_model_args,
     check_gpu_flags,
     configure_logging,
+    exit_status,
     load_llm,
 )
 from powerinfer.errors import ContextOverflowError, PowerInferError
@@ -149,7 +151,7 @@ def run_generate(argv: Sequence[str]) -> int:
             with open(args.file, encoding="utf-8") as fh:
                 prompt = fh.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise CLIError(f"cannot read prompt file {args.file}: {e}") from None
+            raise PowerInferError(f"cannot read prompt file {args.file}: {e}") from None
     if not prompt and not args.interactive:
         raise CLIError("no prompt: give -p TEXT or -f FILE (or -i to chat)")
     params = SamplingParams(
@@ -208,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return rc
     except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -82,7 +82,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
         try:
             read_predictor(out)
         except (PowerInferError, ValueError, OSError):
-            raise CLIError(f"-o {args.output} exists and is not a .predictor file: not overwritten; remove it or give another name") from None
+            raise PowerInferError(f"-o {args.output} exists and is not a .predictor file: not overwritten; remove it or give another name") from None
     if args.sparsity is None:
         from powerinfer.sparsity.budget import calibrate_within_budget
 

@@ -13,7 +13,6 @@ tokens/s over time. Any non-200 answer, error event or broken stream counts as a
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -26,7 +25,8 @@ from typing import Sequence
 import httpx
 import psutil
 
-from powerinfer.flags import CLIError, report_paths
+from powerinfer.errors import PowerInferError
+from powerinfer.flags import USAGE_ERROR, Parser, exit_status, report_paths
 
 PROMPTS = ("Write a sentence about the sea.", "What is the capital of France?", "Name three fruits.", "Tell me about trains.",
            "Describe winter in one sentence.", "Why is the sky blue?", "Give me a name for a cat.", "What is 12 times 7?")
@@ -168,30 +168,30 @@ def plot(runs: list[tuple[int, Run]], path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="powerinfer loadtest", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="powerinfer loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8080", help="server base URL (without /v1)")
     p.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="bearer token, when the server was started with --api-key")
     p.add_argument("--clients", default="1,4,8", help="comma-separated client counts, run one after another")
     p.add_argument("--requests", type=int, default=16, help="requests per run (ignored with --duration)")
     p.add_argument("--duration", type=float, default=0.0, help="seconds per run (a soak); 0 = --requests")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens each request asks for (default 64)")
     p.add_argument("--pid", type=int, default=None, help="server pid, to sample its RSS (workers included)")
     p.add_argument("--plot", default=None, help="PNG of RSS and tokens/s over time")
     p.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = p.parse_args(argv)
     try:
         report_paths(None, args.plot)
-    except CLIError as e:
+    except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
     try:
         counts = [int(c) for c in args.clients.split(",")]
         if any(c < 1 for c in counts) or args.max_tokens < 1 or args.requests < 1 or args.duration < 0:
             raise ValueError
     except ValueError:
         print("error: --clients must be positive integers; --requests and --max-tokens >= 1; --duration >= 0", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
     try:
         httpx.get(args.url + "/health", timeout=5).raise_for_status()
     except httpx.HTTPError as e:

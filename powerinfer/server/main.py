@@ -32,6 +32,7 @@ from powerinfer.flags import (
     add_model_args,
     check_gpu_flags,
     configure_logging,
+    exit_status,
     load_llm,
     positive_int,
 )
@@ -91,11 +92,11 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise CLIError(f"port {port} on {host} is already in use (another server?); choose another with --port") from None
-        raise CLIError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+            raise PowerInferError(f"port {port} on {host} is already in use (another server?); choose another with --port") from None
+        raise PowerInferError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     except (socket.gaierror, UnicodeError) as e:
         sock.close()
-        raise CLIError(f"cannot listen on {host}:{port}: {e}") from None
+        raise PowerInferError(f"cannot listen on {host}:{port}: {e}") from None
     sock.listen(256)
     sock.set_inheritable(True)
     return sock
@@ -153,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(list(sys.argv[1:] if argv is None else argv))
     except PowerInferError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return exit_status(e)
     except KeyboardInterrupt:
         return 130
 

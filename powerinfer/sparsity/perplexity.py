@@ -65,7 +65,7 @@ def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = N
     if n_ctx < 2:
         raise InvalidArgumentError(f"the window (-c) must be at least 2 tokens, got {n_ctx}")
     if max_tokens < 0:
-        raise InvalidArgumentError(f"max_tokens must be >= 0 (0: all), got {max_tokens}")
+        raise InvalidArgumentError(f"the number of tokens to score (--max-tokens) must be >= 0 (0: all), got {max_tokens}")
     f = GGUFFile(model)
     cfg = config_from_gguf(f)
     tok = GGUFTokenizer.from_metadata(f.metadata)

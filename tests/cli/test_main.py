@@ -280,10 +280,11 @@ def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(ma
     text.write_text("The cat sat on the mat. " * 40)
     before = model.read_bytes()
     cal = ("calibrate", "-m", str(model), "--text", str(text), "--sparsity", "0.5", "--mode", "gate", "--tokens", "64")
-    for out, says in ((str(model), "is the input"), (str(text), "is the input"), (str(tmp_path), "is a directory"),
-                      (str(tmp_path / "no" / "p.predictor"), "does not exist"), ("", "give a file name")):
+    # exit 2: the flag's value is refused (a usage error); 1: the file system is not as the command needs
+    for out, says, status in ((str(model), "is the input", 2), (str(text), "is the input", 2), (str(tmp_path), "is a directory", 2),
+                              (str(tmp_path / "no" / "p.predictor"), "does not exist", 1), ("", "give a file name", 2)):
         proc = run(*cal, "-o", out)
-        assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == status and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     other = tmp_path / "notes.predictor"
     other.write_text("my notes")
     proc = run(*cal, "-o", str(other))
@@ -302,12 +303,12 @@ def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(ma
     for args, says in ((("bench", "-m", str(model), "--json", str(tmp_path)), "is a directory"),
                        (("bench", "-m", str(model), "--plot", str(tmp_path / "x.txt")), ".png, .svg or .pdf"),
                        (("perplexity", "-m", str(model), "--text", str(text), "-c", "1"), "at least 2 tokens"),
-                       (("perplexity", "-m", str(model), "--text", str(text), "--max-tokens", "-3"), "max_tokens must be >= 0"),
+                       (("perplexity", "-m", str(model), "--text", str(text), "--max-tokens", "-3"), "(--max-tokens) must be >= 0"),
                        (("calibrate", "-m", str(model), "-o", str(tmp_path / "r.predictor"), "--mode", "predictor", "--sparsity", "0.5",
                          "--rank", "100000"), "exceeds the model's width"),
                        (("bench", "--merge", "--workers", "1"), "give --workers 2 or more")):
         proc = run(*args)
-        assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     # the torch tools take -t, so a shared machine can keep them to one core
     proc = run("perplexity", "-m", str(model), "--text", str(text), "-t", "1")
     assert proc.returncode == 0 and "dense perplexity" in proc.stdout, proc.stderr

@@ -22,15 +22,15 @@ def test_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == f"error: port {port} on 127.0.0.1 is already in use (another server?); choose another with --port\n"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--port", "70000"], "--port must be in 0..65535"),
-    (["--queue", "-1"], "--queue must be >= 0"),
-    (["-c", "-5"], "--ctx-size must be >= 0"),
-    (["--api-key", " "], "--api-key must not be empty"),
-    (["-ngl", "4"], "need an NVIDIA GPU"),
+@pytest.mark.parametrize("args, message, status", [  # 2: a usage error, as argparse's; 1: the machine cannot
+    (["--port", "70000"], "--port must be in 0..65535", 2),
+    (["--queue", "-1"], "--queue must be >= 0", 2),
+    (["-c", "-5"], "--ctx-size must be >= 0", 2),
+    (["--api-key", " "], "--api-key must not be empty", 2),
+    (["-ngl", "4"], "need an NVIDIA GPU", 1),
 ])
-def test_bad_values(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["-m", "x.gguf", *args]) == 1
+def test_bad_values(args: list[str], message: str, status: int, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["-m", "x.gguf", *args]) == status
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
 
