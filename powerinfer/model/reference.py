@@ -183,8 +183,11 @@ def layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, n_layers: int | None 
 
 def logits(f: GGUFFile, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
     """Logits [T, vocab] of a whole sequence from scratch (float64)."""
-    x = embed(f, cfg, np.asarray(ids, dtype=np.int64)[None])
-    for out in layers(f, cfg, np.asarray(ids, dtype=np.int64)[None]):
+    batch = np.asarray(ids, dtype=np.int64)[None]
+    x: np.ndarray | None = None
+    for out in layers(f, cfg, batch):
         x = out.residual
+    if x is None:  # a model with no layers: the embeddings go straight to the head
+        x = embed(f, cfg, batch)
     h = norm(cfg, x[0], f, "output_norm")
     return h @ weight(f, "token_embd.weight" if cfg.tied_embeddings else "output.weight").T
