@@ -65,3 +65,14 @@ def gemma3_path() -> Path:
 @pytest.fixture(scope="session")
 def real_model_path(request: pytest.FixtureRequest) -> Path:
     return _real(request.param)
+
+
+# Fixtures that fetch a real model: a test using any of them (directly or through another fixture,
+# a server's say) is marked real_model, so `-m "not real_model"` never fetches (docs/testing in README)
+REAL_MODEL_FIXTURES = frozenset({"smollm2_path", "gemma3_path", "real_model_path"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real_model)
