@@ -16,6 +16,7 @@ from tests.convert.hf_models import TEXT, make_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("level", "warned", "mode"), (("0.5", False, ()), ("0.97", True, ("--mode", "gate"))))
 def test_forced_sparsity_reports_its_quality(tmp_path: Path, level: str, warned: bool, mode: tuple[str, ...]) -> None:
     """A trained ReLU test model (measured: +0.0% at 0.5, +112% at 0.97 in gate mode); no --mode

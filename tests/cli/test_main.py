@@ -274,6 +274,7 @@ def test_predictor_flags(make_model: Callable[..., Path], tmp_path: Path) -> Non
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(make_model: Callable[..., Path], tmp_path: Path) -> None:
     model = make_model(arch="llama", n_layers=2)
     text = tmp_path / "t.txt"

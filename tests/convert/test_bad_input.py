@@ -149,6 +149,7 @@ def test_pwri_file_missing_a_layers_predictor(hf: Path, tmp_path: Path, monkeypa
     assert not (tmp_path / "cache" / "pwri").exists() or not any((tmp_path / "cache" / "pwri").iterdir())
 
 
+@pytest.mark.slow
 def test_cli_convert_and_run(hf: Path, tmp_path: Path) -> None:
     preds = write_predictor_dir(tmp_path / "pred", hf, seed=1)
     out = tmp_path / "m.powerinfer.gguf"

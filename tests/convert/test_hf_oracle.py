@@ -66,6 +66,7 @@ def test_f32_logits_match_transformers(checkpoints: dict[str, Path], f32_files: 
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", ("relu", "fatrelu", "drelu", "opt"))
 def test_q8_0_top1_agrees_with_transformers(tmp_path: Path, act: str) -> None:
     """Q8_0 against transformers on the whole held-out text (~2400 positions) of a checkpoint trained

@@ -53,6 +53,7 @@ def test_greedy_decoding_matches_transformers(trained: Path, executor: str) -> N
     assert _greedy(trained / "opt-f32.gguf", ids, 24, **EXECUTORS[executor]) == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ("gate", "predictor"))
 def test_sparse_rules_run_alike_on_every_executor(trained: Path, mode: str) -> None:
     """calibrate on OPT, then the file's rule on the native decoder, the pool and the torch path.

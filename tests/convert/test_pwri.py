@@ -36,6 +36,7 @@ def _run(path: Path, ids: list[int], **kw: object) -> tuple[np.ndarray, LLM]:
         llm.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("act", ["relu", "drelu"])
 def test_powerinfer_layout_round_trip(tmp_path: Path, act: str) -> None:
     src = make_checkpoint(tmp_path / "hf", act, seed=5)
@@ -128,6 +129,7 @@ def test_powerinfer_files_in_its_usual_types_run(tmp_path: Path, outtype: str) -
     assert llm2.powerinfer_file == pw and np.array_equal(again, dense)
 
 
+@pytest.mark.slow
 def test_the_server_serves_a_powerinfer_file(tmp_path: Path) -> None:
     """powerinfer-server -m model.powerinfer.gguf: its predictor is on, a completion is the engine's greedy text."""
     import httpx

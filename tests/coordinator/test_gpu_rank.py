@@ -86,6 +86,7 @@ def _same_best(a: np.ndarray, b: np.ndarray) -> None:
     np.testing.assert_allclose(a[np.arange(len(a)), ia], b[np.arange(len(b)), ia], atol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("layers", [{0}, {2, 3}, {1, 3}, {0, 1, 2, 3}])
 def test_pool_with_a_gpu_rank_equals_the_hybrid(make_model: Callable[..., Path], arch: str, layers: set[int]) -> None:

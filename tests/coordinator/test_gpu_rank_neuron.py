@@ -91,6 +91,7 @@ def _close_best(a: np.ndarray, b: np.ndarray, atol: float) -> None:
     np.testing.assert_allclose(a[r, ia], b[r, ia], atol=atol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_gpu_share_plus_cpu_share_is_the_whole_model(make_model: Callable[..., Path], arch: str, split: str) -> None:
@@ -103,6 +104,7 @@ def test_gpu_share_plus_cpu_share_is_the_whole_model(make_model: Callable[..., P
     _close_best(ours, _decode(path, _pool(path, None)), atol=3e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_workers", [1, 3])
 @pytest.mark.parametrize("split", ["attention and half the neurons", "the first neurons"])
 def test_the_cpu_ranks_split_the_cold_neurons_exactly(make_model: Callable[..., Path], n_workers: int, split: str) -> None:

@@ -25,6 +25,7 @@ from tests.coordinator.helpers import gone
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_workers", [1, 2, 3])
 def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int) -> None:
     # 3 workers: more than the 2 kv heads, and 160 neurons do not split evenly into 3 x 32-aligned ranges
@@ -66,6 +67,7 @@ def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[...
     assert gone(pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 def test_stopped_worker_is_detected(make_model: Callable[..., Path], transport: str) -> None:
     llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False, transport=transport)

@@ -134,6 +134,7 @@ def test_huge_counts_allocate_nothing(what: str, tmp_path: Path) -> None:
     assert peak < 64 << 10, (what, peak)
 
 
+@pytest.mark.slow
 def test_harness_notices_crashes_hangs_memory_and_bad_errors(tmp_path: Path) -> None:
     """The fuzz harness itself must be able to fail: a canary loader does each bad thing once."""
     runner = Runner(tmp_path, timeout=3.0, memory_headroom=1 << 30, loader="tests.fuzz.canary:load")

@@ -28,6 +28,7 @@ OPTS = GpuOptions(backend="cpu", vram_budget_gib=0.002, n_gpu_layers=1)
 IDS = [256, 72, 101, 108, 108, 111, 44, 32]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
 def test_gpu_worker_fault_during_decode(make_model: Callable[..., Path], sig: signal.Signals) -> None:
     llm = LLM(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_ctx=256, executor="inprocess", gpu=OPTS)

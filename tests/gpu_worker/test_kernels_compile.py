@@ -29,6 +29,7 @@ RESIDUAL_HARNESS = Path(__file__).with_name("residual_host.cu")
 # byte offsets of the float16 scale fields of each block format (random bytes there may be inf/nan)
 
 
+@pytest.mark.slow
 @needs_nvcc
 @pytest.mark.parametrize("src", source_files(), ids=lambda p: p.name)
 def test_every_source_compiles_without_warnings(src: Path, tmp_path: Path) -> None:
@@ -85,6 +86,7 @@ def gemv_harness(tmp_path_factory: pytest.TempPathFactory) -> Path:
 GEMV_CASES = [(1536, 9, 3, 4, -1, False), (1536, 1, 0, 1, 13, True), (512, 3, 0, 0, -1, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", list(SUFFIX), ids=lambda q: q.name)
 @pytest.mark.parametrize("kind", ["blocks", "lanes"])
 def test_gemv_kernels_run_on_the_host_match_numpy(gemv_harness: Path, qtype: QT, kind: str) -> None:

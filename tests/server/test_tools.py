@@ -50,6 +50,7 @@ def _check_call(call: Any, tool: dict[str, Any]) -> dict[str, Any]:
     return args
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_call_round_trip(server: tuple[RunningServer, str], stream: bool) -> None:
     """A required call is well formed whatever the model (the grammar), and its result in the

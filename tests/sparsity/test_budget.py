@@ -118,6 +118,7 @@ def relu3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 RELU_TEXT = " ".join(f"The cat {i} of the moon went over hill number {i * 7}." for i in range(80))
 
 
+@pytest.mark.slow
 def test_budget_in_predictor_mode_trains_the_sparse_layers_and_keeps_the_budget(relu3: Path) -> None:
     settings = CalibrationSettings(mode="predictor", tokens=600, window=32, steps=60)
     pf, point = calibrate_within_budget(relu3, settings, 0.1, RELU_TEXT)

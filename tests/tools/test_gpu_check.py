@@ -38,6 +38,7 @@ def test_benchmark_dry_run_on_a_tiny_relu_model(tmp_path: Path, capsys: pytest.C
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_worker_overhead_dry_run(tmp_path: Path) -> None:
     rows = run_worker_overhead(tmp_path, 2, backend="cpu", n_layers=2)
     by_case = {r.case: r.value for r in rows}

@@ -51,6 +51,7 @@ def ci_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(ci_run: Path) -> None:
     tmp_path, gguf = ci_run.parent, ci_run / "model.gguf"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -73,6 +74,7 @@ def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(ci_run: Path) -> No
     assert len(zeros) == 2 and (zeros > 0.3).all()  # ReLU: a large share of exact zeros already
 
 
+@pytest.mark.slow
 def test_calibrate_learns_the_trained_models_firing(ci_run: Path) -> None:
     """The sparse machinery on a model it was built for: the default calibrate (a perplexity budget)
     on the trained ReLU model's own calibration text, then perplexity on its held-out text with the
