@@ -11,7 +11,8 @@ For each family (ReluLLaMA: ReGLU; Bamboo: dReLU) and type (its F16, then its Q4
 logits' distance from transformers' on 64 held-out tokens, dense (``--no-sparse``) and sparse
 (PowerInfer's rule as a transformers hook), as a share of the dense logits' range. Then OPT, F16,
 dense only on each executor (its predictors read the residual before a LayerNorm and do not run
-here: docs/powerinfer-models.md); the Q4_0 one too when ``build/bin/quantize`` is there.
+here: docs/powerinfer-models.md); the Q4_0 one too when ``build/bin/quantize`` is there; and PowerInfer's own
+``build/bin/main`` on its OPT files when it is built (does it load them; its greedy tokens against transformers).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _as_original_opt(src: Path) -> None:
 def _opt(pi: Path, python: str, root: Path) -> None:
     src = make_checkpoint(root / "hf-opt", "opt", seed=3, train_steps=120)
     ids = tokens(src, TEXT[SPLIT : SPLIT + 400])[:64]
-    ref = oracle_logits(load_oracle(src), ids)
+    ref_model = load_oracle(src)
+    ref = oracle_logits(ref_model, ids)
     span = ref.max() - ref.min()
     _as_original_opt(src)
     preds = write_predictor_dir(root / "pred-opt", src, rank=32, seed=4, threshold=0.0)
@@ -98,6 +100,9 @@ def _opt(pi: Path, python: str, root: Path) -> None:
     if (pi / "build/bin/quantize").exists():
         paths.append(root / "opt-q4_0.powerinfer.gguf")
         subprocess.run([str(pi / "build/bin/quantize"), str(f16), str(paths[-1]), "q4_0"], check=True, capture_output=True)
+    if (pi / "build/bin/main").exists():
+        for path in paths:
+            _powerinfer_runs(pi, path, src, ref_model)
     for path in paths:
         for name, kw in (("native", dict(executor="inprocess")), ("pool", dict(executor="process", n_threads=2)),
                          ("torch", dict(executor="inprocess", native=False))):
@@ -108,6 +113,26 @@ def _opt(pi: Path, python: str, root: Path) -> None:
             print(f"  {path.name:28} dense {name:6} first step {err[0]:.1e}, worst {err.max():.1e}, "
                   f"top-1 {(got.argmax(-1) == ref.argmax(-1)).mean():.1%}")
 
+
+def _powerinfer_runs(pi: Path, path: Path, src: Path, ref_model: object) -> None:
+    """PowerInfer's own main on its own OPT file, greedy, dense (LLAMA_SPARSE_PRED_THRESHOLD=-1e30) and
+    sparse (its predictors, threshold 0): whether it loads, and its continuation's teacher-forced top-1
+    agreement with transformers (dense; the sparse rule changes some tokens by design)."""
+    prompt = TEXT[SPLIT : SPLIT + 120]
+    for mode, extra in (("dense", {"LLAMA_SPARSE_PRED_THRESHOLD": "-1e30"}), ("sparse", {})):
+        r = subprocess.run([str(pi / "build/bin/main"), "-m", str(path), "-p", prompt, "-n", "24", "--temp", "0", "--repeat-penalty",
+                            "1.0", "-t", "2", "-c", "256"], capture_output=True, text=True, env={**os.environ, **extra}, timeout=300)
+        if r.returncode != 0 or prompt not in r.stdout:
+            last = [line for line in r.stderr.splitlines() if "error" in line.lower()] or r.stderr.splitlines()[-3:]
+            print(f"  {path.name:28} PowerInfer's main ({mode}): exit {r.returncode}: {' | '.join(last)[:300]}")
+            continue
+        continuation = r.stdout.split(prompt, 1)[1]
+        full = tokens(src, prompt + continuation)
+        n = len(tokens(src, prompt))
+        logits = oracle_logits(ref_model, full)  # type: ignore[arg-type]
+        agree = np.mean([logits[i - 1].argmax() == full[i] for i in range(n, len(full))]) if len(full) > n else float("nan")
+        print(f"  {path.name:28} PowerInfer's main, {mode} greedy: {len(full) - n} tokens {continuation[:32]!r}; "
+              f"transformers' top-1 agrees on {agree:.1%} (teacher-forced)")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
