@@ -184,9 +184,12 @@ def write_predictor_dir(folder: Path, checkpoint: Path, rank: int = 16, seed: in
     return folder
 
 
-def hook_powerinfer_rule(model: LlamaForCausalLM, predictors: Path, threshold: float = 0.0) -> LlamaForCausalLM:
+def hook_powerinfer_rule(model: LlamaForCausalLM | OPTForCausalLM, predictors: Path,
+                         threshold: float = 0.0) -> LlamaForCausalLM | OPTForCausalLM:
     """PowerInfer's sparse rule in transformers: neuron j of a layer runs iff fc2(relu(fc1(x)))_j >=
     threshold, x the residual stream entering the FFN's norm (what PowerInfer's predictor reads)."""
+    if isinstance(model, OPTForCausalLM):
+        return _hook_opt_rule(model, predictors, threshold)
     for i, layer in enumerate(model.model.layers):
         state = torch.load(predictors / f"model_{i}.pt", weights_only=True)
         fc1, fc2 = state["fc1.weight"], state["fc2.weight"]
@@ -205,4 +208,21 @@ def hook_powerinfer_rule(model: LlamaForCausalLM, predictors: Path, threshold: f
 
         mlp.forward = forward
         del inner
+    return model
+
+
+def _hook_opt_rule(model: OPTForCausalLM, predictors: Path, threshold: float) -> OPTForCausalLM:
+    """The same rule on OPT: x is the residual entering final_layer_norm (a LayerNorm, which is why our
+    predictors on the normed input cannot express it); fc2's input relu(fc1 h + b1) [N, n_ff] is masked."""
+    for i, layer in enumerate(model.model.decoder.layers):
+        state = torch.load(predictors / f"model_{i}.pt", weights_only=True)
+        seen: dict[str, torch.Tensor] = {}
+        layer.final_layer_norm.register_forward_pre_hook(lambda mod, args, seen=seen: seen.__setitem__("x", args[0]))
+
+        def mask(mod: torch.nn.Module, args: tuple[torch.Tensor, ...], seen: dict[str, torch.Tensor] = seen,
+                 fc1: torch.Tensor = state["fc1.weight"], fc2: torch.Tensor = state["fc2.weight"]) -> tuple[torch.Tensor]:
+            on = (torch.relu(seen["x"] @ fc1.T) @ fc2.T) >= threshold  # [N, n_ff], the residual's rows as fc2's input's
+            return (args[0] * on.reshape(args[0].shape),)
+
+        layer.fc2.register_forward_pre_hook(mask)
     return model
