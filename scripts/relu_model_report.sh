@@ -9,12 +9,12 @@
 set -euo pipefail
 relu=$1 silu=$2 max=${3:-20000}
 cd "$(dirname "$0")/.."
-[ -f "$relu/calibration.txt" ] || python3 -c "
+# calibration.txt: the end of the held-out documents (train-relu writes it; remade here for older runs,
+# whose calibration.txt was the end of the training text)
+python3 -c "
 import sys; from pathlib import Path
-from powerinfer.training.corpus import read_corpus
-from powerinfer.training.train import CALIBRATION_CHARS, RECIPES
-import json; r = RECIPES[json.loads(Path(sys.argv[1], 'summary.json').read_text())['size']]  # its corpus slice
-Path(sys.argv[1], 'calibration.txt').write_text(read_corpus(max_files=r.max_files).train[-CALIBRATION_CHARS:])" "$relu"
+from powerinfer.training.train import calibration_text
+Path(sys.argv[1], 'calibration.txt').write_text(calibration_text(Path(sys.argv[1], 'heldout.txt').read_text()))" "$relu"
 for run in "$relu" "$silu"; do
     echo "== $run: $(python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['activation'], s['params'], 'params,', s['train_tokens'], 'training tokens,', s['seconds'], 's')" "$run/summary.json")"
     python3 launch.py perplexity -m "$run/model.gguf" --text "$run/heldout.txt" --max-tokens "$max"

@@ -77,16 +77,18 @@ def test_the_ci_recipe_trains_a_sparse_model_the_engine_runs(ci_run: Path) -> No
 @pytest.mark.slow
 def test_calibrate_learns_the_trained_models_firing(ci_run: Path) -> None:
     """The sparse machinery on a model it was built for: the default calibrate (a perplexity budget)
-    on the trained ReLU model's own calibration text, then perplexity on its held-out text with the
+    on the end of the trained ReLU model's training text, then perplexity on its held-out text with the
     predictor, and the native decoder and the pool decoding alike with it."""
     import subprocess
     import sys
 
     from powerinfer.training.corpus import read_corpus
-    from powerinfer.training.train import CALIBRATION_CHARS, RECIPES
+    from powerinfer.training.train import RECIPES
 
     repo = Path(__file__).resolve().parents[2]
-    (ci_run / "calibration.txt").write_text(read_corpus(max_files=RECIPES["ci"].max_files).train[-CALIBRATION_CHARS:])
+    # the ci recipe holds out only ~31k characters, all scored below: it calibrates on the end of its
+    # training text instead of train-relu's calibration.txt (the end of the held-out text)
+    (ci_run / "calibration.txt").write_text(read_corpus(max_files=RECIPES["ci"].max_files).train[-200_000:])
     pred = ci_run / "model.predictor"
     for mode in ("predictor", "gate"):
         r = subprocess.run([sys.executable, "launch.py", "calibrate", "-m", str(ci_run / "model.gguf"), "-o", str(pred), "--text",
