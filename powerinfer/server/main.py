@@ -129,7 +129,8 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     args.n_slots = args.parallel
     app = create_app(cfg, lambda: load_llm(args, progress=False))
     host, port = sock.getsockname()[:2]
-    print(f"powerinfer-server: serving {cfg.model_id} on http://{host}:{port}/v1 (loading the model; /health is 503 until ready)",
+    # not "serving" yet: the model loads while the port already answers, and a model that cannot load ends the daemon
+    print(f"powerinfer-server: loading {cfg.model_id}; listening on http://{host}:{port}/v1 (/health answers 503 until it is ready)",
           file=sys.stderr, flush=True)
     server = GracefulServer(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
                                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose,
