@@ -91,6 +91,12 @@ def _train_relu(argv: Sequence[str]) -> int:
     return run_train(argv)
 
 
+def _synth(argv: Sequence[str]) -> int:
+    from powerinfer.cli.synth_cmd import run_synth
+
+    return run_synth(argv)
+
+
 def _loadtest(argv: Sequence[str]) -> int:
     from powerinfer.server.loadtest import main as run_loadtest
 
@@ -102,7 +108,7 @@ def _loadtest(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "fetch": _fetch, "bench": _bench, "inspect": _inspect, "calibrate": _calibrate, "perplexity": _perplexity,
     "sparsity-curve": _sparsity_curve, "serve": _serve, "loadtest": _loadtest, "convert": _convert,
-    "train-relu": _train_relu,
+    "train-relu": _train_relu, "synth": _synth,
 }  # fmt: skip
 SUBCOMMANDS = tuple(COMMANDS)
 

@@ -113,7 +113,7 @@ class RecallShift:
         return hi
 
 
-def _train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndarray, rank: int, steps: int,
+def train_predictor(x: np.ndarray, act: np.ndarray, thr: float, weight: np.ndarray, rank: int, steps: int,
                      seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, RecallShift]:
     """MLP x [N, d] -> logits [N, n_ff] for act > thr; returns fc1_w, fc1_b, fc2_w, fc2_b (unshifted)
     and the validation data that sets the bias shift for a recall."""
@@ -239,7 +239,7 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
             w1, b1 = np.zeros((1, cfg.d_model), np.float32), np.zeros(1, np.float32)
             w2, b2 = np.zeros((cfg.n_ff, 1), np.float32), np.full(cfg.n_ff, FIRE_ALL_BIAS, np.float32)
         elif settings.mode == "predictor":
-            w1, b1, w2, b2, shift = _train_predictor(x, act, thr, norms, rank, settings.steps, settings.seed + layer)
+            w1, b1, w2, b2, shift = train_predictor(x, act, thr, norms, rank, settings.steps, settings.seed + layer)
             b2 = b2 + np.float32(shift.shift(settings.recall))
         else:
             w1, b1 = np.zeros((0, cfg.d_model), np.float32), np.zeros(0, np.float32)

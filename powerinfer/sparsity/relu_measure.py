@@ -1,6 +1,6 @@
 """Sparsity measurement for the synthetic ReLU-sparse llama files, through the readable model.
 
-Runs in: the CLI / tests process (:func:`measure_sparsity` on a finished file; relu_model.py
+Runs in: the CLI / tests process (:func:`measure_sparsity` on a finished file; ``powerinfer synth``
 prints it after writing, the GPU benchmark profiles with :func:`run_layers`).
 """
 
@@ -17,6 +17,7 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model import reference
 from powerinfer.model.reference import LayerOut
+from powerinfer.sparsity.calibrate import train_predictor
 
 
 def run_layers(f: GGUFFile, cfg: ModelConfig, ids: np.ndarray, layers: int | None = None) -> Iterator[LayerOut]:
@@ -42,6 +43,7 @@ class LayerSparsity:
     inactive_max: float
     inactive_abs: tuple[tuple[float, float], ...]  # (absolute threshold on |act|, mean share below it)
     gate_negative: float  # share of (token, neuron) pairs with gate pre-activation < 0
+    exact_zero: float  # share of (token, neuron) pairs whose act(gate) * up is exactly 0 (ReLU families)
     hot_mass_share: float  # share of sum |act| carried by the top hot_fraction most frequently active neurons
     hot_event_share: float  # share of the active (token, neuron) pairs on those neurons
     freq_hist: tuple[int, ...]  # neurons per bin of activation frequency, bins FREQ_EDGES
@@ -63,19 +65,23 @@ class SparsityStats:
         """A plain-text table (for the CLI and logs)."""
         abs_hdr = " ".join(f"<{t:g}" for t, _ in self.layers[0].inactive_abs) if self.layers else ""
         lines = [f"{self.path}: {self.n_tokens} tokens, inactive = |act| < {self.threshold_rel:g} * max|act| per token",
-                 f"layer inactive [min, max]   g<0   abs {abs_hdr}   top{self.hot_fraction:.0%} mass / events"]
+                 f"layer inactive [min, max]   g<0  act=0   abs {abs_hdr}   top{self.hot_fraction:.0%} mass / events"]
         for s in self.layers:
             ab = " ".join(f"{v:.3f}" for _, v in s.inactive_abs)
-            lines.append(f"{s.layer:5d} {s.inactive:.3f} [{s.inactive_min:.3f}, {s.inactive_max:.3f}]  {s.gate_negative:.3f}"
+            lines.append(f"{s.layer:5d} {s.inactive:.3f} [{s.inactive_min:.3f}, {s.inactive_max:.3f}]  {s.gate_negative:.3f}  {s.exact_zero:.3f}"
                          f"   abs {ab}   {s.hot_mass_share:.3f} / {s.hot_event_share:.3f}")
             lines.append("      frequency histogram " + " ".join(
                 f"[{a:g},{b:g}):{n}" for a, b, n in zip(FREQ_EDGES, FREQ_EDGES[1:], s.freq_hist)))
         return "\n".join(lines)
 
 
-def _layer_sparsity(a: LayerOut, threshold_rel: float, hot_fraction: float,
+def layer_acts(a: LayerOut, cfg: ModelConfig) -> np.ndarray:
+    """|act(gate) * up| [N, n_ff] of one measured layer, by the file's activation."""
+    return np.abs(reference.activation(a.gate, cfg.activation, cfg.act_threshold) * reference.up_value(a.up, cfg.activation))
+
+
+def _layer_sparsity(a: LayerOut, act: np.ndarray, threshold_rel: float, hot_fraction: float,
                     abs_thresholds: Sequence[float]) -> LayerSparsity:
-    act = np.abs(reference.activation(a.gate, "silu") * a.up)  # [N, n_ff]
     active = act >= threshold_rel * act.max(1, keepdims=True)
     per_token = 1.0 - active.mean(1)
     freq = active.mean(0)  # [n_ff] share of tokens for which each neuron is active
@@ -88,6 +94,7 @@ def _layer_sparsity(a: LayerOut, threshold_rel: float, hot_fraction: float,
         inactive_max=float(per_token.max()),
         inactive_abs=tuple((float(t), float((act < t).mean())) for t in abs_thresholds),
         gate_negative=float((a.gate < 0).mean()),
+        exact_zero=float((act == 0).mean()),
         hot_mass_share=float(act[:, hot].sum() / act.sum()),
         hot_event_share=float(active[:, hot].sum() / max(1, active.sum())),
         freq_hist=tuple(int(n) for n in hist),
@@ -107,5 +114,45 @@ def measure_sparsity(path: str | Path, n_tokens: int = 256, threshold_rel: float
     ids = np.random.default_rng([seed, 0x5EED]).integers(0, min(256, cfg.vocab_size), (-(-n_tokens // t), t))
     if cfg.vocab_size > 256:
         ids[:, 0] = 256
-    out = [_layer_sparsity(a, threshold_rel, hot_fraction, abs_thresholds) for a in run_layers(f, cfg, ids, layers)]
+    out = [_layer_sparsity(a, layer_acts(a, cfg), threshold_rel, hot_fraction, abs_thresholds) for a in run_layers(f, cfg, ids, layers)]
     return SparsityStats(str(path), int(ids.size), threshold_rel, hot_fraction, tuple(out))
+
+
+@dataclass(frozen=True)
+class PredictorFit:
+    """How well a rank-limited predictor (calibrate's: fc2(relu(fc1 x)), trained the same way) learns
+    which of one layer's neurons are nonzero, on the tenth of the tokens it did not train on."""
+
+    layer: int
+    rank: int
+    active: float  # share of (token, neuron) pairs that are nonzero
+    chosen: float  # share the predictor chooses (logit > 0)
+    recall: float  # share of the nonzero pairs it chooses
+    precision: float  # share of its choices that are nonzero
+
+    def format(self) -> str:
+        return (f"layer {self.layer}: rank-{self.rank} predictor recall {self.recall:.3f}, precision {self.precision:.3f} "
+                f"({100 * self.chosen:.1f}% chosen, {100 * self.active:.1f}% nonzero)")
+
+
+def fit_predictors(path: str | Path, rank: int, n_tokens: int = 2048, layers: int | None = 2, steps: int = 300,
+                   seed: int = 0, seq_len: int = 64) -> list[PredictorFit]:
+    """Train a rank-``rank`` predictor per measured layer on random byte-token sequences (another
+    seed than the writer's) and report its neuron-level recall and precision on held-back tokens."""
+    if rank <= 0 or n_tokens < 20 * seq_len // 2 or steps <= 0:
+        raise InvalidArgumentError("rank and steps must be positive and n_tokens at least 10 sequences")
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    t = min(seq_len, n_tokens)
+    ids = np.random.default_rng([seed, 0xF17]).integers(0, min(256, cfg.vocab_size), (-(-n_tokens // t), t))
+    if cfg.vocab_size > 256:
+        ids[:, 0] = 256
+    fits = []
+    for a in run_layers(f, cfg, ids, layers):
+        act = layer_acts(a, cfg)
+        *_, val = train_predictor(a.ffn_in.astype(np.float32), act, 0.0, np.ones(cfg.n_ff, np.float32), rank, steps, seed + a.layer)
+        chosen, nonzero = val.logits > 0, val.mass > 0
+        hit = float((chosen & nonzero).sum())
+        fits.append(PredictorFit(a.layer, rank, float(nonzero.mean()), float(chosen.mean()),
+                                 hit / max(1.0, float(nonzero.sum())), hit / max(1.0, float(chosen.sum()))))
+    return fits

@@ -1,11 +1,14 @@
 """Planted-sparsity llama GGUFs: standard ``llama`` files whose FFNs behave like ReLU-fied models.
 
-Runs in: tools and tests (the CLI process or pytest); ``python -m powerinfer.sparsity.relu_model``.
+Runs in: tools and tests (the CLI process or pytest); ``powerinfer synth`` (cli/synth_cmd.py).
 
 Published ReLU-fied llamas (ProSparse-7B) leave ~89% of FFN neurons inactive per token, and the
 activity is skewed: a hot minority fires for most tokens and carries most of the mass. We cannot
 download such models at every size, so this writes random ones with that behaviour *planted*, as
 plain llama files (SiLU gate, tied embeddings, no extra tensors) that llama.cpp runs unchanged.
+With ``act`` "relu" or "drelu" the file says so (``powerinfer.ffn_activation``, which llama.cpp
+ignores: it runs the same bytes with SiLU, a fair clock) and ReGLU's exact zeros replace SiLU's
+near-zeros; with ``gate_rank`` r > 0 the firing is learnable (below).
 
 The plant. A random unit "bias direction" b (dense, so Q4_0 blocks stay well conditioned):
   * every embedding row is sqrt(d) * (s0 * b + sqrt(1 - s0^2) * r_t) with r_t a unit vector
@@ -16,6 +19,13 @@ The plant. A random unit "bias direction" b (dense, so Q4_0 blocks stay well con
     g_j = kappa_j * (z_j.h - beta_j * c_t) and neuron j fires iff (z_j.h) / c_t > beta_j: beta_j is
     a per-neuron threshold and kappa_j a gain. SiLU is not ReLU, so the gain is large (std of g
     over tokens = ``gate_scale``): most inactive neurons sit below g = -gate_scale (silu ~ -2e-6).
+  * learnable firing (``gate_rank`` r > 0): the z_j of a layer lie in one random r-dimensional
+    subspace Q (orthogonal to b) up to a ``rank_noise`` share of their norm, z_j = a_j Q + e_j, so
+    whether neuron j fires is a function of (Q h, h.b) up to that noise: a predictor of rank >= r
+    (fc2(relu(fc1 h)), PowerInfer's shape) can learn it, as real ReLU models' predictors do. With
+    r = 0 every z_j is random in R^d and only the full gate matmul knows which neurons fire.
+  * dReLU (relu(gate) * relu(up)): the up rows are planted the same way, with their own directions
+    in the same subspace, and gate and up each fire with probability sqrt(p_j), so both do ~p_j.
   * each layer draws firing probabilities p_j (mean 1 - inactive_fraction) from a log-normal
     clipped at 0.95 whose spread is solved so that the top ``hot_fraction`` neurons take
     ``hot_share`` of all firings; neurons are shuffled so hot ones are scattered as in real models.
@@ -30,23 +40,23 @@ what the neurons actually do; it is independent of the plan except for sharing t
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 from tqdm import tqdm
 
-from powerinfer.errors import InvalidArgumentError, PowerInferError
-from powerinfer.sparsity.relu_measure import measure_sparsity
+from powerinfer.config import ACTIVATION_KEY
+from powerinfer.errors import InvalidArgumentError
+from powerinfer.model.reference import activation, up_value
 from powerinfer.synthetic import byte_vocab
 
 log = logging.getLogger(__name__)
@@ -89,11 +99,6 @@ def attention(h: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, n_h
     return (p @ v).transpose(0, 2, 1, 3).reshape(B, T, n_heads * hd)
 
 
-def silu(g: np.ndarray) -> np.ndarray:
-    return g / (1.0 + np.exp(-np.clip(g, -80.0, 80.0)))
-
-
-
 WRITABLE_TYPES = (QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1)
 SHAPES: dict[str, dict[str, int]] = {
     "tiny": dict(n_layers=2, d_model=128, n_ff=512, n_heads=4, n_kv_heads=2, context_length=256),
@@ -101,6 +106,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "llama2-7b": dict(n_layers=32, d_model=4096, n_ff=11008, n_heads=32, n_kv_heads=32, context_length=4096),
 }
 P_MAX = 0.95  # no neuron fires for every token
+PLANTED_ACTS = ("silu", "relu", "drelu")
 QUANT_CHUNK_ROWS = 1024  # rows quantized at a time: bounds gguf.quants' float64 temporaries
 
 
@@ -122,6 +128,9 @@ class ReluSparseSpec:
     branch_scale: float = 0.35  # rms of each attention / FFN output over the embeddings' random-part rms
     calib_tokens: int = 256  # tokens (in sequences of 64) run through the model to calibrate
     seed: int = 0
+    act: str = "silu"  # the FFN activation the file declares: silu (a plain llama file), relu (ReGLU), drelu
+    gate_rank: int = 0  # > 0: gate (and dReLU's up) directions in a subspace of this rank: learnable firing
+    rank_noise: float = 0.1  # share of each direction's norm outside that subspace
 
     def __post_init__(self) -> None:
         block, mean = GGML_QUANT_SIZES[self.qtype][0], 1.0 - self.inactive_fraction
@@ -139,6 +148,9 @@ class ReluSparseSpec:
              f"hot_share {self.hot_share} is unreachable with hot_fraction {self.hot_fraction}"),
             (not (0.05 <= self.bias_share <= 0.95 and self.gate_scale > 0 and self.branch_scale > 0),
              "bias_share must lie in [0.05, 0.95], gate_scale and branch_scale be positive"),
+            (self.act not in PLANTED_ACTS, f"act must be one of {', '.join(PLANTED_ACTS)}, got {self.act!r}"),
+            (not 0 <= self.gate_rank < self.d_model or not 0 <= self.rank_noise < 1,
+             f"gate_rank must lie in [0, d_model) and rank_noise in [0, 1), got {self.gate_rank}, {self.rank_noise}"),
         ]
         for bad, message in problems:
             if bad:
@@ -267,29 +279,55 @@ class _Planter:
         c = h @ self.b  # [N] the shared bias component; positive by construction
         if c.min() <= 0:
             raise RuntimeError(f"layer {i}: the bias direction lost its sign; lower branch_scale")
-        z = rng.standard_normal((f, d), np.float32)
-        z -= np.outer(z @ self.b, self.b)
-        proj = h @ z.T  # [N, f]
-        ratio = proj / c[:, None]
-        prob = rng.permutation(self.p_sorted)  # hot neurons scattered over the layer
-        nd = statistics.NormalDist()
-        q = np.array([nd.inv_cdf(1.0 - pj) for pj in prob], np.float32)
-        beta = ratio.mean(0) + ratio.std(0) * q  # neuron j fires iff (z_j.h)/c > beta_j
-        pre = proj - beta[None, :] * c[:, None]
-        kappa = np.float32(s.gate_scale) / pre.std(0)
-        wg = kappa[:, None] * (z - beta[:, None] * self.b[None, :])
-        del z
-        gate = pre * kappa
+        basis = self._subspace(rng)
+        wg, gate, prob = self._switches(rng, basis, h, c)
         log.debug("layer %d: calibration share of g < 0: %.3f", i, float((gate < 0).mean()))
         yield p + "ffn_gate.weight", wg
         del wg
-        wu = rng.standard_normal((f, d), np.float32) / np.float32(math.sqrt(d))
-        act = silu(gate) * (h @ wu.T)
+        if s.act == "drelu":
+            wu, up, _ = self._switches(rng, basis, h, c, prob)
+        else:
+            wu = rng.standard_normal((f, d), np.float32) / np.float32(math.sqrt(d))
+            up = h @ wu.T
+        act = activation(gate, s.act) * up_value(up, s.act)
         yield p + "ffn_up.weight", wu
         del wu
         wd, ffn_out = self._branch(self._off_b(rng.standard_normal((d, f), np.float32)), act)
         yield p + "ffn_down.weight", wd
         self.x = x + ffn_out.reshape(x.shape)
+
+    def _subspace(self, rng: np.random.Generator) -> np.ndarray | None:
+        """A layer's orthonormal basis [r, d] of the learnable directions, orthogonal to b (None: r = 0)."""
+        if self.spec.gate_rank == 0:
+            return None
+        q = rng.standard_normal((self.spec.gate_rank, self.spec.d_model))
+        q -= np.outer(q @ self.b, self.b)
+        return np.linalg.qr(q.T)[0].T.astype(np.float32)
+
+    def _switches(self, rng: np.random.Generator, basis: np.ndarray | None, h: np.ndarray, c: np.ndarray,
+                  prob: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows [f, d] that fire (> 0) with probability prob[j] on the calibration tokens' normed FFN
+        inputs h [N, d] (c = h.b [N]), their pre-activations [N, f] and prob [f] (drawn when None)."""
+        s, f, d = self.spec, self.spec.n_ff, self.spec.d_model
+        z = rng.standard_normal((f, d), np.float32)
+        if basis is not None:  # a_j Q with a rank_noise share of z_j's own direction
+            low = rng.standard_normal((f, s.gate_rank), np.float32) @ basis
+            low /= np.linalg.norm(low, axis=1, keepdims=True)
+            z /= np.linalg.norm(z, axis=1, keepdims=True)
+            z = np.float32(math.sqrt(1.0 - s.rank_noise**2)) * low + np.float32(s.rank_noise) * z
+        z -= np.outer(z @ self.b, self.b)
+        proj = h @ z.T  # [N, f]
+        ratio = proj / c[:, None]
+        if prob is None:
+            prob = rng.permutation(self.p_sorted)  # hot neurons scattered over the layer
+            if s.act == "drelu":  # gate and up each fire with sqrt(p): together ~p (independent directions)
+                prob = np.sqrt(prob)
+        nd = statistics.NormalDist()
+        q = np.array([nd.inv_cdf(1.0 - pj) for pj in prob], np.float32)
+        beta = ratio.mean(0) + ratio.std(0) * q  # neuron j fires iff (z_j.h)/c > beta_j
+        pre = proj - beta[None, :] * c[:, None]
+        kappa = np.float32(s.gate_scale) / pre.std(0)
+        return kappa[:, None] * (z - beta[:, None] * self.b[None, :]), pre * kappa, prob
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         yield "token_embd.weight", self.embeddings()
@@ -313,8 +351,11 @@ def write_relu_sparse_gguf(path: str | Path, spec: ReluSparseSpec, progress: boo
     t0 = time.perf_counter()
     tokens, types, merges = _vocab(spec.vocab)
     w = GGUFWriter(str(path), "llama")
-    w.add_name(f"relu-sparse-llama-{spec.n_layers}x{spec.d_model}")
-    w.add_description(f"planted FFN sparsity {spec.inactive_fraction}, hot {spec.hot_fraction}/{spec.hot_share}, seed {spec.seed}")
+    w.add_name(f"{spec.act}-sparse-llama-{spec.n_layers}x{spec.d_model}")
+    w.add_description(f"planted FFN sparsity {spec.inactive_fraction}, hot {spec.hot_fraction}/{spec.hot_share}, "
+                      f"gate rank {spec.gate_rank or 'full'}, seed {spec.seed}")
+    if spec.act != "silu":
+        w.add_string(ACTIVATION_KEY, spec.act)
     for add, value in ((w.add_block_count, spec.n_layers), (w.add_context_length, spec.context_length),
                        (w.add_embedding_length, spec.d_model), (w.add_feed_forward_length, spec.n_ff),
                        (w.add_head_count, spec.n_heads), (w.add_head_count_kv, spec.n_kv_heads),
@@ -343,40 +384,3 @@ def write_relu_sparse_gguf(path: str | Path, spec: ReluSparseSpec, progress: boo
         w.close()
     log.info("wrote %s (%.1f MB) in %.1fs", path, path.stat().st_size / 1e6, time.perf_counter() - t0)
     return path
-
-
-# -- measurement -----------------------------------------------------------------------------------
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m powerinfer.sparsity.relu_model", description=__doc__.split("\n")[0])
-    ap.add_argument("out", type=Path, help="the .gguf file to write")
-    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
-    ap.add_argument("--qtype", default="Q4_0", choices=[t.name for t in WRITABLE_TYPES])
-    for fld in fields(ReluSparseSpec):
-        if fld.type in ("float", "int"):  # every numeric field overrides the shape's
-            ap.add_argument("--" + fld.name.replace("_", "-"), type=float if fld.type == "float" else int, default=None)
-    ap.add_argument("--measure-layers", type=int, default=2, help="layers to measure (0: skip measuring)")
-    ap.add_argument("--measure-tokens", type=int, default=256)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # gguf's INFO lines are noise here
-    kw = {fl.name: getattr(args, fl.name) for fl in fields(ReluSparseSpec)
-          if fl.name != "qtype" and getattr(args, fl.name, None) is not None}
-    try:
-        spec = replace(ReluSparseSpec.shape(args.shape, qtype=QT[args.qtype]), **kw)
-        t0 = time.perf_counter()
-        write_relu_sparse_gguf(args.out, spec, progress=True)
-        print(f"wrote {args.out}: {args.out.stat().st_size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s")
-        if args.measure_layers > 0:
-            t0 = time.perf_counter()
-            # Other tokens than the writer's calibration ones: the plant must generalize.
-            stats = measure_sparsity(args.out, n_tokens=args.measure_tokens, layers=args.measure_layers, seed=spec.seed + 1)
-            print(stats.format())
-            print(f"measured in {time.perf_counter() - t0:.1f}s")
-    except PowerInferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
