@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs-dense", action="store_true",
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
                         "and print the paired sparse/dense speed ratio (uses the first --workers value)")
+    p.add_argument("--sparse", action="store_true",
+                   help="with --predictor: --vs-dense plus the weight bytes each decode step reads, the GB/s they make against "
+                        "the machine's streaming read bandwidth, paired prefill of --prompt-tokens and the memory of all processes")
     p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense, --vs-llama-cpp and --paired (default 12; at least 2: a ratio is a median over rounds)")
     p.add_argument("--vs-llama-cpp", action="store_true",
                    help="run llama.cpp (llama-cpp-python) on the same file with the same threads in alternating rounds and print "
@@ -244,7 +247,7 @@ def run_bench(argv: Sequence[str]) -> int:
         if args.plot:
             plot_scaling(sc, args.plot)
         return 0
-    if args.vs_llama_cpp and not args.vs_dense:
+    if args.vs_llama_cpp and not (args.vs_dense or args.sparse):
         if args.predictor:
             raise PowerInferError("--predictor with --vs-llama-cpp compares sparse decode: give --vs-dense too")
         from powerinfer.cli.bench_llama import compare_llama_cpp
@@ -256,14 +259,14 @@ def run_bench(argv: Sequence[str]) -> int:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(vs.as_dict(), fh, indent=2)
         return 0
-    if args.vs_dense:
+    if args.vs_dense or args.sparse:
         if not args.predictor:
-            raise PowerInferError("--vs-dense compares against a sparse engine: give it --predictor FILE")
+            raise PowerInferError(f"{'--sparse' if args.sparse else '--vs-dense'} compares against a sparse engine: give it --predictor FILE")
         from powerinfer.sparsity.speed import compare_decode
 
         cmp = compare_decode(model, args.predictor, threads=args.workers[0], executor=args.executor, prompt_tokens=args.prompt_tokens,
                              gen_tokens=args.gen_tokens, rounds=args.rounds, worker_threads=args.worker_threads,
-                             llama_cpp=args.vs_llama_cpp)
+                             llama_cpp=args.vs_llama_cpp, read_bytes=args.sparse)
         print(cmp.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
@@ -284,7 +287,7 @@ def run_bench(argv: Sequence[str]) -> int:
         if proc.returncode != 0:
             raise PowerInferError(f"benchmark with {workers} workers failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    from powerinfer.cli.bench_llama import read_bandwidth
+    from powerinfer.sparsity.speed import read_bandwidth
 
     bandwidth = read_bandwidth(max(args.workers))
     ceiling = bandwidth * 1e9 / (rows[0]["read_mib_per_token"] * 2**20)

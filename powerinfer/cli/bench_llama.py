@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity.llama_cpp_runner import LlamaCppClient
-from powerinfer.sparsity.speed import PROMPT_TEXT
+from powerinfer.sparsity.speed import PROMPT_TEXT, read_bandwidth, timed_run
 
 log = logging.getLogger(__name__)
 
@@ -77,40 +76,6 @@ class VersusLlamaCpp:
         ])
 
 
-def _ours(llm: Any, ids: list[int], gen_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s of ids from an empty cache, decode tokens/s of gen_tokens greedy steps)."""
-    eng = llm.engine
-    eng.rewind(0)
-    t = time.perf_counter()
-    token = int(np.argmax(eng.eval(ids)[-1]))
-    prefill = len(ids) / (time.perf_counter() - t)
-    t = time.perf_counter()
-    for _ in range(gen_tokens):  # never stops at end-of-text, so every round does equal work
-        token = int(np.argmax(eng.eval([token])[-1]))
-    return prefill, gen_tokens / (time.perf_counter() - t)
-
-
-def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
-    """Single-stream read+write bandwidth of this machine (numpy copy), GB/s: the fallback without the native build."""
-    src = np.ones(n_bytes // 8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best / 1e9
-
-
-def read_bandwidth(threads: int) -> float:
-    from powerinfer.cpu_workers.native_lib import decoder_lib, read_bandwidth_gbs
-
-    lib = decoder_lib()
-    if lib is None:
-        return memory_bandwidth_gbs() / 2  # a copy reads and writes: half its traffic is reads
-    return read_bandwidth_gbs(lib, threads)
-
-
 def compare_llama_cpp(model: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 256, gen_tokens: int = 64,
                       rounds: int = 8, n_batch: int = 512) -> VersusLlamaCpp:
     from powerinfer.api import LLM
@@ -129,12 +94,12 @@ def compare_llama_cpp(model: str, threads: int = 2, executor: str = "inprocess",
     try:
         kind = executor if executor == "process" else ("native" if isinstance(llm.engine.executor, NativeExecutor) else "torch")
         ids = llm.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
-        _ours(llm, ids, 2)  # first calls touch pages and build caches: not measured
+        timed_run(llm, ids, 2)  # first calls touch pages and build caches: not measured
         ref.run(ids, 2)
         ours: list[tuple[float, float]] = []
         theirs: list[tuple[float, float]] = []
         for r in range(rounds):
-            first, second = (lambda: ours.append(_ours(llm, ids, gen_tokens))), (lambda: theirs.append(ref.run(ids, gen_tokens)))
+            first, second = (lambda: ours.append(timed_run(llm, ids, gen_tokens))), (lambda: theirs.append(ref.run(ids, gen_tokens)))
             for run in ((first, second) if r % 2 == 0 else (second, first)):
                 run()
             log.info("round %d: ours %.1f / %.1f, llama.cpp %.1f / %.1f (prefill / decode tokens/s)", r, *ours[-1], *theirs[-1])

@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -7,7 +7,10 @@ Both engines are loaded from the same file, one dense and one with the predictor
 same greedy continuation of the same prompt in alternating rounds (dense first in even rounds,
 sparse first in odd ones). A shared machine's speed drifts by tens of percent over minutes; the
 ratio of two adjacent runs cancels most of that drift, so the figure reported is the median of
-the per-round ratios, with its quartiles, next to each engine's median tokens/s. With
+the per-round ratios, with its quartiles, next to each engine's median tokens/s. Each round also
+times both engines' prefill of the prompt (paired the same way), and after the rounds the sparse
+rule is replayed in process on the same tokens to count the weight bytes a decode step reads:
+with the tokens/s that gives each engine's GB/s, beside the machine's streaming read bandwidth. With
 ``llama_cpp=True`` llama.cpp (through llama-cpp-python, if installed, in a child process of its own)
 decodes the same tokens from the same file with the same thread count in the same rounds.
 """
@@ -56,6 +59,14 @@ class SpeedComparison:
     decode_share: float  # share of FFN neurons the sparse engine computed per decode step (1.0: unknown)
     llama_cpp_tps: float | None = None  # median decode tokens/s of llama.cpp on the same file, when measured
     sparse_vs_llama_cpp: float | None = None  # median over rounds of sparse / llama.cpp tokens/s
+    prompt_tokens: int = 0
+    prefill_ratio_median: float | None = None  # median over rounds of sparse / dense prefill tokens/s
+    dense_prefill_tps: float | None = None
+    sparse_prefill_tps: float | None = None
+    dense_bytes: float | None = None  # weight bytes a dense decode step reads
+    sparse_bytes: float | None = None  # the same for the sparse rule on the benchmark's tokens
+    read_bandwidth_gbs: float | None = None  # the machine's streaming read bandwidth at these threads
+    memory_mib: tuple[float, float] | None = None  # (RSS, PSS) of the sparse engine's processes, MiB
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,23 +83,61 @@ class SpeedComparison:
         ] + ([] if self.llama_cpp_tps is None else [
             f"llama.cpp (llama-cpp-python) on the same file, same threads, same rounds: {self.llama_cpp_tps:.1f} tokens/s; "
             f"sparse / llama.cpp, paired per round: {self.sparse_vs_llama_cpp:.3f}",
+        ]) + ([] if self.prefill_ratio_median is None else [
+            f"prefill of {self.prompt_tokens} tokens (tokens/s, median): dense {self.dense_prefill_tps:.1f}  sparse "
+            f"{self.sparse_prefill_tps:.1f}; sparse / dense, paired per round: {self.prefill_ratio_median:.3f}",
+        ]) + ([] if self.dense_bytes is None or self.sparse_bytes is None or self.read_bandwidth_gbs is None else [
+            f"weights read per decode step: dense {self.dense_bytes / 2**20:.1f} MiB -> {self.dense_bytes * self.dense_tps / 1e9:.1f} GB/s; "
+            f"sparse {self.sparse_bytes / 2**20:.1f} MiB ({self.sparse_bytes / self.dense_bytes:.1%}) -> "
+            f"{self.sparse_bytes * self.sparse_tps / 1e9:.1f} GB/s; streaming read bandwidth with {self.threads} threads: "
+            f"{self.read_bandwidth_gbs:.1f} GB/s (sparse reaches {self.sparse_bytes * self.sparse_tps / 1e9 / self.read_bandwidth_gbs:.0%})",
+        ]) + ([] if self.memory_mib is None else [
+            f"sparse engine's memory, all its processes: RSS {self.memory_mib[0]:.0f} MiB, PSS {self.memory_mib[1]:.0f} MiB",
         ]))
 
 
-def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
-    """Prefill ids (not timed), then greedily decode gen_tokens tokens; returns their tokens/s."""
+def timed_run(llm: Any, ids: list[int], gen_tokens: int) -> tuple[float, float]:
+    """Prefill ids, then greedily decode gen_tokens tokens; returns (prefill, decode) tokens/s."""
     eng = llm.engine
     eng.rewind(0)
+    t = time.perf_counter()
     token = int(np.argmax(eng.eval(ids)[-1]))
+    prefill = len(ids) / (time.perf_counter() - t)
     t = time.perf_counter()
     for _ in range(gen_tokens):  # never stops at end-of-text, so every run does equal work
         token = int(np.argmax(eng.eval([token])[-1]))
-    return gen_tokens / (time.perf_counter() - t)
+    return prefill, gen_tokens / (time.perf_counter() - t)
+
+
+def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
+    return timed_run(llm, ids, gen_tokens)[1]
+
+
+def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: int, threads: int) -> tuple[float, float]:
+    """(dense, sparse) weight bytes a decode step reads: the file's matrices, and the same with the
+    sparse FFNs' reads counted by the in-process decoder's rule over gen_tokens greedy steps after ids."""
+    from powerinfer.api import LLM
+    from powerinfer.model.weights import decode_weight_bytes
+
+    with LLM(model, predictor=predictor, executor="inprocess", n_ctx=len(ids) + gen_tokens + 8, n_threads=threads) as llm:
+        ex = llm.engine.executor
+        if not hasattr(ex, "sparse_bytes"):
+            raise InvalidArgumentError("counting sparse reads needs the native decoder")
+        eng = llm.engine
+        token = int(np.argmax(eng.eval(ids)[-1]))
+        ex.reset_sparse_counts()
+        for _ in range(gen_tokens):
+            token = int(np.argmax(eng.eval([token])[-1]))
+        ffn_sparse, ffn_dense = ex.sparse_bytes()
+        total = decode_weight_bytes(llm.file, llm.config.n_layers, llm.config.tied_embeddings)
+    return float(total), float(total - ffn_dense + ffn_sparse)
 
 
 def compare_decode(model: str, predictor: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 64,
-                   gen_tokens: int = 32, rounds: int = 12, worker_threads: int = 1, llama_cpp: bool = False) -> SpeedComparison:
-    """Load `model` dense and with `predictor` (and in llama.cpp), alternate decode rounds, return the figures."""
+                   gen_tokens: int = 32, rounds: int = 12, worker_threads: int = 1, llama_cpp: bool = False,
+                   read_bytes: bool = False) -> SpeedComparison:
+    """Load `model` dense and with `predictor` (and in llama.cpp), alternate decode rounds, return the
+    figures; read_bytes: also count the bytes a decode step reads and measure the read bandwidth."""
     from powerinfer.api import LLM
 
     if rounds < 2:
@@ -105,22 +154,30 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
         assert sparse.predictor is not None
         ids = dense.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         ref = LlamaCppClient(model, threads, prompt_tokens + gen_tokens + 8) if llama_cpp else None
-        runners: dict[str, Callable[[], float]] = {
-            "dense": lambda: _decode_tps(dense, ids, gen_tokens),
-            "sparse": lambda: _decode_tps(sparse, ids, gen_tokens),
+        runners: dict[str, Callable[[], tuple[float, float]]] = {
+            "dense": lambda: timed_run(dense, ids, gen_tokens),
+            "sparse": lambda: timed_run(sparse, ids, gen_tokens),
         }
         if ref is not None:
-            runners["llama.cpp"] = lambda: ref.decode_tps(ids, gen_tokens)  # type: ignore[union-attr]
+            runners["llama.cpp"] = lambda: (0.0, ref.decode_tps(ids, gen_tokens))  # type: ignore[union-attr]
         _decode_tps(dense, ids, 2)  # first calls build kernels and touch pages: not measured
         _decode_tps(sparse, ids, 2)
-        tps: dict[str, list[float]] = {name: [] for name in runners}
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
         order = list(runners)
         for r in range(rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
-                tps[name].append(runners[name]())
-            log.info("round %d: %s", r, ", ".join(f"{k} {v[-1]:.1f}" for k, v in tps.items()))
+                runs[name].append(runners[name]())
+            log.info("round %d (decode tokens/s): %s", r, ", ".join(f"{k} {v[-1][1]:.1f}" for k, v in runs.items()))
+        tps = {name: [run[1] for run in v] for name, v in runs.items()}
         d_tps, s_tps = tps["dense"], tps["sparse"]
         ratios = np.array(s_tps) / np.array(d_tps)
+        d_pre, s_pre = [run[0] for run in runs["dense"]], [run[0] for run in runs["sparse"]]
+        memory = process_memory_mib(sparse)
+        if read_bytes:
+            dense_bytes, sparse_bytes = decode_read_bytes(model, predictor, ids, gen_tokens, threads)
+            bandwidth: float | None = read_bandwidth(threads)
+        else:
+            dense_bytes = sparse_bytes = bandwidth = None
         return SpeedComparison(
             model=dense.config.name, predictor=str(predictor), mode=sparse.predictor.mode,
             target_sparsity=float(sparse.predictor.target_sparsity), executor=executor, threads=threads, rounds=rounds,
@@ -130,12 +187,53 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
             decode_share=_share(sparse),
             llama_cpp_tps=round(statistics.median(tps["llama.cpp"]), 2) if ref is not None else None,
             sparse_vs_llama_cpp=round(float(np.median(np.array(s_tps) / np.array(tps["llama.cpp"]))), 4) if ref is not None else None,
+            prompt_tokens=len(ids), prefill_ratio_median=round(float(np.median(np.array(s_pre) / np.array(d_pre))), 4),
+            dense_prefill_tps=round(statistics.median(d_pre), 2), sparse_prefill_tps=round(statistics.median(s_pre), 2),
+            dense_bytes=dense_bytes, sparse_bytes=sparse_bytes,
+            read_bandwidth_gbs=None if bandwidth is None else round(bandwidth, 2), memory_mib=memory,
         )
     finally:
         if ref is not None:
             ref.close()
         sparse.close()
         dense.close()
+
+
+def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
+    """Single-stream read+write bandwidth of this machine (numpy copy), GB/s: the fallback without the native build."""
+    src = np.ones(n_bytes // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n_bytes / best / 1e9
+
+
+def read_bandwidth(threads: int) -> float:
+    """The machine's streaming read bandwidth (GB/s) with this many threads, by the decoder's own probe."""
+    from powerinfer.cpu_workers.native_lib import decoder_lib, read_bandwidth_gbs
+
+    lib = decoder_lib()
+    return memory_bandwidth_gbs() / 2 if lib is None else read_bandwidth_gbs(lib, threads)  # a copy: half reads
+
+
+def process_memory_mib(llm: Any) -> tuple[float, float]:
+    """(RSS, PSS) in MiB summed over this process and the engine's worker processes."""
+    import os
+
+    import psutil
+
+    pids = [os.getpid(), *getattr(llm.engine.executor, "pids", [])]
+    rss = pss = 0.0
+    for pid in pids:
+        try:
+            info = psutil.Process(pid).memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss, pss = rss + info.rss / 2**20, pss + getattr(info, "pss", info.rss) / 2**20
+    return round(rss, 1), round(pss, 1)
 
 
 def _share(llm: Any) -> float:

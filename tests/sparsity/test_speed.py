@@ -34,15 +34,21 @@ def model_and_predictor(make_model: Callable[..., Path], tmp_path_factory: pytes
 
 def test_compare_decode_measures_both(model_and_predictor: tuple[Path, Path]) -> None:
     model, pred = model_and_predictor
-    cmp = compare_decode(str(model), str(pred), threads=1, prompt_tokens=8, gen_tokens=4, rounds=4)
+    cmp = compare_decode(str(model), str(pred), threads=1, prompt_tokens=8, gen_tokens=4, rounds=4, read_bytes=True)
     assert cmp.mode == "gate" and cmp.rounds == 4 and cmp.gen_tokens == 4
     assert cmp.dense_tps > 0 and cmp.sparse_tps > 0
     assert cmp.ratio_p25 <= cmp.ratio_median <= cmp.ratio_p75
     assert 0 <= cmp.sparse_faster_rounds <= 4
     assert 0 < cmp.decode_share < 1  # the sparse engine really skipped neurons
     assert cmp.llama_cpp_tps is None
+    # bytes: the sparse rule reads less than every matrix, and no more than the FFNs it skips
+    assert cmp.dense_bytes is not None and cmp.sparse_bytes is not None and 0 < cmp.sparse_bytes < cmp.dense_bytes
+    assert cmp.read_bandwidth_gbs is not None and cmp.read_bandwidth_gbs > 0
+    assert cmp.prompt_tokens == 8 and cmp.prefill_ratio_median is not None and cmp.prefill_ratio_median > 0
+    assert cmp.memory_mib is not None and cmp.memory_mib[0] > 0 and cmp.memory_mib[1] > 0
     text = cmp.report()
     assert "sparse / dense, paired per round" in text and f"{cmp.dense_tps:.1f}" in text
+    assert "weights read per decode step: dense" in text and "prefill of 8 tokens" in text and "PSS" in text
     with pytest.raises(InvalidArgumentError, match="at least 2 rounds"):
         compare_decode(str(model), str(pred), rounds=1)
 
@@ -59,6 +65,8 @@ def test_cli(model_and_predictor: tuple[Path, Path], tmp_path: Path) -> None:
     assert data["sparse_tps"] > 0 and np.isfinite(data["ratio_median"])
     proc = subprocess.run([*cmd, "--vs-dense"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "give it --predictor" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([*cmd, "--predictor", str(pred), "--sparse"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "GB/s" in proc.stdout and "streaming read bandwidth" in proc.stdout, proc.stderr
     proc = subprocess.run([*cmd, "--predictor", str(pred), "--vs-dense", "--rounds", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "at least 2 rounds" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([*cmd, "--predictor", str(pred), "--vs-llama-cpp"], capture_output=True, text=True, timeout=300)
