@@ -53,7 +53,7 @@ def run_synth(argv: Sequence[str]) -> int:
     rank = max(4, base.d_model // 64) if args.gate_rank is None else args.gate_rank
     # A ReLU's zero is exact, so the gate needs no SiLU-sized gain to switch neurons off.
     spec = replace(base, act=ACTS[args.act], gate_rank=rank, inactive_fraction=args.sparsity, seed=args.seed,
-                   gate_scale=base.gate_scale if args.act == "silu" else 1.0)
+                   gate_scale=base.gate_scale if args.act == "silu" else 1.0, logit_std=3.0)
     if args.measure_layers < 0 or args.measure_tokens < 640:
         p.error("--measure-layers must be >= 0 and --measure-tokens >= 640")
     t0 = time.perf_counter()

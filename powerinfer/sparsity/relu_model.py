@@ -130,6 +130,7 @@ class ReluSparseSpec:
     act: str = "silu"  # the FFN activation the file declares: silu (a plain llama file), relu (ReGLU), drelu
     gate_rank: int = 0  # > 0: gate (and dReLU's up) directions in a subspace of this rank: learnable firing
     rank_noise: float = 0.1  # share of each direction's norm outside that subspace
+    logit_std: float = 0.0  # > 0: output_norm scaled so the logits' spread over the vocabulary is about this
 
     def __post_init__(self) -> None:
         block, mean = GGML_QUANT_SIZES[self.qtype][0], 1.0 - self.inactive_fraction
@@ -330,7 +331,10 @@ class _Planter:
 
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         yield "token_embd.weight", self.embeddings()
-        yield "output_norm.weight", np.ones(self.spec.d_model, np.float32)
+        # Tied rows of norm sqrt(d) against a normed state of norm sqrt(d): logits spread ~sqrt(d) apart,
+        # a distribution no trained model has (perplexities ~1e17); logit_std scales them to a real one's.
+        scale = 1.0 if self.spec.logit_std <= 0 else self.spec.logit_std / math.sqrt(self.spec.d_model)
+        yield "output_norm.weight", np.full(self.spec.d_model, scale, np.float32)
         for i in range(self.spec.n_layers):
             yield from self.layer(i)
 

@@ -67,6 +67,9 @@ class SpeedComparison:
     sparse_bytes: float | None = None  # the same for the sparse rule on the benchmark's tokens
     read_bandwidth_gbs: float | None = None  # the machine's streaming read bandwidth at these threads
     memory_mib: tuple[float, float] | None = None  # (RSS, PSS) of the sparse engine's processes, MiB
+    powerinfer_tps: float | None = None  # median decode tokens/s of PowerInfer's CPU build on the PWRI file
+    sparse_vs_powerinfer: float | None = None  # median over rounds of sparse / PowerInfer decode tokens/s
+    powerinfer_prefill_tps: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +86,9 @@ class SpeedComparison:
         ] + ([] if self.llama_cpp_tps is None else [
             f"llama.cpp (llama-cpp-python) on the same file, same threads, same rounds: {self.llama_cpp_tps:.1f} tokens/s; "
             f"sparse / llama.cpp, paired per round: {self.sparse_vs_llama_cpp:.3f}",
+        ]) + ([] if self.powerinfer_tps is None else [
+            f"PowerInfer's CPU build on the same PWRI file, same threads, same rounds: {self.powerinfer_tps:.1f} tokens/s "
+            f"(prefill {self.powerinfer_prefill_tps:.1f}); sparse / PowerInfer, paired per round: {self.sparse_vs_powerinfer:.3f}",
         ]) + ([] if self.prefill_ratio_median is None else [
             f"prefill of {self.prompt_tokens} tokens (tokens/s, median): dense {self.dense_prefill_tps:.1f}  sparse "
             f"{self.sparse_prefill_tps:.1f}; sparse / dense, paired per round: {self.prefill_ratio_median:.3f}",
@@ -135,9 +141,12 @@ def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: in
 
 def compare_decode(model: str, predictor: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 64,
                    gen_tokens: int = 32, rounds: int = 12, worker_threads: int = 1, llama_cpp: bool = False,
-                   read_bytes: bool = False) -> SpeedComparison:
+                   read_bytes: bool = False, powerinfer: tuple[str, str] | None = None) -> SpeedComparison:
     """Load `model` dense and with `predictor` (and in llama.cpp), alternate decode rounds, return the
-    figures; read_bytes: also count the bytes a decode step reads and measure the read bandwidth."""
+    figures; read_bytes: also count the bytes a decode step reads and measure the read bandwidth;
+    powerinfer (PowerInfer's main or checkout, a PWRI file): PowerInfer decodes in the same rounds."""
+    from powerinfer.sparsity.powerinfer_runner import PowerInferMain
+
     from powerinfer.api import LLM
 
     if rounds < 2:
@@ -160,6 +169,10 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
         }
         if ref is not None:
             runners["llama.cpp"] = lambda: (0.0, ref.decode_tps(ids, gen_tokens))  # type: ignore[union-attr]
+        if powerinfer is not None:
+            pi = PowerInferMain(powerinfer[0], powerinfer[1], threads, prompt_tokens + gen_tokens + 8)
+            text = dense.detokenize(ids)  # PowerInfer tokenizes the prompt itself (adding <s> as we do)
+            runners["PowerInfer"] = lambda: pi.run(text, gen_tokens)
         _decode_tps(dense, ids, 2)  # first calls build kernels and touch pages: not measured
         _decode_tps(sparse, ids, 2)
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
@@ -191,6 +204,9 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
             dense_prefill_tps=round(statistics.median(d_pre), 2), sparse_prefill_tps=round(statistics.median(s_pre), 2),
             dense_bytes=dense_bytes, sparse_bytes=sparse_bytes,
             read_bandwidth_gbs=None if bandwidth is None else round(bandwidth, 2), memory_mib=memory,
+            powerinfer_tps=round(statistics.median(tps["PowerInfer"]), 2) if powerinfer else None,
+            sparse_vs_powerinfer=round(float(np.median(np.array(s_tps) / np.array(tps["PowerInfer"]))), 4) if powerinfer else None,
+            powerinfer_prefill_tps=round(statistics.median(run[0] for run in runs["PowerInfer"]), 2) if powerinfer else None,
         )
     finally:
         if ref is not None:

@@ -141,6 +141,8 @@ def test_synth_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert out.exists() and "inactive" in text and "frequency histogram" in text and "rank-32 predictor recall" in text
     cfg = config_from_gguf(GGUFFile(out))
     assert cfg.activation == "drelu" and GGUFFile(out).tensor("blk.0.ffn_up.weight").qtype == QT.Q8_0
+    # logits spread like a trained model's (a few units), not sqrt(d) apart
+    np.testing.assert_allclose(weight(GGUFFile(out), "output_norm.weight"), 3.0 / np.sqrt(cfg.d_model), rtol=1e-6)
     assert cli_main(["synth", "-o", str(tmp_path / "bad.gguf"), "--shape", "tiny", "--sparsity", "1.5"]) == 2
     assert "error:" in capsys.readouterr().err
     assert cli_main(["synth", "-o", str(tmp_path / "no" / "dir.gguf"), "--shape", "tiny"]) == 1
