@@ -43,6 +43,9 @@ def run_synth(argv: Sequence[str]) -> int:
     p.add_argument("--gate-rank", type=int, default=None,
                    help="rank of the subspace the gate directions lie in (default d_model / 64, at least 4); "
                         "0: full rank, firing no predictor below full rank can learn")
+    p.add_argument("--logit-std", type=float, default=None,
+                   help="scale the output norm so the logits spread about this much, as a trained model's do (default 3 for "
+                        "reglu/drelu; 0 for silu: unscaled, the older planted file byte for byte)")
     p.add_argument("--seed", type=int, default=0, help="seed of every weight (default 0)")
     p.add_argument("--measure-layers", type=int, default=2, help="layers measured after writing (default 2; 0: none)")
     p.add_argument("--measure-tokens", type=int, default=1024, help="tokens for the measurement and the predictor fit (default 1024)")
@@ -53,7 +56,8 @@ def run_synth(argv: Sequence[str]) -> int:
     rank = max(4, base.d_model // 64) if args.gate_rank is None else args.gate_rank
     # A ReLU's zero is exact, so the gate needs no SiLU-sized gain to switch neurons off.
     spec = replace(base, act=ACTS[args.act], gate_rank=rank, inactive_fraction=args.sparsity, seed=args.seed,
-                   gate_scale=base.gate_scale if args.act == "silu" else 1.0, logit_std=3.0)
+                   gate_scale=base.gate_scale if args.act == "silu" else 1.0,
+                   logit_std=args.logit_std if args.logit_std is not None else (0.0 if args.act == "silu" else 3.0))
     if args.measure_layers < 0 or args.measure_tokens < 640:
         p.error("--measure-layers must be >= 0 and --measure-tokens >= 640")
     t0 = time.perf_counter()

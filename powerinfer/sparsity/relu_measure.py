@@ -101,6 +101,15 @@ def _layer_sparsity(a: LayerOut, act: np.ndarray, threshold_rel: float, hot_frac
     )
 
 
+def _byte_sequences(cfg: ModelConfig, n_tokens: int, seq_len: int, seed: list[int]) -> np.ndarray:
+    """Random byte-token sequences [B, min(seq_len, n_tokens)] covering n_tokens, each opened by <s> (id 256)."""
+    t = min(seq_len, n_tokens)
+    ids = np.random.default_rng(seed).integers(0, min(256, cfg.vocab_size), (-(-n_tokens // t), t))
+    if cfg.vocab_size > 256:
+        ids[:, 0] = 256
+    return ids
+
+
 def measure_sparsity(path: str | Path, n_tokens: int = 256, threshold_rel: float = 1e-2, seed: int = 0,
                      layers: int | None = None, hot_fraction: float = 0.2,
                      abs_thresholds: Sequence[float] = (1e-3, 1e-2, 1e-1), seq_len: int = 64) -> SparsityStats:
@@ -110,10 +119,7 @@ def measure_sparsity(path: str | Path, n_tokens: int = 256, threshold_rel: float
         raise InvalidArgumentError("n_tokens and seq_len must be positive, threshold_rel in (0, 1)")
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    t = min(seq_len, n_tokens)
-    ids = np.random.default_rng([seed, 0x5EED]).integers(0, min(256, cfg.vocab_size), (-(-n_tokens // t), t))
-    if cfg.vocab_size > 256:
-        ids[:, 0] = 256
+    ids = _byte_sequences(cfg, n_tokens, seq_len, [seed, 0x5EED])
     out = [_layer_sparsity(a, layer_acts(a, cfg), threshold_rel, hot_fraction, abs_thresholds) for a in run_layers(f, cfg, ids, layers)]
     return SparsityStats(str(path), int(ids.size), threshold_rel, hot_fraction, tuple(out))
 
@@ -143,10 +149,7 @@ def fit_predictors(path: str | Path, rank: int, n_tokens: int = 2048, layers: in
         raise InvalidArgumentError("rank and steps must be positive and n_tokens at least 10 sequences")
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    t = min(seq_len, n_tokens)
-    ids = np.random.default_rng([seed, 0xF17]).integers(0, min(256, cfg.vocab_size), (-(-n_tokens // t), t))
-    if cfg.vocab_size > 256:
-        ids[:, 0] = 256
+    ids = _byte_sequences(cfg, n_tokens, seq_len, [seed, 0xF17])
     fits = []
     for a in run_layers(f, cfg, ids, layers):
         act = layer_acts(a, cfg)
