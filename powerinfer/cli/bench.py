@@ -246,7 +246,7 @@ def run_bench(argv: Sequence[str]) -> int:
         from powerinfer.cli.bench_scaling import compare_scaling, plot_scaling
 
         sc = compare_scaling(model, args.workers, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, rounds=args.rounds,
-                             worker_threads=args.worker_threads, n_batch=args.batch_size)
+                             worker_threads=args.worker_threads, n_batch=args.batch_size, predictor=args.predictor)
         print(sc.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

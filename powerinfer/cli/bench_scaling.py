@@ -41,6 +41,7 @@ class ConfigResult:
 @dataclass
 class ScalingResult:
     model: str
+    predictor: str | None
     prompt_tokens: int
     gen_tokens: int
     rounds: int
@@ -53,7 +54,7 @@ class ScalingResult:
     def report(self) -> str:
         ref = next(c for c in self.configs if c.name.startswith("in-process"))
         first = next(c for c in self.configs if not c.name.startswith("in-process"))
-        lines = [f"model: {self.model}  prompt: {self.prompt_tokens} tokens  decode: {self.gen_tokens} tokens  rounds: {self.rounds} "
+        lines = [f"model: {self.model}  {'sparse: ' + self.predictor if self.predictor else 'dense'}  prompt: {self.prompt_tokens} tokens  decode: {self.gen_tokens} tokens  rounds: {self.rounds} "
                  "(alternating; ratios are medians of per-round ratios, quartiles in brackets)",
                  f"{'configuration':<28}{'decode tok/s':>13}{'prefill tok/s':>14}{'vs in-process':>22}{'vs ' + first.name:>26}"
                  f"{'merge med/p99 us':>18}{'wait':>7}{'per rank':>12}{'outside':>9}"]
@@ -73,13 +74,14 @@ class ScalingResult:
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "prompt_tokens": self.prompt_tokens, "gen_tokens": self.gen_tokens, "rounds": self.rounds,
+        return {"model": self.model, "predictor": self.predictor, "prompt_tokens": self.prompt_tokens, "gen_tokens": self.gen_tokens, "rounds": self.rounds,
                 "configs": [c.__dict__ for c in self.configs]}
 
 
 def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128, gen_tokens: int = 64, rounds: int = 6,
-                    worker_threads: int = 1, n_batch: int = 512) -> ScalingResult:
-    """The default executor at each worker count and the in-process decoder, in alternating rounds."""
+                    worker_threads: int = 1, n_batch: int = 512, predictor: str | None = None) -> ScalingResult:
+    """The default executor at each worker count and the in-process decoder, in alternating rounds
+    (every configuration sparse with predictor when one is given)."""
     from powerinfer.api import LLM
     from powerinfer.coordinator.native_pool import NativePoolExecutor
     from powerinfer.sparsity.speed import PROMPT_TEXT
@@ -87,15 +89,16 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
     if rounds < 2:
         raise PowerInferError("--paired needs at least 2 --rounds")
     n_ctx = prompt_tokens + gen_tokens + 8
+    common: dict[str, Any] = dict(n_ctx=n_ctx, n_batch=n_batch, predictor=predictor)
     llms: dict[str, Any] = {}
     results: list[ConfigResult] = []
     try:
         for n in workers:
-            llms[f"{n} worker{'s' if n > 1 else ''}"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n, worker_threads=worker_threads)
+            llms[f"{n} worker{'s' if n > 1 else ''}"] = LLM(model, n_threads=n, worker_threads=worker_threads, **common)
         top = max(workers) * worker_threads
         if top > 1 and worker_threads == 1:  # the other way to use the cores: one rank with `top` threads
-            llms[f"1 worker x {top} threads"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=1, worker_threads=top)
-        llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=top, executor="inprocess")
+            llms[f"1 worker x {top} threads"] = LLM(model, n_threads=1, worker_threads=top, **common)
+        llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_threads=top, executor="inprocess", **common)
         for name, llm in llms.items():
             ex = llm.engine.executor
             results.append(ConfigResult(name, len(getattr(ex, "pids", [])) or top))
@@ -125,7 +128,7 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
     finally:
         for llm in llms.values():
             llm.close()
-    return ScalingResult(name, prompt_tokens, gen_tokens, rounds, results)
+    return ScalingResult(name, predictor, prompt_tokens, gen_tokens, rounds, results)
 
 
 def plot_scaling(res: ScalingResult, path: str) -> None:
