@@ -135,9 +135,11 @@ class NativeDecoder:
                 if field == "wd" and L.down_col0:  # the GPU's leading neurons: their columns are not read here
                     cols = (L.down_col0, cfg.n_ff)
                 w = weight(f, layer_tensor(i, part), rows, cols)
-                # sparse: the chosen up rows (and gate rows, when a predictor chooses) are read in
-                # the file's layout, so those matrices stay as they are (one copy resident)
-                keep_rows = sparse is not None and sparse.sparse_layers[i] and (field == "wu" or (field == "wg" and not sparse.gate_dense))
+                # sparse: where decode reads the chosen up (and, with a predictor, gate) rows in the
+                # file's layout, those matrices stay as they are (one copy resident); where it reads
+                # them from a split copy, the eight-row repack is what prefill's dense matmul runs on
+                # (prefill 256 tokens on the 1.1B ReGLU file: 0.70x dense without it)
+                keep_rows = sparse is not None and sparse.sparse_layers[i] and sparse.reads_file_rows(i, field)
                 packed = None if keep_rows else repack_x8(lib, w)
                 if packed is not None:
                     self._keep.append(packed)

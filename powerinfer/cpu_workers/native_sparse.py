@@ -176,6 +176,13 @@ class NativeSparseFFNs:
         self.mode = "file"
         self.set_mode("file")
 
+    def reads_file_rows(self, layer: int, field: str) -> bool:
+        """Whether decode dots layer's chosen rows of ``wu`` / ``wg`` from the file's layout (no
+        split copy of them: a non-VNNI build, or a type qsplit.h does not take)."""
+        if field == "wu":
+            return not self.rules[layer].up_split
+        return field == "wg" and not self.gate_dense and not self.rules[layer].gate_split
+
     @property
     def gate_dense(self) -> bool:
         """Whether the rule computes every neuron's gate (all but the predictor's)."""

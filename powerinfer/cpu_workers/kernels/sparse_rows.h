@@ -19,7 +19,8 @@
  * file's rows (dotr4), asking for rows two quads ahead. Its down projection sums the active
  * neurons' rows of down_t (Q8_0, neuron-major) when at most PI_DT_MAX of them are active, else
  * runs the dense kernel on the mostly-zero hidden state. Prefill computes gate and up densely
- * through the tiled kernels, applies the same rule and runs the dense down projection.
+ * through the tiled kernels (on the eight-row repacks, as dense layers do), applies the same rule
+ * in place in one pass and runs the dense down projection: dense prefill's work and no more.
  *
  * What decided this, measured on this CPU (AVX-512 VNNI, 2 cores, the 1.1B-shaped file;
  * docs/sparsity.md): the dense eight-row kernel streams a matrix at ~79 GB/s, while scattered
@@ -99,7 +100,39 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
             act_only(s->g + (size_t)t * nffA + n0 + c, len, m->act, m->act_thr);
         }
     }
-    /* per token, the chosen neurons' list (idx [T, n]) and its length */
+    if (!rows_only) { /* prefill: every gate and up value is at hand; the rule masks them in place in one pass */
+#pragma omp for schedule(static)
+        for (int i = 0; i < T * nchunk; i++) {
+            const int t = i / nchunk, c = (i % nchunk) * 256, len = n - c < 256 ? n - c : 256;
+            float *gt = s->g + (size_t)t * nffA + n0 + c;
+            const float *ut = s->u + (size_t)t * n + c;
+            const uint8_t *mt = s->mask + (size_t)t * n + c;
+            int64_t kk = 0;
+            if (mode == PI_SP_GATE && !L->cold && !m->gateless) { /* the common case, branch-free so that it vectorizes */
+                for (int j = 0; j < len; j++) {
+                    const int keep = fabsf(gt[j]) > thr;
+                    gt[j] = keep ? gt[j] * up_act(ut[j], m->act) : 0.0f;
+                    kk += keep;
+                }
+            } else {
+                for (int j = 0; j < len; j++) {
+                    int keep = (!L->cold || L->cold[c + j]) && (mode == PI_SP_MASK ? mt[j] != 0 : mode == PI_SP_GATE ? fabsf(gt[j]) > thr : 1);
+                    float h = keep ? gt[j] * (m->gateless ? 1.0f : up_act(ut[j], m->act)) : 0.0f;
+                    if (keep && mode == PI_SP_ORACLE && !(fabsf(h) > thr)) h = 0.0f, keep = 0;
+                    gt[j] = h;
+                    kk += keep;
+                }
+            }
+            if (m->ffn_active && kk) {
+#pragma omp atomic
+                m->ffn_active[L - m->layers] += kk;
+            }
+        }
+        mark(m, PH_GATE_UP, last);
+        mark(m, PH_ACT, last);
+        return;
+    }
+    /* decode: per token, the chosen neurons' list (idx [T, n]) and its length */
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *gt = s->g + (size_t)t * nffA + n0;
