@@ -119,9 +119,10 @@ def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
     return timed_run(llm, ids, gen_tokens)[1]
 
 
-def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: int, threads: int) -> tuple[float, float]:
+def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: int, threads: int) -> tuple[float, float, float]:
     """(dense, sparse) weight bytes a decode step reads: the file's matrices, and the same with the
-    sparse FFNs' reads counted by the in-process decoder's rule over gen_tokens greedy steps after ids."""
+    sparse FFNs' reads counted by the in-process decoder's rule over gen_tokens greedy steps after
+    ids; and the share of FFN neurons those steps computed."""
     from powerinfer.api import LLM
     from powerinfer.model.weights import decode_weight_bytes
 
@@ -136,7 +137,8 @@ def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: in
             token = int(np.argmax(eng.eval([token])[-1]))
         ffn_sparse, ffn_dense = ex.sparse_bytes()
         total = decode_weight_bytes(llm.file, llm.config.n_layers, llm.config.tied_embeddings)
-    return float(total), float(total - ffn_dense + ffn_sparse)
+        share = _share(llm)
+    return float(total), float(total - ffn_dense + ffn_sparse), share
 
 
 def compare_decode(model: str, predictor: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 64,
@@ -187,17 +189,20 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
         d_pre, s_pre = [run[0] for run in runs["dense"]], [run[0] for run in runs["sparse"]]
         memory = process_memory_mib(sparse)
         if read_bytes:
-            dense_bytes, sparse_bytes = decode_read_bytes(model, predictor, ids, gen_tokens, threads)
+            dense_bytes, sparse_bytes, replayed = decode_read_bytes(model, predictor, ids, gen_tokens, threads)
             bandwidth: float | None = read_bandwidth(threads)
         else:
             dense_bytes = sparse_bytes = bandwidth = None
+            replayed = 1.0
+        # the pool's ranks do not report their counts: the in-process replay of the same rule does
+        share = _share(sparse) if _share(sparse) < 1.0 else replayed
         return SpeedComparison(
             model=dense.config.name, predictor=str(predictor), mode=sparse.predictor.mode,
             target_sparsity=float(sparse.predictor.target_sparsity), executor=executor, threads=threads, rounds=rounds,
             gen_tokens=gen_tokens, dense_tps=round(statistics.median(d_tps), 2), sparse_tps=round(statistics.median(s_tps), 2),
             ratio_median=round(float(np.median(ratios)), 4), ratio_p25=round(float(np.percentile(ratios, 25)), 4),
             ratio_p75=round(float(np.percentile(ratios, 75)), 4), sparse_faster_rounds=int((ratios > 1).sum()),
-            decode_share=_share(sparse),
+            decode_share=share,
             llama_cpp_tps=round(statistics.median(tps["llama.cpp"]), 2) if ref is not None else None,
             sparse_vs_llama_cpp=round(float(np.median(np.array(s_tps) / np.array(tps["llama.cpp"]))), 4) if ref is not None else None,
             prompt_tokens=len(ids), prefill_ratio_median=round(float(np.median(np.array(s_pre) / np.array(d_pre))), 4),
