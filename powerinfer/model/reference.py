@@ -39,7 +39,7 @@ def weight(f: GGUFFile, name: str, dtype: type = np.float64) -> np.ndarray:
     info = f.tensor(name)
     raw = np.asarray(f.raw(name))
     if info.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return raw.astype(dtype)
+        return raw.astype(dtype).reshape(info.shape)  # raw views are 2-D: a vector is [1, n]
     return dequantize(raw, info.qtype).reshape(info.shape).astype(dtype)
 
 

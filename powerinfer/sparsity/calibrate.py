@@ -27,6 +27,7 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
+from powerinfer.sparsity.lowrank import check_lowrank, gate_lowrank
 from powerinfer.sparsity.profile import ProfilingExecutor, run_tokens, windows_of
 from powerinfer.tokenizer import GGUFTokenizer
 
@@ -38,7 +39,7 @@ SEED_PROMPTS = ("The", "Once upon a time", "In this paper we", "def main():", "Q
 
 @dataclass(frozen=True)
 class CalibrationSettings:
-    mode: str = "predictor"  # "predictor" | "gate"
+    mode: str = "predictor"  # "predictor" | "gate" | "lowrank" (a predictor-mode file from the gate's SVD) | "auto"
     sparsity: float = 0.5  # target share of inactive (token, neuron) pairs per layer
     tokens: int = 4096  # calibration tokens (generated when no text is given)
     window: int = 256  # tokens per forward window
@@ -49,8 +50,8 @@ class CalibrationSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("predictor", "gate", "auto"):
-            raise InvalidArgumentError(f"mode must be 'predictor', 'gate' or 'auto' (the budget search's choice), got {self.mode!r}")
+        if self.mode not in ("predictor", "gate", "lowrank", "auto"):
+            raise InvalidArgumentError(f"mode must be 'predictor', 'gate', 'lowrank' or 'auto' (the budget search's choice), got {self.mode!r}")
         if not 0.0 < self.sparsity < 1.0:
             raise InvalidArgumentError(f"sparsity must be in (0, 1), got {self.sparsity}")
         if not 0.5 <= self.recall <= 1.0:
@@ -222,9 +223,12 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
     every neuron; shifts, when given, receives each layer's RecallShift, None where nothing was
     trained: at_recall then moves the file to another recall without retraining)."""
     cfg = p.cfg
-    if settings.mode not in ("gate", "predictor"):
-        raise InvalidArgumentError(f"a predictor file is 'gate' or 'predictor' mode, not {settings.mode!r}")
+    if settings.mode not in ("gate", "predictor", "lowrank"):
+        raise InvalidArgumentError(f"a predictor file is 'gate' or 'predictor' mode (or lowrank's), not {settings.mode!r}")
+    if settings.mode == "lowrank":
+        check_lowrank(cfg)
     rank = settings.rank or default_rank(cfg.d_model)
+    file_mode = "gate" if settings.mode == "gate" else "predictor"
     layers = []
     for layer in range(cfg.n_layers):
         x, gate, act = p.ex.samples[layer].arrays()
@@ -235,9 +239,12 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
         norms = p.ex.down_norms(layer)
         mass = (act.astype(np.float32) * norms[None, :]).sum(0)
         shift = None
-        if settings.mode == "predictor" and level <= 0:
+        if settings.mode != "gate" and level <= 0:
             w1, b1 = np.zeros((1, cfg.d_model), np.float32), np.zeros(1, np.float32)
             w2, b2 = np.zeros((cfg.n_ff, 1), np.float32), np.full(cfg.n_ff, FIRE_ALL_BIAS, np.float32)
+        elif settings.mode == "lowrank":  # no biases: exact in PowerInfer's layout too
+            w1, w2 = gate_lowrank(p.f, cfg, layer, rank)
+            b1, b2 = np.zeros(w1.shape[0], np.float32), np.zeros(cfg.n_ff, np.float32)
         elif settings.mode == "predictor":
             w1, b1, w2, b2, shift = train_predictor(x, act, thr, norms, rank, settings.steps, settings.seed + layer)
             b2 = b2 + np.float32(shift.shift(settings.recall))
@@ -251,11 +258,11 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
             shifts.append(shift)
         progress(f"layer {layer + 1}/{cfg.n_layers}: sparsity {level:.2f}, threshold {thr:.4g}")
     return PredictorFile(
-        mode=settings.mode, model_name=cfg.name, fingerprint=model_fingerprint(p.f), n_layers=cfg.n_layers,
-        d_model=cfg.d_model, n_ff=cfg.n_ff, rank=max((lp.rank for lp in layers), default=0) if settings.mode == "predictor" else 0,
+        mode=file_mode, model_name=cfg.name, fingerprint=model_fingerprint(p.f), n_layers=cfg.n_layers,
+        d_model=cfg.d_model, n_ff=cfg.n_ff, rank=max((lp.rank for lp in layers), default=0) if file_mode == "predictor" else 0,
         target_sparsity=float(np.mean(levels)),
         calibration={"source": p.source, "tokens": p.tokens, "window": settings.window, "seed": settings.seed,
-                     "recall": settings.recall, "steps": settings.steps},
+                     "recall": settings.recall, "steps": settings.steps, "method": settings.mode},
         layers=tuple(layers),
     )
 
