@@ -40,7 +40,7 @@ KERNEL_MODES = ("file", "all", "oracle")
 # pays only well below ~25% active, and above it the dense layer is as fast and exact.
 MAX_SPARSE_SHARE = 0.25
 SCATTER_COST = 4.0  # a chosen row's bytes cost about this many streamed bytes (~20 against ~79 GB/s, docs/sparsity.md)
-DOWN_MAX_SHARE = 0.10  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
+DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
 
 
 def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, int, int], q8_down_row: int,

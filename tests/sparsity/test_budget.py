@@ -60,7 +60,7 @@ def test_ffn_read_bytes_counts_what_the_native_decoder_reads() -> None:
     q8_down_row = d // 32 * 34
     for mode in ("gate", "predictor"):  # below 0.75 a layer runs dense whatever it chooses
         assert ffn_read_bytes(mode, [0.7], [0.3], n_ff, d, rows, [10_000]) == (full, 0)
-    # gate mode: every gate row and the dense down streamed (above 10% active), the chosen up rows
+    # gate mode: every gate row and the dense down streamed (above DOWN_MAX_SHARE, 15%, active), the chosen up rows
     assert ffn_read_bytes("gate", [0.8], [0.2], n_ff, d, rows) == (n_ff * 144 + d * 576, int(0.2 * n_ff * 144))
     # at 5% active the down projection comes from the Q8_0 neuron-major copy: 5% of n_ff rows of d outputs
     assert ffn_read_bytes("gate", [0.95], [0.05], n_ff, d, rows) == (n_ff * 144, int(0.05 * n_ff * 144 + 0.05 * n_ff * q8_down_row))

@@ -249,7 +249,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_
  * the neurons in order whatever the split, so ranks and threads give the same numbers. */
 #define PI_DT_AHEAD 4 /* neurons asked for ahead in the sparse down projection */
 #ifndef PI_DT_MAX
-#define PI_DT_MAX 0.10f /* the largest share of neurons the sparse down projection takes (measured crossover ~12%) */
+#define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c) */
 #endif
 static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_scratch *s, float *y, int D) {
     const int nA = pi_ff_all(m), nb = S->down_t.cols / 32, nchunk = (nA + 511) / 512;
