@@ -54,8 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --predictor: --vs-dense plus the weight bytes each decode step reads, the GB/s they make against "
                         "the machine's streaming read bandwidth, paired prefill of --prompt-tokens and the memory of all processes")
     p.add_argument("--vs-powerinfer", metavar="PATH", default=None,
-                   help="with --sparse or --vs-dense on a PowerInfer (PWRI) file: PowerInfer's CPU build (its main binary, or a "
-                        "checkout with build/bin/main) decodes the same file with the same threads in the same rounds")
+                   help="with --sparse or --vs-dense: PowerInfer's CPU build (its main binary, or a checkout with build/bin/main) "
+                        "decodes the same model with the same threads in the same rounds, from -m when it is a PowerInfer (PWRI) file "
+                        "or from --powerinfer-model")
+    p.add_argument("--powerinfer-model", metavar="FILE", default=None,
+                   help="with --vs-powerinfer and a GGUF -m: the same model and predictor in PowerInfer's layout "
+                        "(powerinfer convert MODEL --predictor P --powerinfer) for PowerInfer to run")
     p.add_argument("--rounds", type=positive_int, default=12, help="alternating rounds for --vs-dense, --vs-llama-cpp and --paired (default 12; at least 2: a ratio is a median over rounds)")
     p.add_argument("--vs-llama-cpp", action="store_true",
                    help="run llama.cpp (llama-cpp-python) on the same file with the same threads in alternating rounds and print "
@@ -227,9 +231,12 @@ def run_bench(argv: Sequence[str]) -> int:
     source = resolve_model(args.model, progress=sys.stderr.isatty())
     path, pwri = runnable_model(source)
     model = str(path)
-    if args.vs_powerinfer and (pwri is None or not (args.vs_dense or args.sparse)):
-        raise CLIError("--vs-powerinfer runs PowerInfer on the same PWRI file: give -m a PowerInfer file (powerinfer convert "
-                       "--powerinfer writes one) and --sparse or --vs-dense")
+    pi_model = args.powerinfer_model or (str(source) if pwri is not None else None)
+    if args.vs_powerinfer and (pi_model is None or not (args.vs_dense or args.sparse)):
+        raise CLIError("--vs-powerinfer runs PowerInfer on the same model: give -m a PowerInfer file, or --powerinfer-model one "
+                       "(powerinfer convert --powerinfer writes it), and --sparse or --vs-dense")
+    if args.powerinfer_model and not args.vs_powerinfer:
+        raise CLIError("--powerinfer-model is the file for --vs-powerinfer: give --vs-powerinfer PATH too")
     if pwri is not None and pwri.predictor is not None and not args.predictor:
         args.predictor = str(pwri.predictor)  # a PowerInfer model file runs with its own predictors
     if args.profile:
@@ -274,7 +281,7 @@ def run_bench(argv: Sequence[str]) -> int:
         cmp = compare_decode(model, args.predictor, threads=args.workers[0], executor=args.executor, prompt_tokens=args.prompt_tokens,
                              gen_tokens=args.gen_tokens, rounds=args.rounds, worker_threads=args.worker_threads,
                              llama_cpp=args.vs_llama_cpp, read_bytes=args.sparse,
-                             powerinfer=(args.vs_powerinfer, str(source)) if args.vs_powerinfer else None)
+                             powerinfer=(args.vs_powerinfer, pi_model) if args.vs_powerinfer and pi_model else None)
         print(cmp.report())
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:

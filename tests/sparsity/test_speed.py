@@ -71,6 +71,8 @@ def test_cli(model_and_predictor: tuple[Path, Path], tmp_path: Path) -> None:
     assert proc.returncode != 0 and "at least 2 rounds" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([*cmd, "--predictor", str(pred), "--sparse", "--vs-powerinfer", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "give -m a PowerInfer file" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([*cmd, "--predictor", str(pred), "--sparse", "--powerinfer-model", str(model)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "give --vs-powerinfer" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([*cmd, "--predictor", str(pred), "--vs-llama-cpp"], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "give --vs-dense" in proc.stderr and "Traceback" not in proc.stderr
 
