@@ -87,7 +87,7 @@ class SpeedComparison:
             f"llama.cpp (llama-cpp-python) on the same file, same threads, same rounds: {self.llama_cpp_tps:.1f} tokens/s; "
             f"sparse / llama.cpp, paired per round: {self.sparse_vs_llama_cpp:.3f}",
         ]) + ([] if self.powerinfer_tps is None else [
-            f"PowerInfer's CPU build on the same PWRI file, same threads, same rounds: {self.powerinfer_tps:.1f} tokens/s "
+            f"PowerInfer's CPU build on this model and predictor in its layout (PWRI), same threads, same rounds: {self.powerinfer_tps:.1f} tokens/s "
             f"(prefill {self.powerinfer_prefill_tps:.1f}); sparse / PowerInfer, paired per round: {self.sparse_vs_powerinfer:.3f}",
         ]) + ([] if self.prefill_ratio_median is None else [
             f"prefill of {self.prompt_tokens} tokens (tokens/s, median): dense {self.dense_prefill_tps:.1f}  sparse "

@@ -63,6 +63,6 @@ def test_rounds_through_compare_decode(make_model: Callable[..., Path], tmp_path
                          powerinfer=(str(tmp_path), str(model)))
     assert cmp.powerinfer_tps == pytest.approx(25.0) and cmp.powerinfer_prefill_tps == pytest.approx(20.0)
     assert cmp.sparse_vs_powerinfer is not None and cmp.sparse_vs_powerinfer > 0
-    assert "PowerInfer's CPU build on the same PWRI file" in cmp.report()
+    assert "PowerInfer's CPU build on this model and predictor in its layout (PWRI)" in cmp.report()
     calls = log.read_text().splitlines()
     assert len(calls) == 2 and all(f"-m {model} " in c and " -n 3 -t 1 " in c and "--temp 0" in c and "--ignore-eos" in c for c in calls)
