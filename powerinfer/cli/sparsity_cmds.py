@@ -44,15 +44,17 @@ def run_calibrate(argv: Sequence[str]) -> int:
                    help="force one share of FFN neurons skipped per token in every layer instead of the budget search")
     p.add_argument("--mode", choices=["auto", "gate", "predictor", "lowrank"], default="auto",
                    help="gate: dense gate, threshold on it; predictor: a trained low-rank MLP per sparse layer picks neurons (gate, "
-                        "up, down skipped); auto (default): with the budget, predictor mode where it stays within the budget and "
-                        "reads fewer bytes, else gate; with --sparsity, gate; lowrank (ReLU-family models, with --sparsity): "
-                        "a predictor read off the gate matrix's leading singular directions (--rank wide), no training and no "
-                        "biases, so that --powerinfer exports it exactly")
+                        "up, down skipped); lowrank (gated ReLU-family models): a predictor read off the gate matrix's leading "
+                        "singular directions (--rank wide, or the least width keeping --recall), no training and no biases, so "
+                        "that --powerinfer exports it exactly; auto (default): with the budget, lowrank (ReLU-family models), else "
+                        "a trained predictor, where it stays within the budget and reads fewer bytes than gate mode, else gate; "
+                        "with --sparsity, gate")
     p.add_argument("--tokens", type=positive_int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--recall", type=float, default=0.97, help="share of activation mass the predicted set keeps (default 0.97)")
     p.add_argument("--rank", type=positive_int, default=None,
-                   help="predictor mode: the predictor's hidden width (default d_model / 4 within [32, 128]); it is read every token, "
-                        "so a smaller one costs fewer bytes and may choose less well")
+                   help="predictor mode: the predictor's hidden width (default d_model / 4 within [32, 128]; lowrank: the least "
+                        "width whose choices keep --recall of the activation mass); it is read every token, so a smaller one costs "
+                        "fewer bytes and may choose less well")
     p.add_argument("--steps", type=positive_int, default=300, help="predictor mode: training steps per layer (default 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration text and the predictor's training (default 0)")
     _threads_flag(p)
@@ -65,9 +67,6 @@ def run_calibrate(argv: Sequence[str]) -> int:
 
     if args.seed < 0:
         raise CLIError(f"--seed must be >= 0, got {args.seed}")
-    if args.mode == "lowrank" and args.sparsity is None:
-        raise CLIError("--mode lowrank needs --sparsity: the share of neurons the model leaves at zero per token (e.g. 0.89); "
-                       "it sets the thresholds the statistics and the dense-layer rule use")
     settings = CalibrationSettings(mode=args.mode, sparsity=0.5 if args.sparsity is None else args.sparsity, tokens=args.tokens,
                                    recall=args.recall, seed=args.seed, rank=args.rank or 0, steps=args.steps)
     text = read_text(args.text) if args.text else None

@@ -39,7 +39,6 @@ KERNEL_MODES = ("file", "all", "oracle")
 # at about a quarter of a streamed row's speed on this CPU (kernels/sparse_rows.h), so skipping
 # pays only well below ~25% active, and above it the dense layer is as fast and exact.
 MAX_SPARSE_SHARE = 0.25
-SCATTER_COST = 4.0  # a chosen row's bytes cost about this many streamed bytes (~20 against ~79 GB/s, docs/sparsity.md)
 DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
 
 

@@ -1,4 +1,4 @@
-"""Calibration under a quality budget: the sparsest setting (gate or predictor mode) whose held-out perplexity stays within it.
+"""Calibration under a quality budget: the sparsest setting (gate, low-rank or trained predictor) whose held-out perplexity stays within it.
 
 Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-process executors.
 
@@ -17,30 +17,39 @@ Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-proc
    budget of dense (a margin for text unlike the corpus: see MARGIN), each candidate scored by one
    sparse pass over the held-out tokens with the thresholds set in place on one executor (nothing
    is reloaded between candidates).
-5. Mode: unless told 'gate', predictors are then trained for the layers that allocation leaves
+5. Mode: for a gated ReLU-family model ('auto' or 'lowrank') the gate's own low-rank sign
+   (lowrank.py: no training, each layer's width the least that keeps the recall) is scored first at
+   those levels, and kept where it stays within the aim and ('auto') decodes faster than gate mode;
+   then no predictor is trained. Else, unless told 'gate', predictors are trained for the layers that allocation leaves
    sparse (at their levels; the dense layers get one that fires every neuron) and scored the same
    way, raising the recall (RECALLS: only the decision biases move) until they keep the aim.
    'predictor' keeps them when they stay within it; 'auto' (the default) only when they also
-   read faster than gate mode, which streams every gate row (bytes by the native decoder's rule,
-   ffn_read_bytes; a chosen row's bytes counted SCATTER_COST streamed ones: read_cost). SmolLM2
-   and Gemma-3 have no layer sparse within +2%, so nothing is trained for them.
+   decode faster than gate mode, which computes every gate row but reads them streamed: timed on
+   this machine's native decoder (decode_speedup, paired rounds), since what a chosen row costs
+   against a streamed one differs from CPU to CPU. The bytes each reads (ffn_read_bytes) are
+   reported beside it. SmolLM2 and Gemma-3 have no layer sparse within +2%, so nothing is trained
+   for them.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
+from powerinfer.config import config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.executor import InProcessExecutor
-from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, SCATTER_COST, layer_reads
+from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, layer_reads
 from powerinfer.errors import InvalidArgumentError
+from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_tensor
+from powerinfer.sparsity.lowrank import check_lowrank, lowrank_applies
 from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallShift, at_recall, build_predictor, profile
 from powerinfer.sparsity.perplexity import nll
 from powerinfer.predictors.predictor_file import PredictorFile
@@ -58,13 +67,19 @@ MARGIN = 0.5
 # Recalls tried in turn (above the settings' own) when predictors at that one break the aim: a deep
 # model loses the missed mass in every layer (the 1.1B file: +94% at 0.97 over 22 layers).
 RECALLS = (0.99, 0.995, 0.999)
+# decode_speedup's paired rounds: enough for a ratio steady to a few percent on a 1.1B model (~2 s)
+SPEED_ROUNDS = 4
+SPEED_STEPS = 8
+SPEED_PROMPT = 32
+# a predictor replaces gate mode (which drops only what the exact gate says) only when this much faster: not on noise
+SPEED_MARGIN = 1.05
 
 
 @dataclass(frozen=True)
 class BudgetPoint:
     """What the search chose: the mode, mean and per-layer sparsity, held-out perplexities, FFN bytes."""
 
-    mode: str  # "gate" | "predictor"
+    mode: str  # "gate" | "predictor" | "lowrank" (a predictor-mode file read off the gate)
     sparsity: float
     levels: tuple[float, ...]
     dense_ppl: float
@@ -170,16 +185,52 @@ def ffn_read_bytes(mode: str, levels: Sequence[float], shares: Sequence[float], 
     return int(streamed), int(scattered)
 
 
-def read_cost(reads: tuple[int, int]) -> float:
-    """A (streamed, scattered) read's time in streamed bytes: a chosen row costs SCATTER_COST times more."""
-    return reads[0] + SCATTER_COST * reads[1]
-
-
 def _layer_rows(p: Profile) -> list[tuple[int, int, int]]:
     """Per layer: bytes of one row of its gate, up and down matrices in the file (OPT: fc1 as the gate, no up)."""
     parts = (p.cfg.gate_part, "ffn_up" if p.cfg.gated_ffn else None, "ffn_down")
     return [tuple(p.f.tensor(layer_tensor(i, part)).row_bytes if part else 0 for part in parts)  # type: ignore[misc]
             for i in range(p.cfg.n_layers)]
+
+
+def _shares(p: Profile, pf: PredictorFile, levels: np.ndarray, min_level: float) -> list[float]:
+    """Per layer, the share of neurons pf's predictor chooses on the profiled rows (1 for a layer
+    below min_level: it runs dense)."""
+    return [float(pf.layers[i].predict(p.ex.samples[i].arrays()[0].astype(np.float32)).mean()) if levels[i] >= min_level else 1.0
+            for i in range(p.cfg.n_layers)]
+
+
+def decode_speedup(p: Profile, candidate: PredictorFile, base: PredictorFile, prompt: Sequence[int], rounds: int = SPEED_ROUNDS,
+                   steps: int = SPEED_STEPS) -> float:
+    """How much faster candidate's rule decodes than base's on the in-process native decoder: the
+    median over rounds of the per-round tokens/s ratio, the two alternating (A B, B A, ...), each
+    round steps greedy tokens after prompt. Measured, not modelled: what a chosen row costs against
+    a streamed one differs from CPU to CPU (~4x on a Zen 4, ~1.3x on a Sapphire Rapids: docs/sparsity.md)."""
+    n_ctx = len(prompt) + steps + 4
+    engines: list[tuple[InProcessExecutor, Engine]] = []
+    try:
+        for pf in (candidate, base):
+            ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=pf)
+            engines.append((ex, Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx)))
+
+        def tps(eng: Engine, n: int) -> float:
+            eng.rewind(0)
+            token = int(np.argmax(eng.eval(list(prompt))[-1]))
+            t = time.perf_counter()
+            for _ in range(n):
+                token = int(np.argmax(eng.eval([token])[-1]))
+            return n / (time.perf_counter() - t)
+
+        for _, eng in engines:  # first calls touch pages and build kernels
+            tps(eng, 2)
+        ratios = []
+        for r in range(rounds):
+            order = engines if r % 2 == 0 else engines[::-1]
+            got = {id(eng): tps(eng, steps) for _, eng in order}
+            ratios.append(got[id(engines[0][1])] / got[id(engines[1][1])])
+        return float(np.median(ratios))
+    finally:
+        for ex, _ in engines:
+            ex.close()
 
 
 def _score_file(p: Profile, pf: PredictorFile | None, windows: list[list[int]], n_ctx: int) -> float:
@@ -204,6 +255,8 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
         raise InvalidArgumentError(f"the perplexity budget must be in (0, 1), got {budget}")
     if not 0.0 <= min_level <= MAX_LEVEL:
         raise InvalidArgumentError(f"the least sparsity of a sparse layer must be in [0, {MAX_LEVEL}], got {min_level}")
+    if settings.mode == "lowrank":  # before minutes of profiling
+        check_lowrank(config_from_gguf(GGUFFile(model)))
     gate_settings = replace(settings, mode="gate")
     p = profile(model, gate_settings, text, hold_out=HOLD_OUT, progress=progress)
     windows = windows_of(p.held_out, settings.window + 1, p.tok.bos_id if p.tok.add_bos else None)
@@ -253,20 +306,48 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
     point = BudgetPoint("gate", float(alloc.mean()), tuple(float(v) for v in alloc), dense, ppl, sum(len(w) - 1 for w in windows),
                         ffn - sum(gate_reads), ffn, min_level)
     out = build_predictor(p, gate_settings, list(alloc), progress)
-    if settings.mode != "gate":
+    prompt = windows[0][:SPEED_PROMPT]  # decode_speedup's prompt: held-out text
+    lowrank_kept = False
+    if settings.mode in ("auto", "lowrank") and point.sparse_layers > 0 and lowrank_applies(p.cfg):
+        # the gate's own low-rank sign first: no training, so minutes, where it keeps the aim
+        lr = build_predictor(p, replace(settings, mode="lowrank"), list(alloc), progress)
+        lr_ppl = _score_file(p, lr, windows, n_ctx)
+        shares = _shares(p, lr, alloc, min_level)
+        reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, [predictor_bytes(lp.rank, d, n_ff) for lp in lr.layers], min_level)
+        how = (f"low-rank predictor at these levels: held-out perplexity {lr_ppl:.3f} ({100 * (lr_ppl / dense - 1):+.2f}%), "
+               f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * (ffn - sum(reads)) / ffn:.1f}% of the FFN "
+               "bytes skipped")
+        progress(how)
+        so = ", so gate mode" if settings.mode == "lowrank" else ""
+        if lr_ppl > limit:
+            point = replace(point, note=f"{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%{so}")
+        elif settings.mode == "auto" and (speed := decode_speedup(p, lr, out, prompt)) < SPEED_MARGIN:
+            point = replace(point, note=f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain "
+                                        f"{SPEED_MARGIN:.2f}x), so not kept")
+        else:
+            lowrank_kept = True
+            timed = f"; it decodes at {speed:.2f}x gate mode's speed here (measured)" if settings.mode == "auto" else ""
+            point = replace(point, mode="lowrank", sparse_ppl=lr_ppl, skipped_bytes=ffn - sum(reads),
+                            note=f"gate mode at these levels: held-out perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}%), "
+                                 f"{100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped{timed}; no predictor trained")
+            out = lr
+    elif settings.mode == "lowrank":
+        check_lowrank(p.cfg)  # says why it does not apply
+        point = replace(point, note="the low-rank predictor not tried: the levels leave no layer sparse, so gate mode")
+    if settings.mode in ("auto", "predictor") and not lowrank_kept:
         if point.sparse_layers == 0:
             point = replace(point, note="predictor mode not tried: the levels leave no layer sparse")
         else:
+            lr_note = f"{point.note}; " if point.note else ""
             trained: list[RecallShift | None] = []
             first = build_predictor(p, replace(settings, mode="predictor"), list(alloc), progress, trained)
-            xs = [p.ex.samples[i].arrays()[0].astype(np.float32) if alloc[i] >= min_level else None for i in range(p.cfg.n_layers)]
             pred_bytes = [predictor_bytes(lp.rank, d, n_ff) for lp in first.layers]
             # the least recall (the fewest neurons chosen) whose predictors keep the aim; each step only moves the biases
             for recall in [settings.recall, *(r for r in RECALLS if r > settings.recall)]:
                 pred = at_recall(first, trained, recall)
                 pred_ppl = _score_file(p, pred, windows, n_ctx)
                 # the share each predictor chooses, on the profiled rows it was trained from
-                shares = [1.0 if x is None else float(pred.layers[i].predict(x).mean()) for i, x in enumerate(xs)]
+                shares = _shares(p, pred, alloc, min_level)
                 progress(f"predictor mode at recall {recall}: {100 * float(np.mean(shares)):.1f}% of the neurons chosen, held-out "
                          f"perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%)")
                 if pred_ppl <= limit:
@@ -276,14 +357,16 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
             how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%), "
                    f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * skipped / ffn:.1f}% of the FFN bytes skipped")
             if pred_ppl > limit:
-                point = replace(point, note=f"{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%, so gate mode")
-            elif settings.mode == "auto" and read_cost(reads) >= read_cost(gate_reads):
-                point = replace(point, note=f"{how}: its reads would take no less time than gate mode's (chosen rows counted "
-                                            f"{SCATTER_COST:g}x a streamed byte), so gate mode")
+                point = replace(point, note=f"{lr_note}{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%, so gate mode")
+            elif settings.mode == "auto" and (speed := decode_speedup(p, pred, out, prompt)) < SPEED_MARGIN:
+                point = replace(point, note=f"{lr_note}{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; "
+                                            f"it must gain {SPEED_MARGIN:.2f}x), so gate mode")
             else:
+                timed = f"; it decodes at {speed:.2f}x gate mode's speed here (measured)" if settings.mode == "auto" else ""
                 point = replace(point, mode="predictor", sparse_ppl=pred_ppl, skipped_bytes=skipped,
-                                note=f"recall {recall}; gate mode at these levels: held-out perplexity {ppl:.3f} "
-                                     f"({100 * (ppl / dense - 1):+.2f}%), {100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped")
+                                note=f"{lr_note}recall {recall}; gate mode at these levels: held-out perplexity {ppl:.3f} "
+                                     f"({100 * (ppl / dense - 1):+.2f}%), {100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes "
+                                     f"skipped{timed}")
                 out = pred
     out = replace(out, calibration={**out.calibration, "budget": budget, "held_out_ppl_dense": dense,
                                     "held_out_ppl_sparse": point.sparse_ppl})

@@ -27,7 +27,7 @@ from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile, model_fingerprint
-from powerinfer.sparsity.lowrank import check_lowrank, gate_lowrank
+from powerinfer.sparsity.lowrank import check_lowrank, choose_width, gate_lowrank
 from powerinfer.sparsity.profile import ProfilingExecutor, run_tokens, windows_of
 from powerinfer.tokenizer import GGUFTokenizer
 
@@ -243,7 +243,12 @@ def build_predictor(p: Profile, settings: CalibrationSettings, levels: Sequence[
             w1, b1 = np.zeros((1, cfg.d_model), np.float32), np.zeros(1, np.float32)
             w2, b2 = np.zeros((cfg.n_ff, 1), np.float32), np.full(cfg.n_ff, FIRE_ALL_BIAS, np.float32)
         elif settings.mode == "lowrank":  # no biases: exact in PowerInfer's layout too
-            w1, w2 = gate_lowrank(p.f, cfg, layer, rank)
+            if settings.rank:
+                w1, w2 = gate_lowrank(p.f, cfg, layer, rank)
+            else:  # the gate's own rank, measured on the profiled rows
+                w1, w2, width = choose_width(p.f, cfg, layer, x.astype(np.float32), act, norms, settings.recall)
+                progress(f"layer {layer + 1}/{cfg.n_layers}: low-rank width {2 * width.k} (recall {width.recall:.3f}, "
+                         f"{100 * width.share:.1f}% of the neurons chosen on the profiled tokens)")
             b1, b2 = np.zeros(w1.shape[0], np.float32), np.zeros(cfg.n_ff, np.float32)
         elif settings.mode == "predictor":
             w1, b1, w2, b2, shift = train_predictor(x, act, thr, norms, rank, settings.steps, settings.seed + layer)

@@ -18,7 +18,8 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.reference import weight
 from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-from powerinfer.sparsity.lowrank import gate_lowrank
+from powerinfer.sparsity import budget
+from powerinfer.sparsity.lowrank import choose_width, gate_lowrank
 from powerinfer.sparsity.relu_measure import run_layers
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 
@@ -76,3 +77,46 @@ def test_refused_where_the_gate_sign_says_nothing(make_model, tmp_path: Path) ->
     with pytest.raises(InvalidArgumentError, match="gated ReLU-family"):
         calibrate(silu, CalibrationSettings(mode="lowrank", sparsity=0.8, tokens=32, window=32))
     assert cli_main(["calibrate", "-m", str(silu), "-o", str(tmp_path / "p.predictor"), "--mode", "lowrank"]) == 2  # no --sparsity
+
+
+@pytest.mark.parametrize("gate_rank,k", [(4, 16), (24, 32)])
+def test_the_width_is_the_least_that_keeps_the_recall(tmp_path: Path, gate_rank: int, k: int) -> None:
+    spec = ReluSparseSpec.shape("tiny", act="relu", gate_rank=gate_rank, gate_scale=1.0, logit_std=3.0, n_layers=1)
+    f = GGUFFile(write_relu_sparse_gguf(tmp_path / "g.gguf", spec))
+    cfg = config_from_gguf(f)
+    a = next(run_layers(f, cfg, np.random.default_rng(1).integers(0, 256, (4, 64))))
+    act = np.maximum(a.gate, 0) * a.up
+    fc1, fc2, width = choose_width(f, cfg, 0, a.ffn_in, act, np.ones(cfg.n_ff, np.float32), 0.97)
+    # a gate of rank 24 needs more than 16 directions; 4 needs the fewest tried
+    assert width.k == k and width.recall >= 0.97 and fc1.shape == (2 * k, cfg.d_model) and fc2.shape == (cfg.n_ff, 2 * k)
+    assert width.share < 2 * float((a.gate > 0).mean())
+
+
+RELU_TEXT = " ".join(f"The cat {i} of the moon went over hill number {i * 7}." for i in range(60))
+
+
+def test_the_budget_search_tries_the_low_rank_predictor_first(relu: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = CalibrationSettings(mode="auto", tokens=400, window=32, steps=20)
+    said: list[str] = []
+    monkeypatch.setattr(budget, "decode_speedup", lambda *a, **k: 1.5)  # timed on this machine in the product
+    pf, point = budget.calibrate_within_budget(relu, settings, 0.1, RELU_TEXT, progress=said.append)
+    assert point.mode == "lowrank" and "chose lowrank mode" in point.report() and "1.50x gate mode's speed" in point.note
+    assert pf.mode == "predictor" and pf.calibration["method"] == "lowrank" and point.sparse_layers > 0
+    assert all(not lp.fc1_b.any() for lp in pf.layers) and any("low-rank width" in s for s in said)
+    assert not any("predictor mode at recall" in s for s in said)  # nothing trained
+    assert point.sparse_ppl <= point.dense_ppl * (1 + budget.MARGIN * 0.1) + 1e-9
+    # slower than gate mode here: not kept, and the trained predictors are tried next
+    monkeypatch.setattr(budget, "decode_speedup", lambda *a, **k: 0.5)
+    said.clear()
+    pf, point = budget.calibrate_within_budget(relu, settings, 0.1, RELU_TEXT, progress=said.append)
+    assert point.mode == pf.mode == "gate" and "low-rank predictor at these levels" in point.note and "0.50x" in point.note
+    assert any("predictor mode at recall" in s for s in said)
+
+
+def test_calibrate_lowrank_without_sparsity_searches_the_budget(relu: Path, tmp_path: Path) -> None:
+    pred = tmp_path / "lr.predictor"
+    text = tmp_path / "t.txt"
+    text.write_text(RELU_TEXT)
+    assert cli_main(["calibrate", "-m", str(relu), "-o", str(pred), "--mode", "lowrank", "--text", str(text), "--tokens", "400"]) == 0
+    pf = read_predictor(pred)
+    assert pf.calibration["method"] == "lowrank" and "budget" in pf.calibration
