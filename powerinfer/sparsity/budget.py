@@ -34,6 +34,7 @@ Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-proc
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 from dataclasses import dataclass, replace
@@ -54,6 +55,8 @@ from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallSh
 from powerinfer.sparsity.perplexity import nll
 from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.sparsity.profile import windows_of
+
+log = logging.getLogger(__name__)
 
 STEP = 0.05  # allocation granularity per layer
 MAX_LEVEL = 0.95
@@ -207,6 +210,7 @@ def decode_speedup(p: Profile, candidate: PredictorFile, base: PredictorFile, pr
     a streamed one differs from CPU to CPU (~4x on a Zen 4, ~1.3x on a Sapphire Rapids: docs/sparsity.md)."""
     n_ctx = len(prompt) + steps + 4
     engines: list[tuple[InProcessExecutor, Engine]] = []
+    ratios: list[float] = []
     try:
         for pf in (candidate, base):
             ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=pf)
@@ -222,15 +226,25 @@ def decode_speedup(p: Profile, candidate: PredictorFile, base: PredictorFile, pr
 
         for _, eng in engines:  # first calls touch pages and build kernels
             tps(eng, 2)
-        ratios = []
         for r in range(rounds):
             order = engines if r % 2 == 0 else engines[::-1]
             got = {id(eng): tps(eng, steps) for _, eng in order}
             ratios.append(got[id(engines[0][1])] / got[id(engines[1][1])])
-        return float(np.median(ratios))
     finally:
         for ex, _ in engines:
             ex.close()
+    speed = float(np.median(ratios))
+    log.info("decode speed against gate mode, %d paired rounds of %d tokens: %s -> median %.3f", rounds, steps,
+             ", ".join(f"{r:.3f}" for r in ratios), speed)
+    return speed
+
+
+def _timed(p: Profile, candidate: PredictorFile, gate: PredictorFile, prompt: Sequence[int], progress: Callable[[str], None],
+           what: str) -> float:
+    speed = decode_speedup(p, candidate, gate, prompt)
+    progress(f"{what} decode at {speed:.2f}x gate mode's speed here ({SPEED_ROUNDS} paired rounds of {SPEED_STEPS} tokens, "
+             f"in process; kept from {SPEED_MARGIN:.2f}x)")
+    return speed
 
 
 def _score_file(p: Profile, pf: PredictorFile | None, windows: list[list[int]], n_ctx: int) -> float:
@@ -318,10 +332,11 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * (ffn - sum(reads)) / ffn:.1f}% of the FFN "
                "bytes skipped")
         progress(how)
+        speed = _timed(p, lr, out, prompt, progress, "the low-rank predictor") if settings.mode == "auto" and lr_ppl <= limit else None
         so = ", so gate mode" if settings.mode == "lowrank" else ""
         if lr_ppl > limit:
             point = replace(point, note=f"{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%{so}")
-        elif settings.mode == "auto" and (speed := decode_speedup(p, lr, out, prompt)) < SPEED_MARGIN:
+        elif speed is not None and speed < SPEED_MARGIN:
             point = replace(point, note=f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain "
                                         f"{SPEED_MARGIN:.2f}x), so not kept")
         else:
@@ -354,11 +369,12 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                     break
             reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, pred_bytes, min_level)
             skipped = ffn - sum(reads)
+            speed = _timed(p, pred, out, prompt, progress, "the trained predictors") if settings.mode == "auto" and pred_ppl <= limit else None
             how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%), "
                    f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * skipped / ffn:.1f}% of the FFN bytes skipped")
             if pred_ppl > limit:
                 point = replace(point, note=f"{lr_note}{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%, so gate mode")
-            elif settings.mode == "auto" and (speed := decode_speedup(p, pred, out, prompt)) < SPEED_MARGIN:
+            elif speed is not None and speed < SPEED_MARGIN:
                 point = replace(point, note=f"{lr_note}{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; "
                                             f"it must gain {SPEED_MARGIN:.2f}x), so gate mode")
             else:

@@ -137,7 +137,7 @@ def test_budget_in_predictor_mode_trains_the_sparse_layers_and_keeps_the_budget(
     for speed, mode in ((0.8, "gate"), (1.3, "predictor")):
         monkeypatch.setattr(budget, "decode_speedup", lambda *a, speed=speed, **k: speed)
         apf, apoint = calibrate_within_budget(relu3, replace(settings, mode="auto"), 0.1, RELU_TEXT)
-        assert apf.mode == apoint.mode == mode and f"at {speed:.2f}x gate mode's speed here (measured)" in apoint.note, apoint.note
+        assert apf.mode == apoint.mode == mode and f"at {speed:.2f}x gate mode's speed here (measured" in apoint.note, apoint.note
     # the timing itself: the same rule against itself decodes at about 1x (wide bounds: a loaded machine)
     p = profile(relu3, replace(settings, mode="gate"), RELU_TEXT)
     assert 0.2 < real_speedup(p, gpf, gpf, list(range(1, 17)), rounds=2, steps=4) < 5
