@@ -244,6 +244,21 @@ def _timed(p: Profile, candidate: PredictorFile, gate: PredictorFile, prompt: Se
     return speed
 
 
+def _rejection(how: str, ppl: float, limit: float, aim: float, speed: float | None, then: str) -> str:
+    """Why a candidate predictor (described by how) is not kept, or "" where it is: over the
+    budget's aim (limit: the perplexity it must stay within), or timed slower than SPEED_MARGIN
+    times gate mode (speed None: not timed, as outside mode 'auto')."""
+    if ppl > limit:
+        return f"{how}: over the budget's aim of +{100 * aim:.1f}%{then}"
+    if speed is not None and speed < SPEED_MARGIN:
+        return f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain {SPEED_MARGIN:.2f}x){then}"
+    return ""
+
+
+def _timed_note(speed: float | None) -> str:
+    return "" if speed is None else f"; it decodes at {speed:.2f}x gate mode's speed here (measured)"
+
+
 def _score_file(p: Profile, pf: PredictorFile | None, windows: list[list[int]], n_ctx: int) -> float:
     """Held-out perplexity with a predictor file's own rule, or dense (pf None); a fresh in-process executor."""
     ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=pf)
@@ -330,18 +345,14 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                "bytes skipped")
         progress(how)
         speed = _timed(p, lr, out, prompt, progress, "the low-rank predictor") if settings.mode == "auto" and lr_ppl <= limit else None
-        so = ", so gate mode" if settings.mode == "lowrank" else ""
-        if lr_ppl > limit:
-            point = replace(point, note=f"{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%{so}")
-        elif speed is not None and speed < SPEED_MARGIN:
-            point = replace(point, note=f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain "
-                                        f"{SPEED_MARGIN:.2f}x), so not kept")
+        why_not = _rejection(how, lr_ppl, limit, MARGIN * budget, speed, ", so gate mode" if settings.mode == "lowrank" else ", so not kept")
+        if why_not:
+            point = replace(point, note=why_not)
         else:
             lowrank_kept = True
-            timed = f"; it decodes at {speed:.2f}x gate mode's speed here (measured)" if settings.mode == "auto" else ""
             point = replace(point, mode="lowrank", sparse_ppl=lr_ppl, skipped_bytes=ffn - sum(reads),
                             note=f"gate mode at these levels: held-out perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}%), "
-                                 f"{100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped{timed}; no predictor trained")
+                                 f"{100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped{_timed_note(speed)}; no predictor trained")
             out = lr
     elif settings.mode == "lowrank":
         check_lowrank(p.cfg)  # says why it does not apply
@@ -369,17 +380,14 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
             speed = _timed(p, pred, out, prompt, progress, "the trained predictors") if settings.mode == "auto" and pred_ppl <= limit else None
             how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%), "
                    f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * skipped / ffn:.1f}% of the FFN bytes skipped")
-            if pred_ppl > limit:
-                point = replace(point, note=f"{lr_note}{how}: over the budget's aim of +{100 * MARGIN * budget:.1f}%, so gate mode")
-            elif speed is not None and speed < SPEED_MARGIN:
-                point = replace(point, note=f"{lr_note}{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; "
-                                            f"it must gain {SPEED_MARGIN:.2f}x), so gate mode")
+            why_not = _rejection(how, pred_ppl, limit, MARGIN * budget, speed, ", so gate mode")
+            if why_not:
+                point = replace(point, note=f"{lr_note}{why_not}")
             else:
-                timed = f"; it decodes at {speed:.2f}x gate mode's speed here (measured)" if settings.mode == "auto" else ""
                 point = replace(point, mode="predictor", sparse_ppl=pred_ppl, skipped_bytes=skipped,
                                 note=f"{lr_note}recall {recall}; gate mode at these levels: held-out perplexity {ppl:.3f} "
                                      f"({100 * (ppl / dense - 1):+.2f}%), {100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes "
-                                     f"skipped{timed}")
+                                     f"skipped{_timed_note(speed)}")
                 out = pred
     out = replace(out, calibration={**out.calibration, "budget": budget, "held_out_ppl_dense": dense,
                                     "held_out_ppl_sparse": point.sparse_ppl})
