@@ -1,6 +1,7 @@
 """Calibration under a quality budget: the sparsest setting (gate, low-rank or trained predictor) whose held-out perplexity stays within it.
 
-Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-process executors.
+Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-process executors; the
+decode timing (decode_speedup) starts the default executor's worker processes.
 
 1. The corpus (the user's text, or text the model writes itself) is split: the first 80% is
    profiled, the rest is held out and scored.
@@ -24,8 +25,8 @@ Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-proc
    sparse (at their levels; the dense layers get one that fires every neuron) and scored the same
    way, raising the recall (RECALLS: only the decision biases move) until they keep the aim.
    'predictor' keeps them when they stay within it; 'auto' (the default) only when they also
-   decode faster than gate mode, which computes every gate row but reads them streamed: timed on
-   this machine's native decoder (decode_speedup, paired rounds), since what a chosen row costs
+   decode at least SPEED_MARGIN faster than gate mode, which computes every gate row but reads them
+   streamed: timed on this machine in the default executor (decode_speedup, paired rounds), since what a chosen row costs
    against a streamed one differs from CPU to CPU. The bytes each reads (ffn_read_bytes) are
    reported beside it. SmolLM2 and Gemma-3 have no layer sparse within +2%, so nothing is trained
    for them.
