@@ -240,7 +240,7 @@ def decode_speedup(p: Profile, candidate: PredictorFile, base: PredictorFile, pr
 def _timed(p: Profile, candidate: PredictorFile, gate: PredictorFile, prompt: Sequence[int], progress: Callable[[str], None],
            what: str) -> float:
     speed = decode_speedup(p, candidate, gate, prompt)
-    progress(f"{what} decode at {speed:.2f}x gate mode's speed here ({SPEED_ROUNDS} paired rounds of {SPEED_STEPS} tokens, "
+    progress(f"{what}: decoding at {speed:.2f}x gate mode's speed here ({SPEED_ROUNDS} paired rounds of {SPEED_STEPS} tokens, "
              f"in the default executor; kept from {SPEED_MARGIN:.2f}x)")
     return speed
 
