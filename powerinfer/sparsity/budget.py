@@ -1,7 +1,7 @@
 """Calibration under a quality budget: the sparsest setting (gate, low-rank or trained predictor) whose held-out perplexity stays within it.
 
 Runs in: the user's process (`powerinfer calibrate` without --sparsity), in-process executors; the
-decode timing (decode_speedup) starts the default executor's worker processes.
+decode timing (timed_choice.py) starts the default executor's worker processes.
 
 1. The corpus (the user's text, or text the model writes itself) is split: the first 80% is
    profiled, the rest is held out and scored.
@@ -26,7 +26,7 @@ decode timing (decode_speedup) starts the default executor's worker processes.
    way, raising the recall (RECALLS: only the decision biases move) until they keep the aim.
    'predictor' keeps them when they stay within it; 'auto' (the default) only when they also
    decode at least SPEED_MARGIN faster than gate mode, which computes every gate row but reads them
-   streamed: timed on this machine in the default executor (decode_speedup, paired rounds), since what a chosen row costs
+   streamed: timed on this machine in the default executor (timed_choice.py, paired rounds), since what a chosen row costs
    against a streamed one differs from CPU to CPU. The bytes each reads (ffn_read_bytes) are
    reported beside it. SmolLM2 and Gemma-3 have no layer sparse within +2%, so nothing is trained
    for them.
@@ -35,9 +35,7 @@ decode timing (decode_speedup) starts the default executor's worker processes.
 from __future__ import annotations
 
 import heapq
-import logging
 import math
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -56,8 +54,7 @@ from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallSh
 from powerinfer.sparsity.perplexity import nll
 from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.sparsity.profile import windows_of
-
-log = logging.getLogger(__name__)
+from powerinfer.sparsity.timed_choice import SPEED_PROMPT, rejection, time_against_gate, timed_note
 
 STEP = 0.05  # allocation granularity per layer
 MAX_LEVEL = 0.95
@@ -71,12 +68,6 @@ MARGIN = 0.5
 # Recalls tried in turn (above the settings' own) when predictors at that one break the aim: a deep
 # model loses the missed mass in every layer (the 1.1B file: +94% at 0.97 over 22 layers).
 RECALLS = (0.99, 0.995, 0.999)
-# decode_speedup's paired rounds (~10 s on a 1.1B model, ~1 min on a 7B one, pools' start included)
-SPEED_ROUNDS = 6
-SPEED_STEPS = 16
-SPEED_PROMPT = 16
-# a predictor replaces gate mode (which drops only what the exact gate says) only when this much faster: not on noise
-SPEED_MARGIN = 1.05
 
 
 @dataclass(frozen=True)
@@ -203,63 +194,6 @@ def _shares(p: Profile, pf: PredictorFile, levels: np.ndarray, min_level: float)
             for i in range(p.cfg.n_layers)]
 
 
-def decode_speedup(p: Profile, candidate: PredictorFile, base: PredictorFile, prompt: Sequence[int], rounds: int = SPEED_ROUNDS,
-                   steps: int = SPEED_STEPS) -> float:
-    """How much faster candidate's rule decodes than base's in the engine a user runs (the default
-    executor: the native worker pool): the median over rounds of the per-round tokens/s ratio, the
-    two alternating (A B, B A, ...), each round steps greedy tokens after prompt. Measured, not
-    modelled: what a chosen row costs against a streamed one differs from CPU to CPU (~4x on a Zen 4,
-    ~1.3x on a Sapphire Rapids: docs/sparsity.md), and from executor to executor (on an AVX2 EPYC
-    the low-rank predictor decoded at 1.03-1.07x gate mode's speed in process, 1.11x in the pool)."""
-    from powerinfer.api import LLM
-    from powerinfer.predictors.predictor_file import write_predictor
-    from powerinfer.sparsity.speed import timed_run
-
-    llms: list[LLM] = []
-    ratios: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="powerinfer-speed-") as tmp:
-        try:
-            for name, pf in (("candidate", candidate), ("base", base)):
-                path = Path(tmp) / f"{name}.predictor"
-                write_predictor(path, pf)
-                llms.append(LLM(p.f.path, predictor=path, n_ctx=len(prompt) + steps + 8))
-            for llm in llms:  # first calls touch pages and build kernels
-                timed_run(llm, list(prompt), 2)
-            for r in range(rounds):
-                got = {id(llm): timed_run(llm, list(prompt), steps)[1] for llm in (llms if r % 2 == 0 else llms[::-1])}
-                ratios.append(got[id(llms[0])] / got[id(llms[1])])
-        finally:
-            for llm in llms:
-                llm.close()
-    speed = float(np.median(ratios))
-    log.info("decode speed against gate mode, %d paired rounds of %d tokens: %s -> median %.3f", rounds, steps,
-             ", ".join(f"{r:.3f}" for r in ratios), speed)
-    return speed
-
-
-def _timed(p: Profile, candidate: PredictorFile, gate: PredictorFile, prompt: Sequence[int], progress: Callable[[str], None],
-           what: str) -> float:
-    speed = decode_speedup(p, candidate, gate, prompt)
-    progress(f"{what}: decoding at {speed:.2f}x gate mode's speed here ({SPEED_ROUNDS} paired rounds of {SPEED_STEPS} tokens, "
-             f"in the default executor; kept from {SPEED_MARGIN:.2f}x)")
-    return speed
-
-
-def _rejection(how: str, ppl: float, limit: float, aim: float, speed: float | None, then: str) -> str:
-    """Why a candidate predictor (described by how) is not kept, or "" where it is: over the
-    budget's aim (limit: the perplexity it must stay within), or timed slower than SPEED_MARGIN
-    times gate mode (speed None: not timed, as outside mode 'auto')."""
-    if ppl > limit:
-        return f"{how}: over the budget's aim of +{100 * aim:.1f}%{then}"
-    if speed is not None and speed < SPEED_MARGIN:
-        return f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain {SPEED_MARGIN:.2f}x){then}"
-    return ""
-
-
-def _timed_note(speed: float | None) -> str:
-    return "" if speed is None else f"; it decodes at {speed:.2f}x gate mode's speed here (measured)"
-
-
 def _score_file(p: Profile, pf: PredictorFile | None, windows: list[list[int]], n_ctx: int) -> float:
     """Held-out perplexity with a predictor file's own rule, or dense (pf None); a fresh in-process executor."""
     ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=pf)
@@ -345,15 +279,15 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * (ffn - sum(reads)) / ffn:.1f}% of the FFN "
                "bytes skipped")
         progress(how)
-        speed = _timed(p, lr, out, prompt, progress, "the low-rank predictor") if settings.mode == "auto" and lr_ppl <= limit else None
-        why_not = _rejection(how, lr_ppl, limit, MARGIN * budget, speed, ", so gate mode" if settings.mode == "lowrank" else ", so not kept")
+        speed = time_against_gate(p, lr, out, prompt, progress, "the low-rank predictor") if settings.mode == "auto" and lr_ppl <= limit else None
+        why_not = rejection(how, lr_ppl, limit, MARGIN * budget, speed, ", so gate mode" if settings.mode == "lowrank" else ", so not kept")
         if why_not:
             point = replace(point, note=why_not)
         else:
             lowrank_kept = True
             point = replace(point, mode="lowrank", sparse_ppl=lr_ppl, skipped_bytes=ffn - sum(reads),
                             note=f"gate mode at these levels: held-out perplexity {ppl:.3f} ({100 * (ppl / dense - 1):+.2f}%), "
-                                 f"{100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped{_timed_note(speed)}; no predictor trained")
+                                 f"{100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes skipped{timed_note(speed)}; no predictor trained")
             out = lr
     elif settings.mode == "lowrank":
         check_lowrank(p.cfg)  # says why it does not apply
@@ -378,17 +312,17 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                     break
             reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, pred_bytes, min_level)
             skipped = ffn - sum(reads)
-            speed = _timed(p, pred, out, prompt, progress, "the trained predictors") if settings.mode == "auto" and pred_ppl <= limit else None
+            speed = time_against_gate(p, pred, out, prompt, progress, "the trained predictors") if settings.mode == "auto" and pred_ppl <= limit else None
             how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_ppl:.3f} ({100 * (pred_ppl / dense - 1):+.2f}%), "
                    f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * skipped / ffn:.1f}% of the FFN bytes skipped")
-            why_not = _rejection(how, pred_ppl, limit, MARGIN * budget, speed, ", so gate mode")
+            why_not = rejection(how, pred_ppl, limit, MARGIN * budget, speed, ", so gate mode")
             if why_not:
                 point = replace(point, note=f"{lr_note}{why_not}")
             else:
                 point = replace(point, mode="predictor", sparse_ppl=pred_ppl, skipped_bytes=skipped,
                                 note=f"{lr_note}recall {recall}; gate mode at these levels: held-out perplexity {ppl:.3f} "
                                      f"({100 * (ppl / dense - 1):+.2f}%), {100 * point.skipped_bytes / ffn:.1f}% of the FFN bytes "
-                                     f"skipped{_timed_note(speed)}")
+                                     f"skipped{timed_note(speed)}")
                 out = pred
     out = replace(out, calibration={**out.calibration, "budget": budget, "held_out_ppl_dense": dense,
                                     "held_out_ppl_sparse": point.sparse_ppl})

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.sparsity import budget
+from powerinfer.sparsity import budget, timed_choice
 from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, BudgetPoint, allocate, calibrate_within_budget, ffn_read_bytes,
                                         predictor_bytes)
 from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
@@ -121,7 +121,7 @@ RELU_TEXT = " ".join(f"The cat {i} of the moon went over hill number {i * 7}." f
 
 @pytest.mark.slow
 def test_budget_in_predictor_mode_trains_the_sparse_layers_and_keeps_the_budget(relu3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_speedup = budget.decode_speedup
+    real_speedup = timed_choice.decode_speedup
     settings = CalibrationSettings(mode="predictor", tokens=600, window=32, steps=60)
     pf, point = calibrate_within_budget(relu3, settings, 0.1, RELU_TEXT)
     assert point.sparse_layers == 3 and all(v >= MIN_LEVEL for v in point.levels)
@@ -135,7 +135,7 @@ def test_budget_in_predictor_mode_trains_the_sparse_layers_and_keeps_the_budget(
     assert gpf.mode == gpoint.mode == "gate" and gpoint.note == "" and gpoint.levels == point.levels
     # auto keeps the predictors only where they decode faster than gate mode, timed here (decode_speedup, stood in for)
     for speed, mode in ((0.8, "gate"), (1.3, "predictor")):
-        monkeypatch.setattr(budget, "decode_speedup", lambda *a, speed=speed, **k: speed)
+        monkeypatch.setattr(timed_choice, "decode_speedup", lambda *a, speed=speed, **k: speed)
         apf, apoint = calibrate_within_budget(relu3, replace(settings, mode="auto"), 0.1, RELU_TEXT)
         assert apf.mode == apoint.mode == mode and f"at {speed:.2f}x gate mode's speed here (measured" in apoint.note, apoint.note
     # the timing itself: the same rule against itself decodes at about 1x (wide bounds: a loaded machine)

@@ -18,7 +18,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.reference import weight
 from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-from powerinfer.sparsity import budget
+from powerinfer.sparsity import budget, timed_choice
 from powerinfer.sparsity.lowrank import choose_width, gate_lowrank
 from powerinfer.sparsity.relu_measure import run_layers
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
@@ -98,7 +98,7 @@ RELU_TEXT = " ".join(f"The cat {i} of the moon went over hill number {i * 7}." f
 def test_the_budget_search_tries_the_low_rank_predictor_first(relu: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = CalibrationSettings(mode="auto", tokens=400, window=32, steps=20)
     said: list[str] = []
-    monkeypatch.setattr(budget, "decode_speedup", lambda *a, **k: 1.5)  # timed on this machine in the product
+    monkeypatch.setattr(timed_choice, "decode_speedup", lambda *a, **k: 1.5)  # timed on this machine in the product
     pf, point = budget.calibrate_within_budget(relu, settings, 0.1, RELU_TEXT, progress=said.append)
     assert point.mode == "lowrank" and "chose lowrank mode" in point.report() and "1.50x gate mode's speed" in point.note
     assert pf.mode == "predictor" and pf.calibration["method"] == "lowrank" and point.sparse_layers > 0
@@ -106,7 +106,7 @@ def test_the_budget_search_tries_the_low_rank_predictor_first(relu: Path, monkey
     assert not any("predictor mode at recall" in s for s in said)  # nothing trained
     assert point.sparse_ppl <= point.dense_ppl * (1 + budget.MARGIN * 0.1) + 1e-9
     # slower than gate mode here: not kept, and the trained predictors are tried next
-    monkeypatch.setattr(budget, "decode_speedup", lambda *a, **k: 0.5)
+    monkeypatch.setattr(timed_choice, "decode_speedup", lambda *a, **k: 0.5)
     said.clear()
     pf, point = budget.calibrate_within_budget(relu, settings, 0.1, RELU_TEXT, progress=said.append)
     assert point.mode == pf.mode == "gate" and "low-rank predictor at these levels" in point.note and "0.50x" in point.note
