@@ -94,8 +94,10 @@ def choose_width(f: GGUFFile, cfg: ModelConfig, layer: int, x: np.ndarray, act: 
     mass = np.abs(act.astype(np.float32)) * norms[None, :]  # [T, n_ff]
     total = max(float(mass.sum()), 1e-30)
     choice = WidthChoice(0, 0.0, 0.0)
-    for k in (w for w in WIDTHS if w < cfg.d_model):
-        logits = (x @ v[:, :k]) @ (g @ v[:, :k]).T  # [T, n_ff]: the predictor's output, without the relu pair
+    widths = [w for w in WIDTHS if w < cfg.d_model]
+    xv, gv = x @ v[:, : widths[-1]], g @ v[:, : widths[-1]]  # [T, k_max], [n_ff, k_max]: each k is a prefix
+    for k in widths:
+        logits = xv[:, :k] @ gv[:, :k].T  # [T, n_ff]: the predictor's output, without the relu pair
         chosen = logits > 0
         choice = WidthChoice(k, float(mass[chosen].sum()) / total, float(chosen.mean()))
         if choice.recall >= recall:

@@ -37,7 +37,8 @@ def decode_speedup(p: Profile, candidate: PredictorFile, base: PredictorFile, pr
     two alternating (A B, B A, ...), each round steps greedy tokens after prompt. Measured, not
     modelled: what a chosen row costs against a streamed one differs from CPU to CPU (~4x on a Zen 4,
     ~1.3x on a Sapphire Rapids: docs/sparsity.md), and from executor to executor (on an AVX2 EPYC
-    the low-rank predictor decoded at 1.03-1.07x gate mode's speed in process, 1.11x in the pool)."""
+    the 1.1B file's low-rank predictor decoded at 0.98-1.07x gate mode's speed in process and
+    1.05-1.07x in the pool)."""
     from powerinfer.api import LLM
     from powerinfer.predictors.predictor_file import write_predictor
     from powerinfer.sparsity.speed import timed_run
