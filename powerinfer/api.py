@@ -362,18 +362,20 @@ class LLM:
             finish = chunk.finish_reason or finish
         return "".join(parts), finish
 
-    def render_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """template_kwargs: more variables for the template (e.g. Qwen3's ``enable_thinking``)."""
         if self.chat_template is None:
             raise ChatTemplateError(str(self._template_error))
-        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, extra=template_kwargs)
 
     def chat(self, messages: Sequence[ChatMessage | Mapping[str, str]], max_tokens: int = -1, **kwargs: Any) -> Iterator[GenerationChunk]:
         """Stream the assistant's reply to messages, rendered with the model's chat template."""
         return self.generate(self.chat_ids(messages), max_tokens, **kwargs)
 
-    def chat_ids(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[int]:
+    def chat_ids(self, messages: Sequence[ChatMessage | Mapping[str, str]], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of messages rendered with the chat template, ready for the assistant's reply."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, template_kwargs=template_kwargs)
         # The template already writes BOS when the model wants it; don't add a second one.
         return self.tokenize(text, add_bos=not self._template_has_bos(text), special=True)
 

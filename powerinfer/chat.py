@@ -115,6 +115,9 @@ def _messages(messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[dict[
     return out
 
 
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
+
 class ChatTemplate:
     """A compiled chat template. strip_bos: drop a leading bos_token from the rendered text, for
     tokenizers that add BOS themselves (llama.cpp does the same, so BOS is never doubled).
@@ -145,10 +148,13 @@ class ChatTemplate:
             raise ChatTemplateError(f"cannot compile the chat template: {type(e).__name__}: {_one_line(e)}") from e
 
     @classmethod
-    def for_model(cls, meta: Mapping[str, Any], tok: GGUFTokenizer) -> ChatTemplate:
-        """The file's template, or the built-in fallback for its architecture."""
+    def for_model(cls, meta: Mapping[str, Any], tok: GGUFTokenizer, source: str | None = None) -> ChatTemplate:
+        """The file's template (or source, given: a ``--chat-template-file``), else the built-in
+        fallback for its architecture."""
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        if source is not None:
+            return cls(source, bos, eos, strip_bos=tok.add_bos)
         source = meta.get("tokenizer.chat_template")
         if not isinstance(source, str) or not source.strip():
             arch = str(meta.get("general.architecture", ""))
@@ -157,15 +163,22 @@ class ChatTemplate:
             source = GEMMA_TEMPLATE if gemma else CHATML_TEMPLATE
         return cls(source, bos, eos, strip_bos=tok.add_bos)
 
-    def render(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for messages; add_generation_prompt opens the assistant's turn."""
-        variables = {
+    def render(self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True,
+               extra: Mapping[str, Any] | None = None) -> str:
+        """The prompt text for messages; add_generation_prompt opens the assistant's turn. extra:
+        more template variables (a request's ``chat_template_kwargs``, e.g. Qwen3's
+        ``enable_thinking``); none may be one the renderer sets (RESERVED_VARIABLES)."""
+        clash = sorted(RESERVED_VARIABLES.intersection(extra or ()))
+        if clash:
+            raise ChatTemplateError(f"template variable {clash[0]!r} is set by the renderer")
+        variables: dict[str, Any] = {
+            **(extra or {}),
             "messages": _messages(messages),
             "add_generation_prompt": bool(add_generation_prompt),
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
         }
-        chars = len(self.source) + len(self.bos_token) + len(self.eos_token)
+        chars = len(self.source) + len(self.bos_token) + len(self.eos_token) + sum(len(str(v)) for v in (extra or {}).values())
         chars += sum(len(m["role"]) + len(m["content"]) for m in variables["messages"])
         token = activate(render_budget(self.time_limit, self.base_chars, chars, self.input_factor))
         try:

@@ -186,7 +186,35 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
     path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
     if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
         raise PowerInferError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
-    return LLM(path, n_ctx=args.ctx_size, default_ctx=getattr(args, "default_ctx", 4096), n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
-               worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
-               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
-               gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)
+    template = read_template(args.chat_template_file) if getattr(args, "chat_template_file", None) else None
+    llm = LLM(path, n_ctx=args.ctx_size, default_ctx=getattr(args, "default_ctx", 4096), n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
+              worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
+              progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
+              gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)
+    if template is not None:  # the file's own template is replaced (llama-server's --chat-template-file)
+        from powerinfer.chat import ChatTemplate
+
+        try:
+            llm.chat_template = ChatTemplate.for_model(llm.file.metadata, llm.tokenizer, source=template)
+        except PowerInferError:
+            llm.close()
+            raise
+    return llm
+
+
+MAX_TEMPLATE_FILE = 1 << 20
+
+
+def read_template(path: str) -> str:
+    """A --chat-template-file's text, or a CLIError naming what is wrong with it."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_TEMPLATE_FILE + 1)
+    except OSError as e:
+        raise CLIError(f"cannot read --chat-template-file {path}: {e.strerror or e}") from None
+    if len(raw) > MAX_TEMPLATE_FILE:
+        raise CLIError(f"--chat-template-file {path} is over {MAX_TEMPLATE_FILE >> 20} MiB; a chat template is a few KiB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CLIError(f"--chat-template-file {path} is not UTF-8 text") from None

@@ -90,15 +90,16 @@ class Engine:
         return n
 
     def reusable_prefix(self, ids: Sequence[int], slot: int = 0) -> int:
-        """How many of ids to keep from slot's cache before evaluating the rest.
+        """How many of ids to keep from slot's cache before evaluating the rest: all that it shares
+        with the cache but the last prompt token, whose logits are needed (llama-server's rule, so
+        ``cached_tokens`` counts the same).
 
-        At least two prompt tokens are always recomputed: the last one because its logits are
-        needed, and one more so that the pass has T >= 2 queries. A one-query pass takes the decode
-        attention path (bmm + softmax), whose rounding differs from the prefill path (SDPA); with
-        two or more, the logits are bit-identical to evaluating the whole prompt from scratch
-        (measured), so a cached prefix never changes what a prompt generates.
+        On the native executors (the defaults) a one-token pass gives bit-identical logits to the
+        same row of a longer pass (tests/coordinator/test_engine.py), so a cached prefix never
+        changes what a prompt generates. The torch executors (test oracles) take another attention
+        path for one query; there a cached prefix moves the unrefined logits by bf16 rounding.
         """
-        return max(0, min(self.common_prefix(ids, slot), len(ids) - 2))
+        return max(0, min(self.common_prefix(ids, slot), len(ids) - 1))
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
         if isinstance(ids, list) and len(ids) <= 8:  # a decode step: plain Python beats three numpy calls

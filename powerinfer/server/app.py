@@ -7,17 +7,15 @@ by the scheduler thread; handlers hand it jobs and read their chunks from an asy
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hmac
 import logging
 import threading
 import time
-from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -25,46 +23,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from powerinfer import constrained
 from powerinfer.api import LLM
-from powerinfer.constrained import TokenConstraint
-from powerinfer.errors import InvalidArgumentError, PowerInferError
-from powerinfer.generation import SequenceState
-from powerinfer.sampling import SamplingParams
-from powerinfer.server import responses_api, tools
-from powerinfer.server.compat import add_cors, add_routes, cached_tokens, job_timings
+from powerinfer.errors import PowerInferError
+from powerinfer.server import responses_api
+from powerinfer.server.compat import add_cors, add_routes
+from powerinfer.server.generate import prompt_ids, run_jobs, submit_jobs
 from powerinfer.server.metrics import ServerMetrics
-from powerinfer.server.requests import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    GenerationRequest,
-    bad,
-    check_logit_bias,
-    parse_chat,
-    parse_completion,
-    parse_json,
-)
-from powerinfer.server.responses import Shapes
-from powerinfer.server.scheduler import (
-    Event,
-    Job,
-    QueueFullError,
-    Scheduler,
-    ShuttingDownError,
-)
-from powerinfer.server.streaming import collect, stream, watch_disconnect
+from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
+from powerinfer.server.scheduler import Scheduler
+from powerinfer.server.settings import ServerConfig
+
+__all__ = ["ServerConfig", "ServerState", "create_app"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_id: str  # the name /v1/models lists and requests must use
-    parallel: int = 4  # KV-cache slots = sequences decoded together
-    queue: int = 64  # sequences waiting beyond the slots before 429
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    n_predict: int = -1  # max_tokens of requests that set none (-1: until end of text or the context is full)
-    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (empty: this machine's pages; "*": all)
 
 
 class ServerState:
@@ -294,107 +264,3 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     app.add_api_route("/models", models, methods=["GET", "HEAD"], include_in_schema=False)
     app.state.server_state = state  # the shutdown (server/graceful.py) drains its scheduler
     return app
-
-
-def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]]:
-    """Tokenize the request's prompts (one for chat; in a worker thread: a long prompt takes a moment)."""
-    check_logit_bias(req.common.sampling, llm.config.vocab_size)
-    param = "messages" if isinstance(req, ChatRequest) else "prompt"
-    out = []
-    for i, prompt in enumerate([None] if isinstance(req, ChatRequest) else req.prompts):
-        where = param if isinstance(req, ChatRequest) or len(req.prompts) == 1 else f"prompt[{i}]"
-        try:
-            if isinstance(req, ChatRequest):
-                ids = llm.chat_ids(list(req.messages))
-            elif isinstance(prompt, str):
-                ids = llm.tokenize(prompt, add_bos=True, special=True)  # as llama-server: "<|im_start|>" is that token
-            else:
-                ids = list(prompt or ())
-                vocab = llm.config.vocab_size
-                if any(not 0 <= t < vocab for t in ids):
-                    raise bad(f"token ids must be in [0, {vocab})", where)
-        except PowerInferError as e:
-            raise bad(str(e), where) from None
-        if not ids:
-            raise bad("the prompt is empty", where)
-        if len(ids) >= llm.n_ctx:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {llm.n_ctx} (one is needed for the reply; "
-                                f"the server's -c/--ctx-size sets it, up to the model's {llm.config.context_length})",
-                           param=where, code="context_length_exceeded")
-        out.append(ids)
-    return out
-
-
-def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: list[list[int]],
-                config: ServerConfig, score_prompt: bool = False,
-                spec: tools.ToolSpec | None = None) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
-    """Queue a request's sequences (choice i answers prompt i // n, sampled as choice i % n); their
-    events arrive on the returned queue (on this event loop) as (choice index, chunk or error).
-    score_prompt: the prompts' logprobs too (completions with echo and logprobs). spec: the chat's
-    tools; with several calls allowed, a reply ends where it repeats a call (tools.RepeatGuard)."""
-    max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-
-    def sink(job: Job, ev: Event) -> None:  # scheduler thread -> event loop
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
-
-    vocab = llm.config.vocab_size
-
-    def constraint() -> TokenConstraint | None:
-        if common.grammar is None:
-            return None
-        try:
-            return TokenConstraint(llm.tokenizer, vocab, common.grammar)
-        except InvalidArgumentError as e:  # e.g. it names tokens this vocabulary lacks
-            raise bad(str(e), "grammar") from None
-
-    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
-                                         common.logprobs, constraint(), score_prompt,
-                                         tools.RepeatGuard() if spec is not None and spec.parallel else None), sink, index=p * common.n + j)
-            for p, ids in enumerate(prompts) for j in range(common.n)]
-    try:
-        sched.submit(jobs)
-    except QueueFullError as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-    except ShuttingDownError as e:
-        raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
-    return jobs, queue
-
-
-async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatRequest | CompletionRequest, prompts: list[list[int]],
-                   config: ServerConfig) -> Response:
-    common: GenerationRequest = req.common
-    scored = isinstance(req, CompletionRequest) and req.echo and common.logprobs is not None
-    spec = req.tools if isinstance(req, ChatRequest) else None
-    jobs, queue = submit_jobs(llm, sched, common, prompts, config, scored, spec)
-    shapes = Shapes("chat" if isinstance(req, ChatRequest) else "completion", config.model_id)
-    # the prompt as written: its special tokens' text too, not a BOS the server added
-    echo = [llm.tokenizer.decode(ids, skip_special=False, strip_bos=True) if isinstance(req, CompletionRequest) and req.echo else ""
-            for ids in prompts for _ in range(common.n)]
-    n_prompt = sum(len(ids) for ids in prompts)
-    if common.stream:
-        return StreamingResponse(stream(shapes, sched, jobs, queue, common, n_prompt, echo, spec), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    # The client may hang up while tokens are flowing: a watcher waits for uvicorn's disconnect
-    # message (the body is read, so receive() returns nothing else) and cancels the jobs at once,
-    # so the slot is free within one decode step and the job counts as cancelled, not ok.
-    watcher = asyncio.ensure_future(watch_disconnect(request, sched, jobs, queue))
-    try:
-        results = await collect(queue, len(jobs))
-    finally:
-        watcher.cancel()
-        sched.cancel([j for j in jobs if not j.finished])
-    for job in jobs:
-        results[job.index].prompt_logprobs = job.state.prompt_logprobs
-    body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs, common.n))
-    if spec is not None:
-        tools.apply_to_final(body, spec)
-    body["timings"] = job_timings(jobs, sum(r.tokens for r in results))
-    return JSONResponse(body)
-
-
-def choice_sampling(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of a seeded request samples with seed + i: reproducible, yet the n choices differ."""
-    return params if params.seed < 0 or index == 0 else replace(params, seed=(params.seed + index) % 2**32)

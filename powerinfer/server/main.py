@@ -35,7 +35,9 @@ from powerinfer.flags import (
     exit_status,
     load_llm,
     positive_int,
+    read_template,
 )
+from powerinfer.chat import ChatTemplate
 from powerinfer.errors import PowerInferError
 
 log = logging.getLogger("powerinfer.server")
@@ -62,8 +64,14 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=64, help="sequences that may wait for a slot before 429 (default 64)")
     p.add_argument("--alias", default=None, help="model name in /v1/models and requests (default: the model file's name)")
     p.add_argument("--cors-origins", default="",
-                   help="browser origins allowed to call the API, comma-separated ('*': any); default: pages on this machine only "
-                        "(localhost, 127.0.0.1, [::1], any port), so that other websites cannot drive the model through a browser")
+                   help="browser origins allowed to call the API, comma-separated; default: pages on this machine only "
+                        "(localhost, 127.0.0.1, [::1], any port), so that other websites cannot drive the model through a browser. "
+                        "--cors-origins '*' allows any origin, as llama-server does by default")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model file's (as llama-server's)")
+    p.add_argument("--reasoning-format", choices=("deepseek", "none"), default="deepseek",
+                   help="deepseek (default): a reasoning model's <think>...</think> goes to message.reasoning_content "
+                        "(streamed: delta.reasoning_content); none: left in content. A request's reasoning_format overrides it")
     p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
     p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
                    help=f"tokens a request may generate when it sets no max_tokens; -1 = until end of text or context "
@@ -121,11 +129,14 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise CLIError("--api-key must not be empty")
     check_gpu_flags(args)
+    if args.chat_template_file:  # a template that cannot be read or compiled ends the daemon now, not after the model loads
+        ChatTemplate(read_template(args.chat_template_file))
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     sock = bind(args.host, args.port)
     cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
-                       n_predict=args.n_predict, cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()))
+                       n_predict=args.n_predict, cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
+                       reasoning_format=args.reasoning_format)
     args.n_slots = args.parallel
     app = create_app(cfg, lambda: load_llm(args, progress=False))
     host, port = sock.getsockname()[:2]

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from powerinfer.chat import RESERVED_VARIABLES
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sampling import SamplingParams
+from powerinfer.server import reasoning
 
 MAX_N = 16  # choices per request
 MAX_STOP = 16  # OpenAI allows 4; llama.cpp clients send a few more
@@ -154,6 +156,8 @@ class ChatRequest:
     common: GenerationRequest
     messages: tuple[dict[str, str], ...]  # plain turns for the chat template (tool calls and results rendered: server/tools.py)
     tools: Any = None  # server.tools.ToolSpec, or None: the reply is text
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more chat-template variables (server/reasoning.py)
+    reasoning_format: str | None = None  # this request's --reasoning-format (None: the server's)
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,14 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
         from powerinfer.server.structured import compile_grammar
 
         common = replace(common, grammar=compile_grammar("lark", call_grammar, "tools"))
-    return ChatRequest(common, tuple(tools.render(out, spec)), spec)
+    try:
+        kwargs = reasoning.template_kwargs(body, RESERVED_VARIABLES)
+    except ValueError as e:
+        raise bad(str(e), "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "reasoning_effort") from None
+    fmt = body.get("reasoning_format")
+    if fmt is not None and fmt not in reasoning.FORMATS:
+        raise bad(f"'reasoning_format' must be one of {', '.join(reasoning.FORMATS)}", "reasoning_format")
+    return ChatRequest(common, tuple(tools.render(out, spec)), spec, kwargs, fmt)
 
 
 def _tool_calls(v: Any, i: int) -> list[dict[str, Any]]:

@@ -101,13 +101,16 @@ class Shapes:
         return body
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None, logprobs: list[TokenLogprob] | None = None,
-              role: bool = False, offset: int = 0) -> dict[str, Any]:
-        """One streamed event; offset: the echoed prompt's length (completions' text_offset counts from it)."""
+              role: bool = False, offset: int = 0, reasoning: str | None = None) -> dict[str, Any]:
+        """One streamed event; offset: the echoed prompt's length (completions' text_offset counts from it);
+        reasoning: a reasoning model's thought (chat's ``delta.reasoning_content``, server/reasoning.py)."""
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             lp = chat_logprobs(logprobs) if logprobs else None

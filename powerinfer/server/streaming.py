@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from powerinfer.generation import GenerationChunk
 from powerinfer.protocol import WorkerDiedError, WorkerError
-from powerinfer.server import tools
+from powerinfer.server import reasoning, tools
 from powerinfer.server.compat import cached_tokens, job_timings
 from powerinfer.server.requests import APIError, GenerationRequest
 from powerinfer.server.responses import ChoiceResult, Shapes, sse
@@ -61,10 +61,14 @@ async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[Cho
 
 
 async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
-                 common: GenerationRequest, prompt_tokens: int, echo: list[str], spec: tools.ToolSpec | None = None) -> AsyncIterator[bytes]:
+                 common: GenerationRequest, prompt_tokens: int, echo: list[str], spec: tools.ToolSpec | None = None,
+                 think: list[bool] | None = None) -> AsyncIterator[bytes]:
     """SSE events until every choice finished; leaving early (client gone) cancels the jobs. With
-    tools, text that may be a tool call is held back and the calls go out whole at the end."""
+    tools, text that may be a tool call is held back and the calls go out whole at the end. think:
+    by choice index, whether the reply starts inside a thought (None: no reasoning split); the
+    thought goes out as ``delta.reasoning_content``."""
     held = {j.index: tools.ToolStream(spec) for j in jobs} if spec is not None else {}
+    thoughts = {j.index: reasoning.ThinkSplitter(think[j.index]) for j in jobs} if think is not None else {}
     try:
         for j in jobs:
             yield sse(shapes.chunk(j.index, "" if shapes.chat else echo[j.index], role=True))
@@ -85,8 +89,14 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
                 yield sse(shapes.chunk(idx, "", logprobs=list(state.prompt_logprobs)))
             tokens += chunk.token >= 0
             lps = list(chunk.logprobs) or None
-            text = held[idx].push(chunk.text) if held and chunk.text else chunk.text
-            if text or lps:
+            thought, text = thoughts[idx].push(chunk.text) if thoughts and chunk.text else ("", chunk.text)
+            if chunk.finish_reason is not None and thoughts:
+                more, rest = thoughts[idx].finish()
+                thought, text = thought + more, text + rest
+            text = held[idx].push(text) if held and text else text
+            if thought:
+                yield sse(shapes.chunk(idx, None, reasoning=thought, logprobs=None if text else lps))
+            if text or (lps and not thought):
                 yield sse(shapes.chunk(idx, text, logprobs=lps, offset=offset[idx]))
             if chunk.finish_reason is not None:
                 reason = chunk.finish_reason

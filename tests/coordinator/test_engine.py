@@ -128,15 +128,40 @@ def test_batched_decode_is_bit_identical_to_each_sequence_alone(make_model: Call
     assert [len(t) for t in eng.slot_tokens] == [12, 17, 7]
 
 
-def test_cached_prefix_gives_bit_identical_logits(make_model: Callable[..., Path]) -> None:
-    """reusable_prefix recomputes >= 2 tokens, so a cached prefix never changes a prompt's logits."""
-    eng = build_slots(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_slots=1)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_cached_prefix_gives_bit_identical_logits_natively(make_model: Callable[..., Path], arch: str) -> None:
+    """reusable_prefix keeps all but the last prompt token (llama-server's rule); on the native
+    decoder (the default executors) the one-token pass that follows gives the very logits of the
+    whole prompt evaluated at once, so a cached prefix never changes what a prompt generates."""
+    from powerinfer.coordinator.native_executor import NativeExecutor
+    from powerinfer.cpu_workers.native_lib import decoder_lib
+
+    lib = decoder_lib()
+    if lib is None:
+        pytest.fail("the native decoder did not build (see the log)")
+    f = GGUFFile(make_model(arch=arch, qtype=QT.Q4_0, n_layers=2))
+    cfg = config_from_gguf(f)
+    eng = Engine(f, cfg, NativeExecutor(lib, f, cfg, 64, 1, max_tokens=64), n_ctx=64, n_batch=64)
     full = eng.eval(IDS)
     for cut in (5, 10, len(IDS)):
         keep = eng.reusable_prefix(IDS[:cut] + IDS[cut:])
-        assert keep == len(IDS) - 2
+        assert keep == len(IDS) - 1
         eng.rewind(keep)
         assert np.array_equal(eng.eval(IDS[keep:]), full)
+    eng.rewind(3)  # a prompt that leaves the cache after 3 tokens keeps those 3
+    assert eng.reusable_prefix(IDS[:3] + [5, 6]) == 3 and eng.reusable_prefix(IDS[:3]) == 2
+
+
+def test_cached_prefix_on_torch_moves_logits_by_rounding_only(make_model: Callable[..., Path]) -> None:
+    """The torch oracle takes another attention path for one query: the same best token, logits
+    within bf16 rounding of the whole prompt's."""
+    eng = build_slots(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_slots=1)
+    full = eng.eval(IDS)
+    keep = eng.reusable_prefix(IDS)
+    assert keep == len(IDS) - 1
+    eng.rewind(keep)
+    again = eng.eval(IDS[keep:])
+    assert again.argmax() == full.argmax() and np.abs(again - full).max() < 0.05 * np.abs(full).max()
 
 
 def test_decode_checks_slots(make_model: Callable[..., Path]) -> None:

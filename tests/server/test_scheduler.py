@@ -239,3 +239,60 @@ def test_random_overlapping_sequences_equal_lone_generation(make_model: Callable
         assert crossed == {256, 512, 1024}
     finally:
         llm.close()
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("n_slots", [2, 4])
+def test_cached_tokens_follow_llama_servers_rule(make_model: Callable[..., Path], n_slots: int) -> None:
+    """Three conversations interleaved over 2 or 4 slots, one turn at a time and two turns at once:
+    each request lands in the free slot whose cache shares the longest prefix with its prompt (the
+    least recently used on a tie) and reuses all of that prefix but its last prompt token, as
+    llama-server counts ``cached_tokens``. A slot caches its prompt and every generated token but the
+    last (which is never evaluated)."""
+    m = LLM(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_ctx=96, executor="inprocess", n_slots=n_slots, n_batch=8)
+    caches: list[list[int]] = [[] for _ in range(n_slots)]
+    used = [0] * n_slots  # order of last use (0: never)
+    clock = 0
+    history: dict[str, list[int]] = {}
+    col = Collector()
+    sched = run(m)
+    rng = random.Random(n_slots)
+    try:
+        # "a=": conversation a's last prompt sent again (all of it cached but its last token)
+        turns = [["a"], ["b"], ["c"], ["a"], ["a="], ["b"], ["a", "c"], ["b", "a"], ["c="], ["b"], ["b="]]
+        last: dict[str, list[int]] = {}
+        for group in turns:
+            prompts = [last[c[0]] if c.endswith("=") else history.get(c, [256]) + [rng.randrange(60, 250) for _ in range(rng.randrange(3, 9))]
+                       for c in group]
+            last.update((c[0], p) for c, p in zip(group, prompts))
+            want, chosen, free = [], [], set(range(n_slots))
+            for p in prompts:  # admission in submission order, each taking the best of the slots still free
+                s = max(sorted(free), key=lambda s: (_lcp(p, caches[s]), -used[s]))
+                free.discard(s)
+                chosen.append(s)
+                want.append(min(_lcp(p, caches[s]), len(p) - 1))
+            jobs = col.jobs(m, prompts, 3)
+            sched.submit(jobs)
+            assert col.done.wait(60)
+            col.done.clear()
+            assert [j.seq.cached for j in jobs if j.seq is not None] == want, (group, want)
+            assert [j.seq.slot for j in jobs if j.seq is not None] == chosen
+            for c, p, s, j in zip(group, prompts, chosen, jobs):
+                gen = col.tokens(j)
+                history[c[0]] = p + gen
+                caches[s] = p + gen[:-1]
+                clock += 1
+                used[s] = clock
+            assert [m.engine.slot_tokens[s] for s in chosen] == [caches[s] for s in chosen]
+        assert sum(want) > 0
+    finally:
+        sched.stop()
+        m.close()

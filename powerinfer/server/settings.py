@@ -1,0 +1,20 @@
+"""The server's frozen configuration, shared by the routes and the generation path.
+
+Runs in: the server process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_id: str  # the name /v1/models lists and requests must use
+    parallel: int = 4  # KV-cache slots = sequences decoded together
+    queue: int = 64  # sequences waiting beyond the slots before 429
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    n_predict: int = -1  # max_tokens of requests that set none (-1: until end of text or the context is full)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (empty: this machine's pages; "*": all)
+    reasoning_format: str = "deepseek"  # "deepseek": <think>...</think> goes to reasoning_content; "none": left in content
