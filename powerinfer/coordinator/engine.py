@@ -216,6 +216,23 @@ class Engine:
             outs.append(self.logits_of(hidden[-1:]))
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
+    def hidden(self, ids: Sequence[int], slot: int = 0) -> np.ndarray:
+        """Append ids to slot's cache -> their final-normed hidden states float32 [len(ids), d]
+        (what an embedding pools)."""
+        arr = self._check_ids(ids)
+        tokens = self._slot(slot)
+        if arr.size == 0:
+            raise InvalidArgumentError("nothing to evaluate: empty token list")
+        if len(tokens) + arr.size > self.n_ctx:
+            raise ContextOverflowError(f"{len(tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
+        outs: list[np.ndarray] = []
+        for i in range(0, arr.size, self.n_batch):
+            chunk = arr[i : i + self.n_batch]
+            positions = np.arange(len(tokens), len(tokens) + len(chunk), dtype=np.int64)
+            outs.append(np.array(self._forward(chunk, positions, np.full(len(chunk), slot, dtype=np.int64)), dtype=np.float32))
+            tokens.extend(int(t) for t in chunk)
+        return np.concatenate(outs) if len(outs) > 1 else outs[0]
+
     def decode(self, ids: Sequence[int], slots: Sequence[int]) -> np.ndarray:
         """One token for each of several distinct slots, in one forward pass -> logits float32 [B, vocab]."""
         arr = self._check_ids(ids)

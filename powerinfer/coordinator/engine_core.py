@@ -10,6 +10,9 @@ same loop. A step:
    sampled from the chunk's last logits;
 2. every sequence in decode advances by one token in a single batched forward pass.
 
+An embedding sequence (``Seq.pooling``) only prefills: its chunks' final hidden states are pooled
+(mean or last) and it leaves with the vector when its prompt is done, never sampled.
+
 Sequences join between steps (:meth:`EngineCore.add` gives each a free KV slot: the one whose
 cached tokens share the longest prefix with its prompt, so a chat's next turn reuses its history)
 and leave when done or cancelled (:meth:`EngineCore.remove`).
@@ -27,6 +30,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
+
+import numpy as np
 
 from powerinfer.coordinator.engine import Engine
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
@@ -47,6 +52,8 @@ class Seq:
     slot: int = -1
     prefilled: int = 0
     cached: int = 0  # prompt tokens found in the slot's cache at admission (not computed again)
+    pooling: str = ""  # "mean" or "last": an embedding (the pooled final hidden state), nothing generated
+    pooled: np.ndarray | None = None  # float32 [d]: the sum (mean) or last row of the hidden states so far
 
     @property
     def in_prefill(self) -> bool:
@@ -61,6 +68,7 @@ class StepOutput:
     prompt_tokens: int = 0
     chunks: list[GenerationChunk] = field(default_factory=list)
     first: bool = False  # the sequence's first token was sampled in this step
+    embedding: np.ndarray | None = None  # an embedding sequence's pooled vector float32 [d] (not normalized), once done
 
 
 class EngineCore:
@@ -90,8 +98,8 @@ class EngineCore:
         busy = {s.slot for s in self.active}
         free = [s for s in range(self.engine.n_slots) if s not in busy]
         seq.slot = max(free, key=lambda s: (self.engine.common_prefix(seq.prompt, s), -self.slot_used[s]))
-        # a prompt to score is computed whole: the cached positions' logits are gone
-        keep = 0 if seq.state.score_prompt else self.engine.reusable_prefix(seq.prompt, seq.slot)
+        # a prompt to score or embed is computed whole: the cached positions' logits and hidden states are gone
+        keep = 0 if seq.state.score_prompt or seq.pooling else self.engine.reusable_prefix(seq.prompt, seq.slot)
         self.engine.rewind(keep, seq.slot)
         seq.prefilled = seq.cached = keep
         self.active.append(seq)
@@ -128,7 +136,9 @@ class EngineCore:
         with self.guard():
             prefilling = [s for s in self.active if s.in_prefill]
             decoding = [s for s in self.active if not s.in_prefill and s.state.next_token is not None]
-            if prefilling:
+            if prefilling and prefilling[0].pooling:
+                outs.append(self._embed_chunk(prefilling[0]))
+            elif prefilling:
                 seq = prefilling[0]
                 score = seq.state.score_prompt
                 # scored: every row's logits come back, [chunk, vocab], so the chunk is kept small
@@ -152,6 +162,22 @@ class EngineCore:
                 self.decode_s = time.perf_counter() - t0
                 outs.extend(StepOutput(s, chunks=self._sample(s, row)) for s, row in zip(decoding, logits))
         return outs
+
+    def _embed_chunk(self, seq: Seq) -> StepOutput:
+        """One chunk of an embedding's prompt; pooled when the prompt is done, and the sequence leaves."""
+        chunk = seq.prompt[seq.prefilled : seq.prefilled + self.engine.n_batch]
+        t0 = time.perf_counter()
+        h = self.engine.hidden(chunk, slot=seq.slot)  # [T, d]
+        self.prefill_s = time.perf_counter() - t0
+        part = h.sum(axis=0, dtype=np.float64).astype(np.float32) if seq.pooling == "mean" else h[-1].copy()
+        seq.pooled = part if seq.pooled is None or seq.pooling == "last" else seq.pooled + part
+        seq.prefilled += len(chunk)
+        out = StepOutput(seq, prompt_tokens=len(chunk))
+        if not seq.in_prefill:
+            assert seq.pooled is not None
+            out.embedding = seq.pooled / np.float32(len(seq.prompt)) if seq.pooling == "mean" else seq.pooled
+            self.remove(seq)
+        return out
 
     def _sample(self, seq: Seq, logits: object) -> list[GenerationChunk]:
         full = len(self.engine.slot_tokens[seq.slot]) + 1 >= self.engine.n_ctx

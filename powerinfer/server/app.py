@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from powerinfer import constrained
 from powerinfer.api import LLM
 from powerinfer.errors import PowerInferError
-from powerinfer.server import responses_api
+from powerinfer.server import embeddings, responses_api
 from powerinfer.server.compat import add_cors, add_routes
 from powerinfer.server.generate import prompt_ids, run_jobs, submit_jobs
 from powerinfer.server.metrics import ServerMetrics
@@ -258,8 +258,23 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         return await responses_api.respond(request, body, req, prompts[0], sched, config.model_id,
                                            lambda common, ps: submit_jobs(llm, sched, common, ps, config))
 
+    async def embed(request: Request, oai: bool) -> Response:
+        check_key(request)
+        req = embeddings.parse(await read_body(request), oai)
+        check_model(req.model)
+        llm, sched = state.ready()
+        return await embeddings.respond(request, req, llm, sched, config.model_id, config.pooling)
+
+    @app.post("/v1/embeddings")
+    async def embeddings_oai(request: Request) -> Response:
+        return await embed(request, True)
+
+    @app.post("/embedding")
+    async def embedding_llama(request: Request) -> Response:  # llama-server's own shape
+        return await embed(request, False)
+
     add_routes(app, state, config, check_key, read_body)
-    for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses)):
+    for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses), ("/embeddings", embeddings_oai)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET", "HEAD"], include_in_schema=False)
     app.state.server_state = state  # the shutdown (server/graceful.py) drains its scheduler

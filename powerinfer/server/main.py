@@ -72,6 +72,9 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("--reasoning-format", choices=("deepseek", "none"), default="deepseek",
                    help="deepseek (default): a reasoning model's <think>...</think> goes to message.reasoning_content "
                         "(streamed: delta.reasoning_content); none: left in content. A request's reasoning_format overrides it")
+    p.add_argument("--pooling", choices=("mean", "last"), default="mean",
+                   help="embeddings (/v1/embeddings, /embedding): the mean of the final hidden states over the input's tokens "
+                        "(default) or the last token's; either scaled to unit length")
     p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
     p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
                    help=f"tokens a request may generate when it sets no max_tokens; -1 = until end of text or context "
@@ -136,7 +139,7 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     sock = bind(args.host, args.port)
     cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
                        n_predict=args.n_predict, cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
-                       reasoning_format=args.reasoning_format)
+                       reasoning_format=args.reasoning_format, pooling=args.pooling)
     args.n_slots = args.parallel
     app = create_app(cfg, lambda: load_llm(args, progress=False))
     host, port = sock.getsockname()[:2]

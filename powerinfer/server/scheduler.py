@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
+import numpy as np
 
 from powerinfer.api import LLM
 from powerinfer.coordinator.engine_core import Seq
@@ -51,7 +52,14 @@ class ShuttingDownError(PowerInferError):
     """The server is stopping and takes no new work."""
 
 
-Event = Union[GenerationChunk, BaseException]  # an exception is the job's last event
+@dataclass(frozen=True)
+class Embedded:
+    """An embedding job's one event: its pooled final hidden state, float32 [d], not normalized."""
+
+    vector: np.ndarray
+
+
+Event = Union[GenerationChunk, Embedded, BaseException]  # an exception is the job's last event
 
 
 @dataclass(eq=False)
@@ -68,6 +76,7 @@ class Job:
     t_end: float = 0.0  # the last token emitted (monotonic), set before its chunks reach the sink
     finished: bool = False
     seq: Seq | None = None  # the engine core's view (slot, prompt tokens cached), made at admission
+    pooling: str = ""  # "mean" or "last": an embedding job (one Embedded event), nothing generated
 
     @property
     def completion_tokens(self) -> int:
@@ -183,7 +192,13 @@ class Scheduler:
             assert isinstance(job, Job)
             if out.prompt_tokens:
                 self.metrics.prompt_tokens.inc(out.prompt_tokens)
-            if out.chunks or out.first or not out.prompt_tokens:
+            if out.embedding is not None:
+                job.t_first = job.t_end = time.monotonic()
+                self.metrics.requests.labels("ok").inc()
+                job.finished = True
+                self._release(job)
+                job.sink(job, Embedded(out.embedding))
+            elif out.chunks or out.first or not out.prompt_tokens:
                 self._emit(job, out.chunks)
 
     def _drop_cancelled(self) -> None:
@@ -203,7 +218,7 @@ class Scheduler:
         with self.cond:
             while self.waiting and len(self.active) < self.n_slots:
                 job = self.waiting.popleft()
-                job.seq = Seq(job.prompt, job.state, tag=job)
+                job.seq = Seq(job.prompt, job.state, tag=job, pooling=job.pooling)
                 self.core.add(job.seq)
                 if job.seq.cached:
                     self.metrics.prompt_tokens_cache.inc(job.seq.cached)
