@@ -191,6 +191,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
               worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
               gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)
+    set_lookup(llm, getattr(args, "lookup", 0))
     if template is not None:  # the file's own template is replaced (llama-server's --chat-template-file)
         from powerinfer.chat import ChatTemplate
 
@@ -200,6 +201,42 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
             llm.close()
             raise
     return llm
+
+
+MAX_LOOKUP = 64
+
+
+def _lookup(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= n <= MAX_LOOKUP:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LOOKUP}, got {n}")
+    return n
+
+
+def add_lookup_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup", type=_lookup, default=0, metavar="N",
+                   help="prompt lookup decoding: draft up to N tokens from n-grams already in the context and check them in one "
+                        "pass (faster when the reply quotes or edits its context; the same output as without it); 0 = off (default). "
+                        "Used while one sequence decodes, on the native executors without a sparsity predictor")
+
+
+def set_lookup(llm: "LLM", n: int) -> None:
+    """Turn on prompt lookup decoding where a checked draft gives exactly the tokens decoding
+    one at a time gives, and say why not elsewhere."""
+    if not 0 <= n <= MAX_LOOKUP:
+        raise CLIError(f"--lookup must be in 0..{MAX_LOOKUP}, got {n}")
+    if n == 0:
+        return
+    if llm.sparse:
+        log.warning("--lookup is off: with a sparsity predictor a pass over several tokens is computed unlike a decode step, "
+                    "so the output would differ from decoding one token at a time")
+    elif getattr(llm.engine.executor, "native_step", None) is None:
+        log.warning("--lookup is off: this executor (torch) rounds a pass over several tokens differently from a decode step")
+    else:
+        llm.core.lookup = n
 
 
 MAX_TEMPLATE_FILE = 1 << 20

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the shared-memory merge alone between real rank processes (first --workers value, at least 2), then the GPU rank's "
                         "hand-off with as many CPU ranks: "
                         "latency per sync")
+    p.add_argument("--lookup", type=int, default=0, metavar="N",
+                   help="prompt lookup decoding with drafts of up to N tokens against plain decoding, paired rounds (--rounds, "
+                        "--gen-tokens) on a quoting task and a free-writing one; the tokens must match")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prefill length (default 128)")
     p.add_argument("--gen-tokens", type=positive_int, default=64, help="decode steps (default 64)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
@@ -248,6 +251,15 @@ def run_bench(argv: Sequence[str]) -> int:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
                 json.dump(as_dict(prof), fh, indent=2)
+        return 0
+    if args.lookup:
+        from powerinfer.cli.bench_lookup import compare_lookup
+
+        lk = compare_lookup(model, args.lookup, args.workers[0], args.executor, args.gen_tokens, args.rounds)
+        print(lk.report())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(lk.as_dict(), fh, indent=2)
         return 0
     if args.paired:
         from powerinfer.cli.bench_scaling import compare_scaling, plot_scaling

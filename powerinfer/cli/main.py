@@ -24,6 +24,7 @@ from powerinfer.flags import (
     CLIError,
     Parser,
     add_gpu_args,
+    add_lookup_arg,
     add_model_args,
     check_gpu_flags,
     configure_logging,
@@ -129,6 +130,7 @@ def build_generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling; 0 = off (default 0.05)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="repeat penalty; 1.0 = off (default 1.0)")
     p.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalty looks back; -1 = context (default 64)")
+    add_lookup_arg(p)
     p.add_argument("--seed", type=int, default=-1, help="random seed; -1 = random (default -1)")
     p.add_argument("-i", "--interactive", action="store_true",
                    help="chat with the model's chat template (Ctrl+C stops an answer; Ctrl+D or /exit quits; "

@@ -124,20 +124,26 @@ def timing_summary(llm: LLM) -> str:
     """llama.cpp-style perf lines for the last generation."""
     t = llm.timings
 
-    def line(label: str, seconds: float, n: int, unit: str) -> str:
+    def line(label: str, seconds: float, n: int, unit: str, each: str = "token") -> str:
         per = seconds * 1000 / n if n else 0.0
         tps = n / seconds if seconds > 0 else 0.0
-        return f"{label:<17}= {seconds * 1000:10.2f} ms / {n:5d} {unit:<6} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+        plural = each + ("es" if each.endswith("s") else "s")
+        return f"{label:<17}= {seconds * 1000:10.2f} ms / {n:5d} {unit:<6} ({per:8.2f} ms per {each}, {tps:8.2f} {plural} per second)"
 
     extra = []
     shares = getattr(llm.engine.executor, "decode_share", None)
     if llm.sparse and shares is not None:
         extra.append(f"{'FFN computed':<17}= {100 * shares():10.1f} % of neurons per decode step (average over layers)")
+    core = llm.core
+    if core.lookup and t.decode_s > 0:  # several tokens per pass: say how many, and the speed in tokens
+        n = max(0, t.generated_tokens - 1)  # the first token came from the prompt's pass
+        extra.append(f"{'lookup':<17}= {core.accepted:5d} of {core.drafted} drafted tokens accepted (since load); "
+                     f"{n} tokens in {t.decode_evals} passes, {n / t.decode_s:.2f} tokens per second")
     return "\n".join(
         [
             f"{'load time':<17}= {t.load_s * 1000:10.2f} ms",
             line("prompt eval time", t.prompt_s, t.prompt_tokens, "tokens"),
-            line("eval time", t.decode_s, t.decode_evals, "runs"),
+            line("eval time", t.decode_s, t.decode_evals, "runs", "pass" if llm.core.lookup else "token"),
             f"{'total time':<17}= {(t.prompt_s + t.generate_s) * 1000:10.2f} ms / {t.prompt_tokens + t.generated_tokens:5d} tokens",
             *extra,
         ]

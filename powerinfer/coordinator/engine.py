@@ -246,11 +246,27 @@ class Engine:
             if len(toks) + 1 > self.n_ctx:
                 raise ContextOverflowError(f"slot {int(s)} is full: {self.n_ctx} tokens (raise -c/--ctx-size)")
         positions = np.array([len(t) for t in lists], dtype=np.int64)
-        step = getattr(self.executor, "native_step", None)
-        if step is not None and arr.size <= self.executor.max_tokens:  # type: ignore[attr-defined]
-            logits = softcap(step(arr, positions, sl, True, REFINE_MARGIN, REFINE), self.cfg.final_logit_softcap)
-        else:
-            logits = self.logits_of(self._forward(arr, positions, sl), decode=True)
+        logits = self._decode_rows(arr, positions, sl)
         for t, toks in zip(arr, lists):
             toks.append(int(t))
         return logits
+
+    def verify(self, ids: Sequence[int], slot: int) -> np.ndarray:
+        """Append ids (a sampled token and the tokens drafted after it) to slot's cache in one pass
+        -> logits float32 [len(ids), vocab], row i refined as a decode step's: the logits that
+        decoding ids[: i + 1] one token at a time would give (speculative decoding's check)."""
+        arr = self._check_ids(ids)
+        tokens = self._slot(slot)
+        if arr.size == 0 or len(tokens) + arr.size > self.n_ctx:
+            raise ContextOverflowError(f"{len(tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
+        positions = np.arange(len(tokens), len(tokens) + arr.size, dtype=np.int64)
+        logits = self._decode_rows(arr, positions, np.full(arr.size, slot, dtype=np.int64))
+        tokens.extend(int(t) for t in arr)
+        return logits
+
+    def _decode_rows(self, arr: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Every row's logits, each refined by the decode rule (one native call where it fits)."""
+        step = getattr(self.executor, "native_step", None)
+        if step is not None and arr.size <= self.executor.max_tokens:  # type: ignore[attr-defined]
+            return softcap(step(arr, positions, slots, True, REFINE_MARGIN, REFINE), self.cfg.final_logit_softcap)
+        return self.logits_of(self._forward(arr, positions, slots), decode=True)

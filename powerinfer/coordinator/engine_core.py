@@ -34,6 +34,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.lookup import NgramDrafter
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.generation import GenerationChunk, SequenceState
 from powerinfer.protocol import WorkerDiedError, WorkerError
@@ -54,6 +55,8 @@ class Seq:
     cached: int = 0  # prompt tokens found in the slot's cache at admission (not computed again)
     pooling: str = ""  # "mean" or "last": an embedding (the pooled final hidden state), nothing generated
     pooled: np.ndarray | None = None  # float32 [d]: the sum (mean) or last row of the hidden states so far
+    drafter: NgramDrafter | None = None  # prompt lookup decoding's n-gram index (made at the first lookup)
+    draft_len: int = 0  # the longest draft to try next: halved when one is wholly rejected, doubled when one is wholly taken
 
     @property
     def in_prefill(self) -> bool:
@@ -69,12 +72,16 @@ class StepOutput:
     chunks: list[GenerationChunk] = field(default_factory=list)
     first: bool = False  # the sequence's first token was sampled in this step
     embedding: np.ndarray | None = None  # an embedding sequence's pooled vector float32 [d] (not normalized), once done
+    sampled: int = 0  # tokens sampled in this step (more than one when a lookup draft was accepted)
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, restart: Callable[[], None]) -> None:
-        """restart: bring up a fresh worker pool (a no-op in process)."""
+    def __init__(self, engine: Engine, restart: Callable[[], None], lookup: int = 0) -> None:
+        """restart: bring up a fresh worker pool (a no-op in process). lookup: prompt lookup
+        decoding's longest draft (0: off; coordinator/lookup.py), used while one sequence decodes."""
         self.engine = engine
+        self.lookup = lookup
+        self.drafted = self.accepted = 0  # lookup's drafted and accepted tokens, for its statistics
         self._restart = restart
         self.active: list[Seq] = []
         self.slot_used = [0.0] * engine.n_slots  # last use (monotonic), for the least-recently-used choice
@@ -152,16 +159,54 @@ class EngineCore:
                 seq.prefilled += len(chunk)
                 out = StepOutput(seq, prompt_tokens=len(chunk))
                 if not seq.in_prefill:
-                    out.chunks, out.first = self._sample(seq, logits[-1]), True
+                    out.chunks, out.first, out.sampled = self._sample(seq, logits[-1]), True, 1
                 outs.append(out)
             self.last_batch = len(decoding)
-            if decoding:
+            draft = self._draft(decoding[0]) if self.lookup and len(decoding) == 1 else []
+            if draft:
+                t0 = time.perf_counter()
+                outs.append(self._verify(decoding[0], draft))
+                self.decode_s = time.perf_counter() - t0
+            elif decoding:
                 tokens = [int(s.state.next_token) for s in decoding]  # type: ignore[arg-type]
                 t0 = time.perf_counter()
                 logits = self.engine.decode(tokens, [s.slot for s in decoding])
                 self.decode_s = time.perf_counter() - t0
-                outs.extend(StepOutput(s, chunks=self._sample(s, row)) for s, row in zip(decoding, logits))
+                outs.extend(StepOutput(s, chunks=self._sample(s, row), sampled=1) for s, row in zip(decoding, logits))
         return outs
+
+    def _draft(self, seq: Seq) -> list[int]:
+        """Tokens to check after seq's next token: within the context, and no more than it may still generate."""
+        room = self.engine.n_ctx - len(self.engine.slot_tokens[seq.slot]) - 1
+        if seq.state.max_tokens > 0:
+            room = min(room, seq.state.max_tokens - seq.state.generated - 1)
+        if room < 1:
+            return []
+        if seq.drafter is None:
+            seq.drafter, seq.draft_len = NgramDrafter(), self.lookup
+        return seq.drafter.draft(seq.state.history, min(seq.draft_len, self.lookup, room))
+
+    def _verify(self, seq: Seq, draft: list[int]) -> StepOutput:
+        """seq's next token and a draft after it in one pass; each row is sampled in turn while the
+        sampler picks the drafted token, and the cache keeps only the tokens that were accepted."""
+        tokens = [int(seq.state.next_token), *draft]  # type: ignore[arg-type]
+        base = len(self.engine.slot_tokens[seq.slot])
+        logits = self.engine.verify(tokens, seq.slot)  # [1 + len(draft), vocab]
+        out = StepOutput(seq)
+        for i, row in enumerate(logits):
+            out.chunks.extend(self._sample(seq, row, cached=base + i + 1))
+            out.sampled += 1
+            if seq.state.done or i == len(draft) or seq.state.next_token != draft[i]:
+                break
+        self.drafted += len(draft)
+        self.accepted += out.sampled - 1
+        # a rejected draft costs a wider pass for nothing: try shorter ones until drafts are taken again
+        if out.sampled == 1:
+            seq.draft_len = max(1, seq.draft_len // 2)
+        elif out.sampled == len(tokens):
+            seq.draft_len = min(self.lookup, 2 * seq.draft_len)
+        self.engine.rewind(base + out.sampled, seq.slot)  # the rejected draft's KV entries are overwritten later
+        return out
 
     def _embed_chunk(self, seq: Seq) -> StepOutput:
         """One chunk of an embedding's prompt; pooled when the prompt is done, and the sequence leaves."""
@@ -179,8 +224,10 @@ class EngineCore:
             self.remove(seq)
         return out
 
-    def _sample(self, seq: Seq, logits: object) -> list[GenerationChunk]:
-        full = len(self.engine.slot_tokens[seq.slot]) + 1 >= self.engine.n_ctx
+    def _sample(self, seq: Seq, logits: object, cached: int | None = None) -> list[GenerationChunk]:
+        """cached: the tokens in seq's cache up to the row of these logits (default: all of them)."""
+        n = len(self.engine.slot_tokens[seq.slot]) if cached is None else cached
+        full = n + 1 >= self.engine.n_ctx
         chunks = seq.state.step(logits, context_full=full)  # type: ignore[arg-type]
         if seq.state.done:
             self.remove(seq)

@@ -29,6 +29,7 @@ from powerinfer.flags import (
     CLIError,
     Parser,
     add_gpu_args,
+    add_lookup_arg,
     add_model_args,
     check_gpu_flags,
     configure_logging,
@@ -72,6 +73,7 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("--reasoning-format", choices=("deepseek", "none"), default="deepseek",
                    help="deepseek (default): a reasoning model's <think>...</think> goes to message.reasoning_content "
                         "(streamed: delta.reasoning_content); none: left in content. A request's reasoning_format overrides it")
+    add_lookup_arg(p)
     p.add_argument("--pooling", choices=("mean", "last"), default="mean",
                    help="embeddings (/v1/embeddings, /embedding): the mean of the final hidden states over the input's tokens "
                         "(default) or the last token's; either scaled to unit length")

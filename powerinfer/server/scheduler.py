@@ -199,7 +199,7 @@ class Scheduler:
                 self._release(job)
                 job.sink(job, Embedded(out.embedding))
             elif out.chunks or out.first or not out.prompt_tokens:
-                self._emit(job, out.chunks)
+                self._emit(job, out.chunks, max(1, out.sampled))
 
     def _drop_cancelled(self) -> None:
         with self.cond:
@@ -226,13 +226,14 @@ class Scheduler:
             self.metrics.waiting.set(len(self.waiting))
             self.metrics.running.set(len(self.active))
 
-    def _emit(self, job: Job, chunks: list[GenerationChunk]) -> None:
-        """A token was sampled for job (its chunks, possibly none while a stop string may start)."""
+    def _emit(self, job: Job, chunks: list[GenerationChunk], sampled: int = 1) -> None:
+        """sampled tokens (one, or more from a lookup draft) were sampled for job: their chunks,
+        possibly none while a stop string may start."""
         now = time.monotonic()
         if not job.t_first:
             job.t_first = now
             self.metrics.ttft.observe(now - job.t_submit)
-        self.metrics.generation_tokens.inc()
+        self.metrics.generation_tokens.inc(sampled)
         if job.state.done:
             job.t_end = now
         for c in chunks:

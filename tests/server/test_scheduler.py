@@ -296,3 +296,26 @@ def test_cached_tokens_follow_llama_servers_rule(make_model: Callable[..., Path]
     finally:
         sched.stop()
         m.close()
+
+
+def test_lookup_decoding_in_the_scheduler(make_model: Callable[..., Path]) -> None:
+    """With lookup on, a lone job's tokens are those of plain decoding, streamed in order, and the
+    generation-token counter counts every token of an accepted draft."""
+    m = LLM(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2), n_ctx=96, executor="inprocess", n_slots=2, n_batch=8)
+    try:
+        prompt = [256] + [70, 71, 72, 73] * 6
+        plain = [c.token for c in m.generate(prompt, 40, temperature=0) if c.token >= 0]
+        m.core.lookup = 4
+        col = Collector()
+        sched = run(m)
+        try:
+            jobs = col.jobs(m, [prompt], 40)
+            sched.submit(jobs)
+            assert col.done.wait(60)
+            assert col.tokens(jobs[0]) == plain
+            assert m.core.accepted > 0
+            assert sched.metrics.registry.get_sample_value("powerinfer_generation_tokens_total") == len(plain)
+        finally:
+            sched.stop()
+    finally:
+        m.close()
