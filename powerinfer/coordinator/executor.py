@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.cpu_workers.kv_file import Holder, KvGeometry, load_caches, save_caches
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
 
@@ -59,6 +60,7 @@ class InProcessExecutor:
         from powerinfer.model.ops import RopeTable
 
         self.plan = plan_shards(cfg, n_shards)
+        self.kv_geometry = KvGeometry(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim)
         ropes: dict[tuple[float, float], RopeTable] = {}
         self.attn: list[list[AttentionShard]] = []
         self.ffns: list[list[FFNShard | SparseFFNShard]] = []
@@ -110,6 +112,18 @@ class InProcessExecutor:
         xt = torch.from_numpy(x)
         parts = [h.forward(xt).numpy() for h in self.heads]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    kv_layout = "torch"  # keys with the rotary rows permuted as the torch shards keep them (cpu_workers/kv_file.py)
+
+    def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        """slot's first n positions of every shard's KV cache into path (its header written)."""
+        save_caches(path, offset, self.kv_geometry, slot, n, self._kv_holders())
+
+    def load_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        load_caches(path, offset, self.kv_geometry, slot, n, self._kv_holders())
+
+    def _kv_holders(self) -> list[Holder]:
+        return [(layer, s.heads.kv_start, s.k_cache, s.v_cache) for layer, shards in enumerate(self.attn) for s in shards]
 
     def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
         """Switch sparse FFN shards to dense (exact) or oracle (true active set) computation."""

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.cpu_workers.kv_file import Holder, KvGeometry, load_caches, save_caches
 from powerinfer.cpu_workers.native_model import NativeDecoder
 from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
 from powerinfer.gguf_file import GGUFFile
@@ -62,6 +63,23 @@ class NativeExecutor:
     @property
     def weight_bytes(self) -> int:
         return self.decoder.weight_bytes
+
+    kv_layout = "native"  # the KV cache as the native decoder keeps it (cpu_workers/kv_file.py)
+
+    def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        """slot's first n positions of every layer's KV cache into path (its header written)."""
+        save_caches(path, offset, self._kv_geometry, slot, n, self._kv_holders())
+
+    def load_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        load_caches(path, offset, self._kv_geometry, slot, n, self._kv_holders())
+
+    def _kv_holders(self) -> list[Holder]:
+        return [(layer, 0, k, v) for layer, (k, v) in enumerate(zip(self.decoder.k_cache, self.decoder.v_cache))]
+
+    @property
+    def _kv_geometry(self) -> KvGeometry:
+        cfg = self.decoder.cfg
+        return KvGeometry(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim)
 
     def forward(self, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """x [T, d] f32 scaled embeddings (updated in place), positions [T], slots [T] -> final-normed hidden [T, d] f32."""

@@ -39,7 +39,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuWorkerProcess
 from powerinfer.model.sharding import RankShard, ShardPlan, plan_ranks, plan_shards
 from powerinfer.native.segment import Segment
-from powerinfer.protocol import LogitsMsg, Message, ResultMsg, StepMsg, WorkerDiedError, WorkerError
+from powerinfer.protocol import KvMsg, LogitsMsg, Message, ResultMsg, StepMsg, WorkerDiedError, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,28 @@ class NativePoolExecutor:
         if self.lib.pi_refine(ctypes.byref(self.head), h.ctypes.data, h.shape[0], ix.ctypes.data, ix.shape[1], logits.ctypes.data,
                               logits.shape[1], self._row.ctypes.data):
             raise InvalidArgumentError("head rows to refine are outside the vocabulary")
+
+    kv_layout = "native"  # the KV cache as the native decoder keeps it (cpu_workers/kv_file.py)
+
+    def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        """Every rank writes its kv heads of slot's first n positions into path (its header written)."""
+        self._kv(0, slot, n, path, offset)
+
+    def load_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        self._kv(1, slot, n, path, offset)
+
+    def _kv(self, op: int, slot: int, n: int, path: str, offset: int) -> None:
+        if self.gpu_spec is not None:
+            raise InvalidArgumentError("slot save and restore are not available with a GPU rank: its layers' KV cache lives on the GPU")
+        pool = self._pool
+        req = pool.next_req()
+        msg = KvMsg(req=req, op=op, slot=slot, n=n, path=path, offset=offset)
+        try:  # no merge is involved: a rank's error leaves the pool as it was
+            pool.call({i: msg for i in range(len(self.ranks))}, req, "saving a slot" if op == 0 else "restoring a slot", expect=ResultMsg)
+        except WorkerDiedError:
+            raise
+        except WorkerError as e:
+            raise InvalidArgumentError(f"the slot could not be {'saved' if op == 0 else 'restored'}: {e}") from None
 
     def merge_latencies_ns(self) -> np.ndarray:
         """The ranks' latest merge latencies (ns, up to comm.h's ring per rank), since reset_stats."""

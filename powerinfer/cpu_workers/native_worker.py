@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from powerinfer.config import config_from_gguf
+from powerinfer.cpu_workers.kv_file import KvGeometry, load_caches, save_caches
 from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
 from powerinfer.cpu_workers.native_model import NativeDecoder, supports
 from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, NativeSparseFFNs
@@ -36,6 +37,7 @@ from powerinfer.model.sharding import plan_ranks
 from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.protocol import (
     ErrorMsg,
+    KvMsg,
     LoadMsg,
     LogitsMsg,
     ProtocolError,
@@ -115,6 +117,7 @@ class NativeRank:
         self.comm = RankComm(lib, self.seg, rank, spin_us=0 if oversubscribed else SPIN_US)
         self.dec.model.comm = self.comm.ptr
         self.rank, self.d, self.max_t = rank, cfg.d_model, load.max_t
+        self.n_slots, self.n_ctx = load.n_slots, load.n_ctx
         self.io = np.zeros((3, load.max_t), dtype=np.int64)
         self.x = np.empty((load.max_t, cfg.d_model), dtype=np.float32)  # the residual stream replica
         self.weight_bytes = self.dec.weight_bytes
@@ -160,6 +163,9 @@ def _serve_message(sock: zmq.Socket, rank: NativeRank, index: int, busy: threadi
         return True
     if isinstance(msg, ShutdownMsg):
         return False
+    if isinstance(msg, KvMsg):
+        _serve_kv(sock, rank, index, msg)
+        return True
     if not isinstance(msg, (StepMsg, LogitsMsg)):
         send(sock, ErrorMsg(req=-1, step=-1, layer=-1, worker=index, kind="ProtocolError", message=f"unexpected {type(msg).__name__}"))
         return True
@@ -193,3 +199,20 @@ def _serve_message(sock: zmq.Socket, rank: NativeRank, index: int, busy: threadi
     finally:
         busy.clear()
     return True
+
+
+def _serve_kv(sock: zmq.Socket, rank: NativeRank, index: int, msg: KvMsg) -> None:
+    """KV: this rank's kv heads of the slot, to or from their place in the file."""
+    t0 = time.perf_counter()
+    try:
+        cfg = rank.dec.cfg
+        if not 0 <= msg.slot < rank.n_slots or msg.n > rank.n_ctx:
+            raise ValueError(f"KV names slot {msg.slot} and {msg.n} positions; this rank has {rank.n_slots} slots of {rank.n_ctx}")
+        geo = KvGeometry(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim)
+        move = save_caches if msg.op == 0 else load_caches
+        holders = [(layer, rank.shard.kv0, k, v) for layer, (k, v) in enumerate(zip(rank.dec.k_cache, rank.dec.v_cache))]
+        move(msg.path, msg.offset, geo, msg.slot, msg.n, holders)
+        send(sock, ResultMsg(req=msg.req, step=0, worker=index, compute_us=int((time.perf_counter() - t0) * 1e6), wait_us=0, syncs=0))
+    except Exception as e:  # noqa: BLE001 - reported to the coordinator as a typed ERROR
+        log.warning("worker %d: slot %s failed: %s", index, "save" if msg.op == 0 else "restore", e)
+        send(sock, ErrorMsg(req=msg.req, step=-1, layer=-1, worker=index, kind=type(e).__name__, message=str(e)))

@@ -42,6 +42,7 @@ from powerinfer.protocol.messages import (
     ResultMsg,
     ShutdownMsg,
     StepMsg,
+    KvMsg,
 )
 from powerinfer.protocol.transport import (
     as_torch,
@@ -81,6 +82,7 @@ __all__ = [
     "ResultMsg",
     "ShutdownMsg",
     "StepMsg",
+    "KvMsg",
     "WorkerDiedError",
     "WorkerError",
     "as_torch",

@@ -37,6 +37,7 @@ from powerinfer.protocol.messages import (
     ResultMsg,
     ShutdownMsg,
     StepMsg,
+    KvMsg,
     I64_MAX,
 )
 
@@ -93,6 +94,7 @@ _SPECS = [
     _spec(PartialMsg, {**_STEP, "worker": _U, "compute_us": _U}, (("y", _ACT, 2),)),
     _spec(StepMsg, {"req": _U, "step": _U, "mode": (0, 2)}, (("ids", ("i64",), 1), ("positions", ("i64",), 1), ("slots", ("i64",), 1))),
     _spec(ResultMsg, {"req": _U, "step": _U, "worker": _U, "compute_us": _U, "wait_us": _U, "syncs": _U}),
+    _spec(KvMsg, {"req": _U, "op": (0, 1), "slot": _U, "n": _U1, "path": _STR, "offset": _U}),
     _spec(ErrorMsg, {"req": _IDX, "step": _IDX, "layer": _IDX, "worker": _U, "kind": _STR, "message": _STR}),
     _spec(HeartbeatMsg, {"worker": _U, "pid": _U, "busy": _BOOL}),
     _spec(ShutdownMsg, {}),

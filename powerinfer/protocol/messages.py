@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 8  # 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
+PROTOCOL_VERSION: int = 9  # 9: KV (a slot's KV cache saved to or restored from a file); 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
 # 5: LAYERS (a run of whole layers in one request); 6: the shm segment's banks per rank; 7: LOAD gpu_layers, the GPU worker
 # as a rank of the segment (its hand-off around runs of GPU layers); 8: LOAD gpu_attn/gpu_hot, the GPU rank in neuron split
 # (hand-offs of a layer's attention and hot neurons)
@@ -68,6 +68,7 @@ class MsgType(enum.IntEnum):
     STEP = 11  # coordinator -> worker (protocol 4, transport "shm"): a whole forward pass
     RESULT = 12  # worker -> coordinator (protocol 4): a STEP (or, under "shm", a LOGITS) is done
     LAYERS = 13  # coordinator -> GPU worker (protocol 5): a run of layers that live wholly on the GPU
+    KV = 14  # coordinator -> worker (protocol 9, transport "shm"): save or restore a slot's KV cache
 
 
 def _describe(t: Any) -> str:
@@ -260,6 +261,21 @@ class ResultMsg:
 
 
 @dataclass(frozen=True, slots=True)
+class KvMsg:
+    """Save (op 0) or restore (op 1) the first n positions of KV slot ``slot``: each rank writes or
+    reads its kv heads at their place in ``path`` (layout: cpu_workers/kv_file.py), whose data
+    start at byte ``offset``. Answered by RESULT."""
+
+    req: int
+    op: int
+    slot: int
+    n: int
+    path: str
+    offset: int
+    TYPE: ClassVar[MsgType] = MsgType.KV
+
+
+@dataclass(frozen=True, slots=True)
 class ErrorMsg:
     """A failure inside a worker; req/step/layer are -1 when not tied to a request (e.g. LOAD).
 
@@ -300,4 +316,5 @@ class ShutdownMsg:
     TYPE: ClassVar[MsgType] = MsgType.SHUTDOWN
 
 
-Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, LayersMsg, FfnMsg, LogitsMsg, PartialMsg, StepMsg, ResultMsg, ErrorMsg, HeartbeatMsg, ShutdownMsg]
+Message = Union[HelloMsg, LoadMsg, ReadyMsg, AttnMsg, LayersMsg, FfnMsg, LogitsMsg, PartialMsg, StepMsg, ResultMsg, KvMsg, ErrorMsg, HeartbeatMsg,
+                ShutdownMsg]

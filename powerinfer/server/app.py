@@ -31,6 +31,7 @@ from powerinfer.server.metrics import ServerMetrics
 from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 from powerinfer.server.scheduler import Scheduler
 from powerinfer.server.settings import ServerConfig
+from powerinfer.server.slots_api import add_slot_routes
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
 
@@ -274,6 +275,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         return await embed(request, False)
 
     add_routes(app, state, config, check_key, read_body)
+    add_slot_routes(app, state.ready, config.slot_save_path, check_key, read_body)
     for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses), ("/embeddings", embeddings_oai)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET", "HEAD"], include_in_schema=False)

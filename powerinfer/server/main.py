@@ -77,6 +77,9 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p.add_argument("--pooling", choices=("mean", "last"), default="mean",
                    help="embeddings (/v1/embeddings, /embedding): the mean of the final hidden states over the input's tokens "
                         "(default) or the last token's; either scaled to unit length")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="the folder where POST /slots/ID?action=save|restore keeps a slot's KV cache (created if missing); "
+                        "default: off. File names are plain names inside it")
     p.add_argument("--max-body", type=positive_int, default=8 << 20, help="largest request body in bytes (default 8 MiB)")
     p.add_argument("-n", "--n-predict", type=int, default=DEFAULT_N_PREDICT,
                    help=f"tokens a request may generate when it sets no max_tokens; -1 = until end of text or context "
@@ -136,12 +139,20 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
     check_gpu_flags(args)
     if args.chat_template_file:  # a template that cannot be read or compiled ends the daemon now, not after the model loads
         ChatTemplate(read_template(args.chat_template_file))
+    if args.slot_save_path is not None:
+        try:
+            os.makedirs(args.slot_save_path, exist_ok=True)
+        except OSError as e:
+            raise CLIError(f"--slot-save-path {args.slot_save_path}: {e.strerror or e}") from None
+        if not os.access(args.slot_save_path, os.W_OK | os.X_OK):
+            raise CLIError(f"--slot-save-path {args.slot_save_path}: not a writable folder")
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
     sock = bind(args.host, args.port)
     cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
                        n_predict=args.n_predict, cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
-                       reasoning_format=args.reasoning_format, pooling=args.pooling)
+                       reasoning_format=args.reasoning_format, pooling=args.pooling,
+                       slot_save_path=os.path.abspath(args.slot_save_path) if args.slot_save_path else None)
     args.n_slots = args.parallel
     app = create_app(cfg, lambda: load_llm(args, progress=False))
     host, port = sock.getsockname()[:2]

@@ -24,11 +24,12 @@ the waiting jobs; ``healthy`` is False until the restart is done.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Callable, TypeVar, Union
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from powerinfer.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 HEALTH_CHECK_S = 0.5  # how often an idle scheduler checks its workers
 
 
@@ -97,6 +99,7 @@ class Scheduler:
         self.draining = False  # shutting down: no new jobs; those running may finish
         self.healthy = True
         self.thread: threading.Thread | None = None
+        self.calls: collections.deque[tuple[Callable[[], object], concurrent.futures.Future[object]]] = collections.deque()
 
     # -- called from the HTTP side -------------------------------------------------------------
 
@@ -118,6 +121,34 @@ class Scheduler:
             self.waiting.extend(jobs)
             self.metrics.waiting.set(len(self.waiting))
             self.cond.notify()
+
+    def between_steps(self, fn: Callable[[], T], timeout: float = 600.0) -> T:
+        """Run fn in the scheduler thread between two steps (it alone touches the model) and
+        return its result or raise its error; call from any other thread."""
+        fut: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self.cond:
+            if self.stopping or self.draining:
+                raise ShuttingDownError("the server is shutting down")
+            self.calls.append((fn, fut))
+            self.cond.notify()
+        return fut.result(timeout)  # type: ignore[return-value]
+
+    def _run_calls(self) -> None:
+        while True:
+            with self.cond:
+                if not self.calls:
+                    return
+                fn, fut = self.calls.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with self.core.guard():  # a worker that dies meanwhile fails the running jobs as a step would
+                    fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the caller gets the error
+                fut.set_exception(e)
+                if isinstance(e, (WorkerDiedError, WorkerError)):
+                    self._fail_active(e)
+                    self._restart()
 
     def cancel(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -153,12 +184,15 @@ class Scheduler:
             with self.cond:
                 if self.stopping:
                     break
-                if not self.active and not self.waiting:
+                if not self.active and not self.waiting and not self.calls:
                     self.cond.wait(HEALTH_CHECK_S)
                     if time.monotonic() - last_check >= HEALTH_CHECK_S:
                         last_check = time.monotonic()
                         self._check_workers()
                     continue
+            self._run_calls()
+            if not self.active and not self.waiting:
+                continue
             try:
                 self._step()
             except (WorkerDiedError, WorkerError) as e:
@@ -172,6 +206,9 @@ class Scheduler:
         with self.cond:
             jobs, self.waiting = [*self.active, *self.waiting], collections.deque()
             self.active = []
+            calls, self.calls = list(self.calls), collections.deque()
+        for _, fut in calls:
+            fut.set_exception(err)
         for job in jobs:
             if job.seq is not None:
                 self.core.remove(job.seq)

@@ -18,4 +18,5 @@ class ServerConfig:
     n_predict: int = -1  # max_tokens of requests that set none (-1: until end of text or the context is full)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (empty: this machine's pages; "*": all)
     pooling: str = "mean"  # embeddings: "mean" or "last" of the final hidden states (server/embeddings.py)
+    slot_save_path: str | None = None  # the folder of /slots save and restore (None: off)
     reasoning_format: str = "deepseek"  # "deepseek": <think>...</think> goes to reasoning_content; "none": left in content

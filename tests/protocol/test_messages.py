@@ -118,7 +118,7 @@ def test_wire_bytes_are_stable() -> None:
     """Golden header of docs/protocol.md: changing it breaks peers in other languages."""
     assert {t.name: int(t) for t in MsgType} == {
         "HELLO": 1, "LOAD": 2, "READY": 3, "ATTN": 4, "FFN": 5, "PARTIAL": 6, "ERROR": 7, "HEARTBEAT": 8, "SHUTDOWN": 9, "LOGITS": 10,
-        "STEP": 11, "RESULT": 12, "LAYERS": 13,
+        "STEP": 11, "RESULT": 12, "LAYERS": 13, "KV": 14,
     }  # fmt: skip
     frames = encode(AttnMsg(1, 2, 3, (np.zeros((1, 576), np.float32), np.array([5], np.int64), np.array([0], np.int64))))
     # 04 | map(4) "req":1 "step":2 "layer":3 "t":[["f32",[1,576]],["i64",[1]],["i64",[1]]]
@@ -408,9 +408,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match="peer speaks version 9, this side speaks version 8") as info:
-        decode(raw(1, {"version": 9, "worker": 0, "pid": 1, "features": ["x"]}))  # a v9 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (9, 8)
+    with pytest.raises(ProtocolVersionError, match=f"peer speaks version 10, this side speaks version {PROTOCOL_VERSION}") as info:
+        decode(raw(1, {"version": 10, "worker": 0, "pid": 1, "features": ["x"]}))  # a v10 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (10, PROTOCOL_VERSION)
 
 
 def test_encode_rejects_what_decode_would() -> None:

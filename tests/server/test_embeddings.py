@@ -105,3 +105,9 @@ def test_embeddings_while_a_chat_streams(server: RunningServer) -> None:
     assert got == [alone]
     first = np.array([d["embedding"] for d in vecs[0]["data"]])
     assert all(np.allclose(np.array([d["embedding"] for d in v["data"]]), first, atol=1e-6) for v in vecs)
+
+
+def test_slot_actions_are_off_without_a_folder(server: RunningServer) -> None:
+    """(This module's server has no --slot-save-path.) Save and restore say how to turn them on."""
+    r = httpx.post(server.url + "/slots/0?action=save", json={"filename": "a.bin"}, timeout=30)
+    assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
