@@ -104,9 +104,14 @@ def output_path(path: str, flag: str, inputs: tuple[str, ...] = ()) -> Path:
     return p
 
 
-def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096) -> None:
-    """The model flags; default_ctx is the context a run gets without -c (capped by the model's trained context)."""
-    p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
+def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096, many: bool = False) -> None:
+    """The model flags; default_ctx is the context a run gets without -c (capped by the model's trained context).
+    many: -m may be repeated (the server's several models; args.model is then a list, or None)."""
+    if many:
+        p.add_argument("-m", "--model", action="append", default=None,
+                       help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m); repeat it to serve several")
+    else:
+        p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
     p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process",
@@ -183,9 +188,14 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
         raise CLIError(f"--ctx-size must be >= 0, got {args.ctx_size}")
     if args.executor == "inprocess" and args.transport != "auto":
         log.warning("--transport %s applies to the worker processes; --executor inprocess has none, so it is ignored", args.transport)
-    path = resolve_model(args.model, progress=progress and sys.stderr.isatty())
-    if not os.path.exists(path) and os.sep not in args.model and not args.model.endswith(".gguf"):
-        raise PowerInferError(f"model {args.model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
+    model = args.model
+    if isinstance(model, list):  # the server's -m, given once (several are loaded one by one: server/main.py)
+        if len(model) != 1:
+            raise CLIError(f"one model is loaded here, {len(model)} were given")
+        model = model[0]
+    path = resolve_model(model, progress=progress and sys.stderr.isatty())
+    if not os.path.exists(path) and os.sep not in model and not model.endswith(".gguf"):
+        raise PowerInferError(f"model {model!r} is neither a file nor a known model name ({', '.join(MODELS)})")
     template = read_template(args.chat_template_file) if getattr(args, "chat_template_file", None) else None
     llm = LLM(path, n_ctx=args.ctx_size, default_ctx=getattr(args, "default_ctx", 4096), n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
               worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),

@@ -8,10 +8,12 @@ by the scheduler thread; handlers hand it jobs and read their chunks from an asy
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -21,12 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from powerinfer import constrained
 from powerinfer.api import LLM
-from powerinfer.errors import PowerInferError
 from powerinfer.server import embeddings, responses_api
 from powerinfer.server.compat import add_cors, add_routes
 from powerinfer.server.generate import prompt_ids, run_jobs, submit_jobs
+from powerinfer.server.host import ModelHost
 from powerinfer.server.metrics import ServerMetrics
 from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
 from powerinfer.server.scheduler import Scheduler
@@ -39,74 +40,117 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """What the handlers share: the loaded model (None while loading) and its scheduler."""
+    """What the handlers share: the models (each a ModelHost: loaded, loading, unloaded or failed),
+    the default one, and with several models the memory budget they share.
 
-    def __init__(self, config: ServerConfig, load: Callable[[], LLM]) -> None:
-        self.config, self.load = config, load
+    One model (``-m``): it loads at start, ``/health`` answers 503 until it is ready, and a model
+    that cannot load ends the daemon. Several (repeated ``-m``, ``--models-dir``): each loads at its
+    first request, within ``--models-memory`` (the least recently used idle models are unloaded to
+    make room), and one that cannot load fails its own requests while the others serve.
+    """
+
+    def __init__(self, config: ServerConfig, load: Callable[[str], LLM]) -> None:
+        self.config = config
         self.metrics = ServerMetrics(config.parallel)
-        self.llm: LLM | None = None
-        self.scheduler: Scheduler | None = None
-        self.load_error: str | None = None
         self.created = int(time.time())
-        self.thread = threading.Thread(target=self._load, name="powerinfer-load", daemon=True)
+        self.multi = bool(config.models)
+        self.hosts: dict[str, ModelHost] = {}
+        for mid, path, est in config.models or ((config.model_id, "", 0),):
+            self.hosts[mid] = ModelHost(mid, path, functools.partial(load, path), self.metrics, config.queue, est)
+        self.default = next(iter(self.hosts.values()))
+        self.lock = threading.Lock()  # one load-or-evict decision at a time
+        self.lease_lock = threading.Lock()  # the hosts' lease counts
         self.closing = False
-        self.on_load_failure: Callable[[], None] = lambda: None  # the model cannot load: the daemon stops (main.py exits 1)
+        self.on_load_failure: Callable[[], None] = lambda: None  # one model that cannot load: the daemon stops (main.py exits 1)
 
-    def _load(self) -> None:
-        """The model thread: load, then run the scheduler loop here until close()."""
+    @property
+    def load_error(self) -> str | None:
+        return None if self.multi else self.default.load_error
+
+    def start(self) -> None:
+        if not self.multi:
+            self.default.on_load_failure = lambda: self.on_load_failure()
+            self.default.start()
+
+    def host(self, name: str | None) -> ModelHost:
+        """The model a request names (None: the default), or a 404 that lists them."""
+        if name is None:
+            return self.default
+        h = self.hosts.get(name)
+        if h is None:
+            served = ", ".join(repr(m) for m in self.hosts)
+            raise APIError(404, f"model {name!r} not found; this server serves {served}", param="model", code="model_not_found")
+        return h
+
+    def ready(self, name: str | None = None) -> tuple[LLM, Scheduler]:
+        return self.host(name).ready()
+
+    @contextlib.asynccontextmanager
+    async def use(self, name: str | None = None) -> AsyncIterator[ModelHost]:
+        """The named model, ready to serve, held for the block (it is not unloaded meanwhile: a
+        request's jobs reach its scheduler inside). With several models it is loaded first if it
+        is not (the request waits for the load), within the memory budget."""
+        host = self.host(name)
+        await run_in_threadpool(self._lease, host)
         try:
-            llm = self.load()
-        except Exception as e:  # noqa: BLE001 - the command prints it as its one error line and exits 1
-            log.debug("loading the model failed", exc_info=True)
-            self.load_error = str(e)
-            self.on_load_failure()
-            return
-        if self.closing:
-            llm.close()
-            return
-        try:  # one small forward pass: the first request should not pay for lazy initialisation
-            llm.engine.eval([0, 0], slot=0)
-            llm.engine.rewind(0, slot=0)
-        except PowerInferError as e:
-            log.warning("warm-up pass failed: %s", e)
-        if constrained.available():  # built once here, not on the event loop at the first structured request
-            constrained.grammar_tokenizer(llm.tokenizer, llm.config.vocab_size)
-        sched = Scheduler(llm, self.metrics, self.config.queue)
-        self.llm, self.scheduler = llm, sched
-        self.metrics.healthy.set(1)
-        log.info("model ready: %s, %d slots of %d tokens", self.config.model_id, llm.engine.n_slots, llm.n_ctx)
-        try:
-            sched.run()
+            host.ready()
+            yield host
         finally:
-            llm.close()
+            with self.lease_lock:
+                host.leases -= 1
+
+    def _lease(self, host: ModelHost) -> None:
+        with self.lock:
+            if self.multi and host.state in ("unloaded", "failed"):
+                if self.closing:
+                    raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+                self._make_room(host)
+                host.start()
+            with self.lease_lock:
+                host.leases += 1
+        if self.multi:
+            host.ready_event.wait()
+
+    def _make_room(self, host: ModelHost) -> None:
+        """Unload idle models, least recently used first, until host fits the budget."""
+        budget = self.config.models_memory
+        gib = 2.0**30
+        if budget and host.est_bytes > budget:
+            raise APIError(503, f"the model {host.model_id!r} needs about {host.est_bytes / gib:.1f} GiB (weights and a full KV "
+                                f"cache); --models-memory allows {budget / gib:.1f} GiB (or lower -c / --parallel)",
+                           type="server_error", code="insufficient_memory")
+        others = [h for h in self.hosts.values() if h is not host and h.state in ("loaded", "loading")]
+        used = sum(h.est_bytes for h in others)
+        for h in sorted(others, key=lambda h: h.last_used):
+            if not budget or used + host.est_bytes <= budget:
+                break
+            if h.state == "loading" or h.busy or h.leases:
+                continue
+            log.info("unloading %s to make room for %s", h.model_id, host.model_id)
+            h.close()
+            used -= h.est_bytes
+        if budget and used + host.est_bytes > budget:
+            busy = ", ".join(repr(h.model_id) for h in others if h.state in ("loaded", "loading"))
+            raise APIError(503, f"no room for {host.model_id!r} in --models-memory now: {busy} are busy; try again shortly",
+                           type="server_error", code="insufficient_memory", headers={"Retry-After": "5"})
 
     def drain(self) -> None:
         """Shutdown begins: no new requests, the queued ones answered 503 shutting_down now."""
         self.closing = True
-        if self.scheduler is not None:
-            self.scheduler.drain()
+        for h in self.hosts.values():
+            h.drain()
 
     def abort(self) -> None:
         """The shutdown deadline is near: end the running requests with 503 shutting_down (an
         error event when streamed) while their handlers can still answer (without blocking)."""
-        if self.scheduler is not None:
-            self.scheduler.stop(timeout=0.0)
+        for h in self.hosts.values():
+            h.abort()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Abort what is left, stop the workers (the model thread closes the model it loaded)."""
+        """Abort what is left, stop the workers (each model's thread closes the model it loaded)."""
         self.closing = True
-        if self.scheduler is not None:
-            self.scheduler.stop()
-        if self.thread.is_alive():
-            self.thread.join(timeout)
-        self.llm = None
-
-    def ready(self) -> tuple[LLM, Scheduler]:
-        if self.load_error is not None:
-            raise APIError(503, f"the model failed to load: {self.load_error}", type="server_error", code="model_load_failed")
-        if self.llm is None or self.scheduler is None:
-            raise APIError(503, "the model is loading", type="server_error", code="loading", headers={"Retry-After": "5"})
-        return self.llm, self.scheduler
+        for h in self.hosts.values():
+            h.close(timeout)
 
 
 class StatusCounter:
@@ -143,12 +187,13 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
+def create_app(config: ServerConfig, load: Callable[[str], LLM]) -> FastAPI:
+    """load(path): the model at path (config.models' paths; "" for the one model of -m)."""
     state = ServerState(config, load)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.thread.start()
+        state.start()
         yield
         await run_in_threadpool(state.close)
 
@@ -199,12 +244,10 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
             raise APIError(400, "the client disconnected before its request body arrived", code="client_disconnected") from None
         return parse_json(b"".join(chunks))
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != config.model_id:
-            raise APIError(404, f"model {name!r} not found; this server serves {config.model_id!r}", param="model", code="model_not_found")
-
     @app.api_route("/health", methods=["GET", "HEAD"])  # uptime checkers send HEAD
     async def health() -> JSONResponse:
+        if state.multi:  # the daemon serves; each model's state is in /v1/models
+            return JSONResponse({"status": "ok"} if not state.closing else {"status": "shutting down"}, status_code=200 if not state.closing else 503)
         try:
             _, sched = state.ready()
         except APIError as e:
@@ -218,27 +261,29 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict[str, Any]:
-        return {"id": config.model_id, "object": "model", "created": state.created, "owned_by": "powerinfer"}
+    def model_card(h: ModelHost) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": h.model_id, "object": "model", "created": state.created, "owned_by": "powerinfer"}
+        if state.multi:  # llama-server's router lists each model's state too
+            card["status"] = {"value": h.state, **({"error": h.load_error} if h.load_error else {})}
+        return card
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request) -> dict[str, Any]:
         check_key(request)
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(h) for h in state.hosts.values()]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request) -> dict[str, Any]:
         check_key(request)
-        check_model(name)
-        return model_card()
+        return model_card(state.host(name))
 
     async def generate(request: Request, parse: Callable[[dict[str, Any]], ChatRequest | CompletionRequest]) -> Response:
         check_key(request)
         req = await run_in_threadpool(parse, await read_body(request))  # compiles grammars: off the event loop
-        check_model(req.common.model)
-        llm, sched = state.ready()
-        ids = await run_in_threadpool(prompt_ids, llm, req)
-        return await run_jobs(request, llm, sched, req, ids, config)
+        async with state.use(req.common.model) as host:
+            llm, sched = host.ready()
+            ids = await run_in_threadpool(prompt_ids, llm, req)
+            return await run_jobs(request, llm, sched, req, ids, replace(config, model_id=host.model_id))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -253,18 +298,18 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         check_key(request)
         body = await read_body(request)
         _, req = responses_api.parse(body)
-        check_model(req.common.model)
-        llm, sched = state.ready()
-        prompts = await run_in_threadpool(prompt_ids, llm, req)
-        return await responses_api.respond(request, body, req, prompts[0], sched, config.model_id,
-                                           lambda common, ps: submit_jobs(llm, sched, common, ps, config))
+        async with state.use(req.common.model) as host:
+            llm, sched = host.ready()
+            prompts = await run_in_threadpool(prompt_ids, llm, req)
+            return await responses_api.respond(request, body, req, prompts[0], sched, host.model_id,
+                                               lambda common, ps: submit_jobs(llm, sched, common, ps, config))
 
     async def embed(request: Request, oai: bool) -> Response:
         check_key(request)
         req = embeddings.parse(await read_body(request), oai)
-        check_model(req.model)
-        llm, sched = state.ready()
-        return await embeddings.respond(request, req, llm, sched, config.model_id, config.pooling)
+        async with state.use(req.model) as host:
+            llm, sched = host.ready()
+            return await embeddings.respond(request, req, llm, sched, host.model_id, config.pooling)
 
     @app.post("/v1/embeddings")
     async def embeddings_oai(request: Request) -> Response:
@@ -275,7 +320,7 @@ def create_app(config: ServerConfig, load: Callable[[], LLM]) -> FastAPI:
         return await embed(request, False)
 
     add_routes(app, state, config, check_key, read_body)
-    add_slot_routes(app, state.ready, config.slot_save_path, check_key, read_body)
+    add_slot_routes(app, state.use, config.slot_save_path, check_key, read_body)
     for path, fn in (("/chat/completions", chat), ("/completions", completions), ("/responses", responses), ("/embeddings", embeddings_oai)):
         app.add_api_route(path, fn, methods=["POST"], include_in_schema=False)
     app.add_api_route("/models", models, methods=["GET", "HEAD"], include_in_schema=False)

@@ -102,6 +102,14 @@ def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return v
 
 
+def _model(body: dict[str, Any], request: Request) -> str | None:
+    """The model a llama.cpp-style request names (its body's "model", or ?model=), None: the default."""
+    m = body.get("model", request.query_params.get("model"))
+    if m is not None and not isinstance(m, str):
+        raise bad("'model' must be a string", "model", "invalid_type")
+    return m
+
+
 def add_routes(app: FastAPI, state: "ServerState", config: "ServerConfig", check_key: Callable[[Request], None],
                read_body: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
     """/tokenize, /detokenize and /props (llama.cpp's shapes), and the chat page at /."""
@@ -123,8 +131,9 @@ def add_routes(app: FastAPI, state: "ServerState", config: "ServerConfig", check
         if len(content) > MAX_TOKENIZE_CHARS:
             raise bad(f"'content' has {len(content)} characters; at most {MAX_TOKENIZE_CHARS}", "content")
         add_special, with_pieces = _flag(body, "add_special", False), _flag(body, "with_pieces", False)
-        llm, _ = state.ready()
-        ids = await run_in_threadpool(lambda: llm.tokenize(content, add_bos=add_special, special=True))
+        async with state.use(_model(body, request)) as host:
+            llm, _ = host.ready()
+            ids = await run_in_threadpool(lambda: llm.tokenize(content, add_bos=add_special, special=True))
         if not with_pieces:
             return {"tokens": ids}
         out: list[dict[str, Any]] = []
@@ -143,16 +152,18 @@ def add_routes(app: FastAPI, state: "ServerState", config: "ServerConfig", check
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise bad("'tokens' must be a list of token ids", "tokens", "invalid_type")
-        llm, _ = state.ready()
-        vocab = llm.config.vocab_size
-        if any(not 0 <= t < vocab for t in tokens):
-            raise bad(f"token ids must be in [0, {vocab})", "tokens")
-        return {"content": await run_in_threadpool(llm.detokenize, tokens)}
+        async with state.use(_model(body, request)) as host:
+            llm, _ = host.ready()
+            vocab = llm.config.vocab_size
+            if any(not 0 <= t < vocab for t in tokens):
+                raise bad(f"token ids must be in [0, {vocab})", "tokens")
+            return {"content": await run_in_threadpool(llm.detokenize, tokens)}
 
     @app.get("/props")
     async def props(request: Request) -> dict[str, Any]:
         check_key(request)
-        llm, _ = state.ready()
+        async with state.use(request.query_params.get("model")) as host:
+            llm, _ = host.ready()
         template = llm.chat_template.source if llm.chat_template is not None else ""
         return {
             "default_generation_settings": {
@@ -161,7 +172,7 @@ def add_routes(app: FastAPI, state: "ServerState", config: "ServerConfig", check
                            "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1},
             },
             "total_slots": config.parallel,
-            "model_alias": config.model_id,
+            "model_alias": host.model_id,
             "model_path": str(llm.path),
             "chat_template": template,
             "modalities": {"vision": False, "audio": False},

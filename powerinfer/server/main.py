@@ -56,7 +56,13 @@ SERVER_DEFAULT_CTX = 16384
 def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
     p = Parser(prog=prog, description="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, "
                                          "/health, /metrics.")
-    add_model_args(p, default_ctx=SERVER_DEFAULT_CTX)
+    add_model_args(p, default_ctx=SERVER_DEFAULT_CTX, many=True)
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every .gguf file in DIR too (each named by its file name), loaded at its first request")
+    p.add_argument("--models-memory", type=float, default=None, metavar="GIB",
+                   help="with several models: GiB the loaded ones may take together, each counted as its file and a full KV "
+                        "cache (default: 80%% of the memory available at start); the least recently used idle model is "
+                        "unloaded to make room")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 = any free port)")
     p.add_argument("--api-key", default=os.environ.get("POWERINFER_API_KEY"),
@@ -94,8 +100,46 @@ def build_parser(prog: str = "powerinfer-server") -> argparse.ArgumentParser:
 def model_id(args: argparse.Namespace) -> str:
     if args.alias:
         return str(args.alias)
-    name = Path(args.model).name
+    return _file_id(args.model)
+
+
+def _file_id(model: str) -> str:
+    name = Path(model).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def plan_models(args: argparse.Namespace) -> tuple[tuple[str, str, int], ...]:
+    """Several models (repeated -m, --models-dir): (name, path, estimated bytes) each; () for one
+    (args.model is then that one). A file that cannot be read is listed, and fails its requests."""
+    from powerinfer.cpu_workers.topology import default_workers
+    from powerinfer.fetch import resolve_model
+    from powerinfer.server.host import estimate_bytes
+
+    given = list(args.model or [])
+    if args.models_dir is not None:
+        if not os.path.isdir(args.models_dir):
+            raise CLIError(f"--models-dir {args.models_dir}: not a folder")
+        given += sorted(os.path.join(args.models_dir, n) for n in os.listdir(args.models_dir) if n.endswith(".gguf"))
+    if not given:
+        raise CLIError("give a model: -m FILE (repeat it for several) or --models-dir DIR")
+    if len(given) == 1 and args.models_dir is None:
+        args.model = given[0]
+        return ()
+    if args.alias:
+        raise CLIError("--alias names the one model of -m; with several, each is named by its file")
+    out: list[tuple[str, str, int]] = []
+    for m in given:
+        name = _file_id(m)
+        if any(name == o[0] for o in out):
+            raise CLIError(f"two models would both be named {name!r}: rename one of the files")
+        try:
+            path = str(resolve_model(m, progress=False))
+            est = estimate_bytes(path, args.ctx_size, args.parallel, 0 if args.executor == "inprocess" else args.threads or default_workers())
+        except (PowerInferError, OSError) as e:
+            log.warning("model %s cannot be read (%s): its requests will fail", m, e)
+            path, est = m, 0
+        out.append((name, path, est))
+    return tuple(out)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -148,17 +192,29 @@ def serve(argv: Sequence[str], prog: str = "powerinfer-server") -> int:
             raise CLIError(f"--slot-save-path {args.slot_save_path}: not a writable folder")
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", args.host)
+    models = plan_models(args)
+    budget = 0
+    if models:
+        import psutil
+
+        budget = int(args.models_memory * 2**30) if args.models_memory is not None else int(0.8 * psutil.virtual_memory().available)
+        if budget <= 0:
+            raise CLIError(f"--models-memory must be positive, got {args.models_memory}")
     sock = bind(args.host, args.port)
-    cfg = ServerConfig(model_id=model_id(args), parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
+    cfg = ServerConfig(model_id=models[0][0] if models else model_id(args), models=models, models_memory=budget, parallel=args.parallel, queue=args.queue, api_key=args.api_key, max_body_bytes=args.max_body,
                        n_predict=args.n_predict, cors_origins=tuple(o.strip() for o in args.cors_origins.split(",") if o.strip()),
                        reasoning_format=args.reasoning_format, pooling=args.pooling,
                        slot_save_path=os.path.abspath(args.slot_save_path) if args.slot_save_path else None)
     args.n_slots = args.parallel
-    app = create_app(cfg, lambda: load_llm(args, progress=False))
+    app = create_app(cfg, lambda path: load_llm(argparse.Namespace(**{**vars(args), "model": path or args.model}), progress=False))
     host, port = sock.getsockname()[:2]
     # not "serving" yet: the model loads while the port already answers, and a model that cannot load ends the daemon
-    print(f"powerinfer-server: loading {cfg.model_id}; listening on http://{host}:{port}/v1 (/health answers 503 until it is ready)",
-          file=sys.stderr, flush=True)
+    if models:
+        print(f"powerinfer-server: serving {len(models)} models ({', '.join(m[0] for m in models)}), each loaded at its first request "
+              f"within {budget / 2**30:.1f} GiB; listening on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    else:
+        print(f"powerinfer-server: loading {cfg.model_id}; listening on http://{host}:{port}/v1 (/health answers 503 until it is ready)",
+              file=sys.stderr, flush=True)
     server = GracefulServer(uvicorn.Config(app, log_level=args.log_level.lower() if not args.verbose else "debug",
                                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.verbose,
                                            # longer than clients' pooled-connection idle time, so a reused

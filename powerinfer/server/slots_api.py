@@ -44,13 +44,14 @@ def _slot_busy(sched: Scheduler, slot: int) -> bool:
     return any(j.seq is not None and j.seq.slot == slot for j in sched.active)
 
 
-def add_slot_routes(app: FastAPI, get_ready: Any, folder: str | None, check_key: Any, read_body: Any) -> None:
-    """get_ready() -> (llm, scheduler), or an APIError while the model loads."""
+def add_slot_routes(app: FastAPI, use: Any, folder: str | None, check_key: Any, read_body: Any) -> None:
+    """async with use(model name or None) as host: the ModelHost (server/host.py), ready and held."""
 
     @app.get("/slots")
     async def slots(request: Request) -> JSONResponse:
         check_key(request)
-        llm, sched = get_ready()
+        async with use(request.query_params.get("model")) as host:
+            llm, sched = host.ready()
         eng = llm.engine
         busy = {j.seq.slot for j in list(sched.active) if j.seq is not None}
         return JSONResponse([{"id": i, "n_ctx": eng.n_ctx, "is_processing": i in busy, "n_cached": len(eng.slot_tokens[i])}
@@ -62,39 +63,40 @@ def add_slot_routes(app: FastAPI, get_ready: Any, folder: str | None, check_key:
         action = request.query_params.get("action")
         if action not in ("save", "restore", "erase"):
             raise bad("'action' must be save, restore or erase", "action")
-        llm, sched = get_ready()
-        if not 0 <= id_slot < llm.engine.n_slots:
-            raise bad(f"slot {id_slot} out of range (0..{llm.engine.n_slots - 1})", "id_slot")
-        body = await read_body(request) if action != "erase" else {}
         if action != "erase" and folder is None:
             raise APIError(501, "slot save and restore are off: start the server with --slot-save-path DIR", type="not_supported_error",
                            code="not_supported")
-        name = check_filename(body.get("filename")) if action != "erase" else ""
-        path = os.path.join(folder or "", name)
-        if action == "restore" and not os.path.isfile(path):
-            raise APIError(404, f"no saved slot named {name!r}", param="filename", code="not_found")
-        eng = llm.engine
+        async with use(request.query_params.get("model")) as host:
+            llm, sched = host.ready()
+            if not 0 <= id_slot < llm.engine.n_slots:
+                raise bad(f"slot {id_slot} out of range (0..{llm.engine.n_slots - 1})", "id_slot")
+            body = await read_body(request) if action != "erase" else {}
+            name = check_filename(body.get("filename")) if action != "erase" else ""
+            path = os.path.join(folder or "", name)
+            if action == "restore" and not os.path.isfile(path):
+                raise APIError(404, f"no saved slot named {name!r}", param="filename", code="not_found")
+            eng = llm.engine
 
-        def run() -> dict[str, Any]:  # in the scheduler thread, between steps
-            if _slot_busy(sched, id_slot):
-                raise APIError(409, f"slot {id_slot} is serving a request; try again when it is idle", code="slot_busy")
-            t0 = time.perf_counter()
-            if action == "erase":
-                n = len(eng.slot_tokens[id_slot])
-                eng.rewind(0, id_slot)
-                return {"id_slot": id_slot, "n_erased": n}
-            if action == "save":
-                n, nbytes = save_slot(eng, id_slot, path)
-                return {"id_slot": id_slot, "filename": name, "n_saved": n, "n_written": nbytes,
-                        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
-            n, nbytes = restore_slot(eng, id_slot, path)
-            return {"id_slot": id_slot, "filename": name, "n_restored": n, "n_read": nbytes,
-                    "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+            def run() -> dict[str, Any]:  # in the scheduler thread, between steps
+                if _slot_busy(sched, id_slot):
+                    raise APIError(409, f"slot {id_slot} is serving a request; try again when it is idle", code="slot_busy")
+                t0 = time.perf_counter()
+                if action == "erase":
+                    n = len(eng.slot_tokens[id_slot])
+                    eng.rewind(0, id_slot)
+                    return {"id_slot": id_slot, "n_erased": n}
+                if action == "save":
+                    n, nbytes = save_slot(eng, id_slot, path)
+                    return {"id_slot": id_slot, "filename": name, "n_saved": n, "n_written": nbytes,
+                            "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+                n, nbytes = restore_slot(eng, id_slot, path)
+                return {"id_slot": id_slot, "filename": name, "n_restored": n, "n_read": nbytes,
+                        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
 
-        try:
-            return JSONResponse(await run_in_threadpool(sched.between_steps, run))
-        except InvalidArgumentError as e:
-            raise bad(str(e), "filename") from None
-        except OSError as e:
-            raise APIError(500, f"the slot file could not be written or read: {e.strerror or e}", type="server_error",
-                           code="io_error") from None
+            try:
+                return JSONResponse(await run_in_threadpool(sched.between_steps, run))
+            except InvalidArgumentError as e:
+                raise bad(str(e), "filename") from None
+            except OSError as e:
+                raise APIError(500, f"the slot file could not be written or read: {e.strerror or e}", type="server_error",
+                               code="io_error") from None

@@ -43,11 +43,13 @@ class RunningServer:
         return int(self.proc.returncode)
 
 
-def start_server(model: Path, tmp: Path, *args: str, ready: bool = True, timeout: float = 120.0) -> RunningServer:
-    """Start the server on port 0 and return once it listens (and, with ready, once /health is 200)."""
+def start_server(model: Path | None, tmp: Path, *args: str, ready: bool = True, timeout: float = 120.0) -> RunningServer:
+    """Start the server on port 0 and return once it listens (and, with ready, once /health is 200).
+    model None: args name the models (--models-dir, several -m)."""
     log = tmp / f"server-{time.monotonic_ns()}.log"
     fh = open(log, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "powerinfer.server.main", "-m", str(model), "--port", "0", *args],
+    given = ["-m", str(model)] if model is not None else []
+    proc = subprocess.Popen([sys.executable, "-m", "powerinfer.server.main", *given, "--port", "0", *args],
                             stdout=fh, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     fh.close()
     deadline = time.monotonic() + timeout
