@@ -8,6 +8,7 @@ Runs in: the pytest process; the server (and its workers) in processes of their 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import httpx
@@ -107,3 +108,32 @@ def test_bad_model_flags(argv: list[str], msg: str, capsys: pytest.CaptureFixtur
 
     assert main([*argv, "--port", "0"]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_room_is_made_by_unloading_idle_models_least_recently_used_first() -> None:
+    """ServerState's budget arithmetic on stand-in hosts: idle ones go oldest first, busy or held
+    ones stay, and what cannot fit is refused with both sizes named."""
+    from powerinfer.server.app import ServerState
+    from powerinfer.server.requests import APIError
+    from powerinfer.server.settings import ServerConfig
+
+    gib = 2**30
+    cfg = ServerConfig(model_id="a", models=(("a", "a.gguf", 3 * gib), ("b", "b.gguf", 3 * gib), ("c", "c.gguf", 3 * gib),
+                                             ("huge", "h.gguf", 20 * gib)), models_memory=7 * gib)
+    state = ServerState(cfg, lambda path: None)  # type: ignore[arg-type,return-value]
+    closed: list[str] = []
+    for i, name in enumerate(("a", "b")):
+        h = state.hosts[name]
+        h.scheduler = SimpleNamespace(active=[], waiting=[], calls=[])  # type: ignore[assignment]  # "loaded", idle
+        h.last_used = float(i)
+        h.close = (lambda n: lambda timeout=10.0: (closed.append(n), setattr(state.hosts[n], "scheduler", None)))(name)  # type: ignore[method-assign]
+    state.hosts["a"].leases = 1  # held by a request: not unloaded although oldest
+    state._make_room(state.hosts["c"])  # noqa: SLF001 - the rule itself
+    assert closed == ["b"]
+    with pytest.raises(APIError) as e:
+        state._make_room(state.hosts["huge"])  # noqa: SLF001
+    assert e.value.status == 503 and "20.0 GiB" in str(e.value) and "7.0 GiB" in str(e.value)
+    state.hosts["b"].scheduler = SimpleNamespace(active=[], waiting=[], calls=[])  # type: ignore[assignment]
+    state.hosts["b"].leases = 1
+    with pytest.raises(APIError, match="busy"):  # a and b held: no room for c now, try again
+        state._make_room(state.hosts["c"])  # noqa: SLF001
