@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -30,8 +29,8 @@ from powerinfer.errors import PowerInferError
 from powerinfer.generation import SequenceState
 from powerinfer.sampling import SamplingParams
 from powerinfer.server.requests import APIError, bad
-from powerinfer.server.scheduler import Embedded, Event, Job, QueueFullError, Scheduler, ShuttingDownError
-from powerinfer.server.streaming import ClientGone, failure, watch_disconnect
+from powerinfer.server.scheduler import Embedded, Job, Scheduler
+from powerinfer.server.streaming import ClientGone, event_queue, failure, submit, watch_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 POOLINGS = ("mean", "last")
@@ -107,21 +106,10 @@ async def respond(request: Request, req: EmbeddingRequest, llm: LLM, sched: Sche
     if req.dimensions is not None and req.dimensions != llm.config.d_model:
         raise bad(f"this model's embeddings have {llm.config.d_model} dimensions; 'dimensions' cannot change that", "dimensions")
     prompts = await run_in_threadpool(token_ids, llm, req)
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-
-    def sink(job: Job, ev: Event) -> None:  # scheduler thread -> event loop
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
-
+    queue, sink = event_queue()
     greedy = SamplingParams(temperature=0)
     jobs = [Job(ids, SequenceState(llm.tokenizer, ids, 0, greedy), sink, index=i, pooling=pooling) for i, ids in enumerate(prompts)]
-    try:
-        sched.submit(jobs)
-    except QueueFullError as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-    except ShuttingDownError as e:
-        raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+    submit(sched, jobs)
     watcher = asyncio.ensure_future(watch_disconnect(request, sched, jobs, queue))
     vectors: dict[int, np.ndarray] = {}
     try:

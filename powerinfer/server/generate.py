@@ -7,7 +7,6 @@ Runs in: the server process (HTTP side: the handlers and a worker thread for tok
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import replace
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,9 +21,9 @@ from powerinfer.server import reasoning, tools
 from powerinfer.server.compat import cached_tokens, job_timings
 from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, GenerationRequest, bad, check_logit_bias
 from powerinfer.server.responses import Shapes
-from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+from powerinfer.server.scheduler import Event, Job, Scheduler
 from powerinfer.server.settings import ServerConfig
-from powerinfer.server.streaming import collect, stream, watch_disconnect
+from powerinfer.server.streaming import collect, event_queue, stream, submit, watch_disconnect
 
 THINK_TAIL_TOKENS = 8  # prompt tokens read back to see whether the template left a thought open
 
@@ -66,12 +65,7 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
     score_prompt: the prompts' logprobs too (completions with echo and logprobs). spec: the chat's
     tools; with several calls allowed, a reply ends where it repeats a call (tools.RepeatGuard)."""
     max_tokens = config.n_predict if common.max_tokens == -1 else common.max_tokens
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-
-    def sink(job: Job, ev: Event) -> None:  # scheduler thread -> event loop
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
+    queue, sink = event_queue()
 
     vocab = llm.config.vocab_size
 
@@ -87,12 +81,7 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
                                          common.logprobs, constraint(), score_prompt,
                                          tools.RepeatGuard() if spec is not None and spec.parallel else None), sink, index=p * common.n + j)
             for p, ids in enumerate(prompts) for j in range(common.n)]
-    try:
-        sched.submit(jobs)
-    except QueueFullError as e:
-        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-    except ShuttingDownError as e:
-        raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+    submit(sched, jobs)
     return jobs, queue
 
 

@@ -7,7 +7,8 @@ Runs in: the server process (HTTP side, on the event loop).
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import contextlib
+from typing import AsyncIterator, Callable
 
 from starlette.requests import Request
 
@@ -17,7 +18,7 @@ from powerinfer.server import reasoning, tools
 from powerinfer.server.compat import cached_tokens, job_timings
 from powerinfer.server.requests import APIError, GenerationRequest
 from powerinfer.server.responses import ChoiceResult, Shapes, sse
-from powerinfer.server.scheduler import Event, Job, Scheduler, ShuttingDownError
+from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
 
 
 def failure(e: BaseException) -> APIError:
@@ -27,6 +28,29 @@ def failure(e: BaseException) -> APIError:
     if isinstance(e, ShuttingDownError):
         return APIError(503, str(e), type="server_error", code="shutting_down")
     return APIError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
+
+
+def event_queue() -> tuple["asyncio.Queue[tuple[int, Event]]", Callable[[Job, Event], None]]:
+    """A request's queue on this event loop, and the sink the scheduler thread feeds it through:
+    (choice index, chunk or error) per event."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+    def sink(job: Job, ev: Event) -> None:  # scheduler thread -> event loop
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
+
+    return queue, sink
+
+
+def submit(sched: Scheduler, jobs: list[Job]) -> None:
+    """Queue a request's jobs, or answer 429 (queue full) / 503 (shutting down)."""
+    try:
+        sched.submit(jobs)
+    except QueueFullError as e:
+        raise APIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except ShuttingDownError as e:
+        raise APIError(503, str(e), type="server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
 
 
 class ClientGone(Exception):
