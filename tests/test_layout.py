@@ -51,3 +51,48 @@ def test_ci_runs_the_readmes_install_and_test_command() -> None:
     ci_line = (root / ".ci" / "run").read_text().rstrip().splitlines()[-1]
     assert "pytest" in ci_line and "download.pytorch.org/whl/cpu" in ci_line
     assert f"```sh\n{ci_line}\n```" in readme
+
+
+def _module_name(p: Path) -> str:
+    rel = p.relative_to(PACKAGE.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imported(p: Path, modules: set[str]) -> set[str]:
+    """The package's modules p imports, at any depth (inside functions and TYPE_CHECKING blocks too)."""
+    me = _module_name(p)
+    pkg = me if p.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else (node.module or "")
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n in modules and n != me)
+    return out
+
+
+def test_no_import_cycle_between_files_of_one_folder() -> None:
+    """Files are split by concept: within a folder, imports go one way (lazy and type-only imports
+    count too). A ring of files that import each other is named here."""
+    files = {p: _module_name(p) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    modules = set(files.values())
+    by_name = {m: p for p, m in files.items()}
+    edges = {m: {d for d in _imported(p, modules) if by_name[d].parent == p.parent} for p, m in files.items()}
+    rings = []
+    for start in sorted(edges):  # a path back to start through same-folder imports is a ring
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            node, path = todo.pop()
+            for nxt in sorted(edges[node]):
+                if nxt == start:
+                    rings.append(path)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, (*path, nxt)))
+    assert not rings, "files of one folder import each other: " + "; ".join(" -> ".join((*r, r[0])) for r in rings[:10])

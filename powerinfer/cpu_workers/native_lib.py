@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from powerinfer.native.cbuild import load_library
 from powerinfer.native.comm_lib import COMM_HEADERS, COMM_KERNELS, declare_handoff
@@ -106,6 +107,22 @@ COMM_ERRORS = {10: "aborted by the coordinator (a rank died)", 11: "a peer rank 
 
 # decoder.c's profile phases, in its order (pi_phases() of them)
 PHASES = ("norm", "qkv", "rope+cache", "attention", "out_proj", "ffn_norm", "gate+up", "act", "down")
+
+
+X8_BYTES = {q: t.x8_group_bytes for q, t in REGISTRY.items() if t.x8_group_bytes is not None}  # qx8.h's PI_X8_BYTES: one block of eight rows
+
+
+def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:
+    """Rows [0, rows // 8 * 8) of w repacked eight at a time (qx8.h) when this build computes them
+    so; w then points at the copy (the caller keeps it alive). None: w stays as it is."""
+    qt = GGMLQuantizationType(w.type)
+    if qt not in X8_BYTES or w.rows < 8 or not lib.pi_x8_supported(int(qt)):
+        return None
+    groups = w.rows // 8
+    buf = np.empty(groups * (w.cols // 32) * X8_BYTES[qt], dtype=np.uint8)
+    lib.pi_x8_repack(w.data, w.row_bytes, int(qt), w.cols, 0, groups, buf.ctypes.data)
+    w.x8 = buf.ctypes.data
+    return buf
 
 
 def cpu_flags() -> set[str]:

@@ -22,13 +22,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from powerinfer.config import ACT_CODES, ModelConfig
-from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt
+from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt, repack_x8
 from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import lazy_array
 from powerinfer.model.sharding import RankShard
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
-from powerinfer.quants.registry import REGISTRY
 
 if TYPE_CHECKING:
     from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
@@ -54,22 +53,6 @@ def weight(f: GGUFFile, name: str, rows: tuple[int, int] | None = None, cols: tu
     stride = raw.strides[0]
     col_bytes = c0 * raw.itemsize if info.qtype in (QT.F32, QT.F16, QT.BF16) else c0 // blk * (info.row_bytes // (info.n_cols // blk))
     return PiWt(raw.ctypes.data + r0 * stride + col_bytes, None, stride, int(info.qtype), r1 - r0, c1 - c0)
-
-
-X8_BYTES = {q: t.x8_group_bytes for q, t in REGISTRY.items() if t.x8_group_bytes is not None}  # qx8.h's PI_X8_BYTES: one block of eight rows
-
-
-def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:
-    """Rows [0, rows // 8 * 8) of w repacked eight at a time (qx8.h) when this build computes them
-    so; w then points at the copy (the caller keeps it alive). None: w stays as it is."""
-    qt = QT(w.type)
-    if qt not in X8_BYTES or w.rows < 8 or not lib.pi_x8_supported(int(qt)):
-        return None
-    groups = w.rows // 8
-    buf = np.empty(groups * (w.cols // 32) * X8_BYTES[qt], dtype=np.uint8)
-    lib.pi_x8_repack(w.data, w.row_bytes, int(qt), w.cols, 0, groups, buf.ctypes.data)
-    w.x8 = buf.ctypes.data
-    return buf
 
 
 def supports(f: GGUFFile, cfg: ModelConfig) -> str | None:

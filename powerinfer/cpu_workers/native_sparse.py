@@ -24,7 +24,7 @@ from gguf.quants import quantize
 
 from powerinfer.config import ModelConfig
 from powerinfer.cpu_workers.native_lib import PiPred, PiSparse, PiWt
-from powerinfer.cpu_workers.native_model import repack_x8
+from powerinfer.cpu_workers.native_lib import repack_x8
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants.formats import dequantize_rows

@@ -45,7 +45,7 @@ from gguf.quants import dequantize
 
 from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 from powerinfer.gguf_file import GGUF_MAGIC, GGUFFile
-from powerinfer.predictors.predictor_file import CalibrationValue, LayerPredictor, PredictorFile, validate_predictor
+from powerinfer.predictors.predictor_types import CalibrationValue, LayerPredictor, PredictorFile, validate_predictor
 
 log = logging.getLogger(__name__)
 

@@ -29,6 +29,8 @@ from powerinfer.protocol.messages import (
     MAX_BODY,
     MAX_LIST,
     MAX_STR,
+    CODE_OF,
+    DTYPES,
     Message,
     MsgType,
     PROTOCOL_VERSION,
@@ -47,9 +49,6 @@ from powerinfer.protocol.messages import (
 _U, _U1, _IDX = (0, I64_MAX), (1, I64_MAX), (-1, I64_MAX)  # _IDX: -1 = "none" / "unknown"
 _FLOAT, _STR, _BOOL, _ULIST = "float", "str", "bool", "list"
 Kind = Union[tuple[int, int], str]
-# Wire dtype code -> numpy dtype, explicitly little-endian so the views are right on any host.
-DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "i64": np.dtype("<i8"), "bf16": np.dtype("<u2"), "f16": np.dtype("<f2")}
-CODE_OF: dict[Any, str] = {dt: code for code, dt in DTYPES.items()}
 _UNPACK_KW: dict[str, Any] = dict(
     raw=False, strict_map_key=True, use_list=False, max_str_len=MAX_BODY, max_bin_len=0,
     max_array_len=MAX_LIST, max_map_len=32, max_ext_len=0,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Union
 
 import numpy as np
@@ -71,18 +71,19 @@ class MsgType(enum.IntEnum):
     KV = 14  # coordinator -> worker (protocol 9, transport "shm"): save or restore a slot's KV cache
 
 
-def _describe(t: Any) -> str:
-    from powerinfer.protocol.codec import CODE_OF  # codec imports this module: resolve at call time
+# Wire dtype code -> numpy dtype, explicitly little-endian so the views are right on any host.
+DTYPES: dict[str, np.dtype[Any]] = {"f32": np.dtype("<f4"), "i64": np.dtype("<i8"), "bf16": np.dtype("<u2"), "f16": np.dtype("<f2")}
+CODE_OF: dict[Any, str] = {dt: code for code, dt in DTYPES.items()}
 
+
+def _describe(t: Any) -> str:
     shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
     return f"{CODE_OF.get(dtype) or dtype}{list(shape)}" if shape is not None else type(t).__name__
 
 
 def _tensor_repr(self: Any) -> str:
     """dtype and shape instead of the (possibly huge) tensor contents."""
-    from powerinfer.protocol.codec import BY_CLASS
-
-    head = ", ".join(f"{n}={getattr(self, n)!r}" for n in BY_CLASS[type(self)].names)
+    head = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "tensors")
     return f"{type(self).__name__}({head}, tensors=({', '.join(map(_describe, self.tensors))}))"
 
 

@@ -29,7 +29,8 @@ from powerinfer.server.requests import bad
 from powerinfer.server.scheduler import Job
 
 if TYPE_CHECKING:
-    from powerinfer.server.app import ServerConfig, ServerState
+    from powerinfer.server.settings import ServerConfig
+    from powerinfer.server.state import ServerState
 
 LOCAL_ORIGINS = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
 MAX_TOKENIZE_CHARS = 1 << 22

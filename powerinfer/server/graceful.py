@@ -17,7 +17,7 @@ import socket
 
 import uvicorn
 
-from powerinfer.server.app import ServerState
+from powerinfer.server.state import ServerState
 
 MAX_MARGIN_S = 1.0  # how long before the deadline the running requests are ended (at most half the timeout)
 

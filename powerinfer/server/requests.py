@@ -17,7 +17,9 @@ from typing import Any, Mapping
 from powerinfer.chat import RESERVED_VARIABLES
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sampling import SamplingParams
-from powerinfer.server import reasoning
+from powerinfer.server import reasoning, tools
+from powerinfer.server.api_errors import APIError, bad
+from powerinfer.server.structured import compile_grammar, parse_grammar
 
 MAX_N = 16  # choices per request
 MAX_STOP = 16  # OpenAI allows 4; llama.cpp clients send a few more
@@ -25,23 +27,6 @@ MAX_STOP_LEN = 1024
 MAX_MESSAGES = 4096
 MAX_DEPTH = 64  # JSON nesting the server is willing to parse
 MAX_TOKENS_CAP = 1 << 20
-
-
-class APIError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def _reject_constant(name: str) -> float:
@@ -241,7 +226,6 @@ def _common(body: Mapping[str, Any], default_max_tokens: int, logprobs: int | No
         )
     except InvalidArgumentError as e:
         raise bad(str(e)) from None
-    from powerinfer.server.structured import parse_grammar  # it imports bad() from here
 
     return GenerationRequest(model, -1 if max_tokens is None else int(max_tokens), sampling, _stop(body), int(_int(body, "n", 1, 1, MAX_N) or 1),
                              stream, include_usage, logprobs, parse_grammar(body))
@@ -290,16 +274,12 @@ def parse_chat(body: Mapping[str, Any]) -> ChatRequest:
         logprobs = int(_int(body, "top_logprobs", 0, 0, 20) or 0)
     elif body.get("top_logprobs") is not None:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    from powerinfer.server import tools  # it imports bad() from here
-
     spec = tools.parse_tools(body)
     common = _common(body, -1, logprobs)
     call_grammar = tools.grammar(spec) if spec is not None else None
     if call_grammar is not None:
         if common.grammar is not None:
             raise bad("a required tool call and a response format cannot both constrain the reply", "tool_choice")
-        from powerinfer.server.structured import compile_grammar
-
         common = replace(common, grammar=compile_grammar("lark", call_grammar, "tools"))
     try:
         kwargs = reasoning.template_kwargs(body, RESERVED_VARIABLES)

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from powerinfer.constrained import grammar_for
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.server.requests import bad
+from powerinfer.server.api_errors import bad
 
 
 def compile_grammar(kind: str, spec: Any, param: str) -> str:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from powerinfer import constrained
-from powerinfer.server.requests import bad
+from powerinfer.server.api_errors import bad
 from powerinfer.server.structured import compile_grammar
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"

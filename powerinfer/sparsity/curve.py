@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.sparsity.perplexity import perplexity
-from powerinfer.sparsity.teal import input_curve
+from powerinfer.sparsity.teal_curve import input_curve
 
 
 @dataclass(frozen=True)

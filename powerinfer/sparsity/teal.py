@@ -15,7 +15,7 @@ weight columns it multiplies need not be read. Four sites a layer, each with its
 A threshold is the layer's and site's quantile of |input| at the target level, taken on the
 calibration text's dense activations: TEAL's uniform allocation (every site at the same level),
 or levels per layer and site allocated greedily by measured damage (teal_greedy.py). The curve
-reports the held-out perplexity and the share of the layers' weight bytes whose input was zero on
+(teal_curve.py) reports the held-out perplexity and the share of the layers' weight bytes whose input was zero on
 the held-out text. Those bytes are an upper bound of what a kernel saves: the file's row-major
 blocks mix skipped and kept columns, so reading only the kept ones needs the matrices stored
 column-major (docs/sparsity.md).
@@ -23,7 +23,6 @@ column-major (docs/sparsity.md).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -172,48 +171,3 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax of z [n, V]."""
     mx = z.max(1, keepdims=True)
     return z - (np.log(np.exp(z - mx).sum(1, keepdims=True)) + mx)
-
-
-def input_curve(model: str | Path, calib: str, held_out: str, levels: Sequence[float], n_ctx: int = 512, tokens: int = 2048,
-                max_tokens: int = 1024, progress: Callable[[str], None] = lambda _: None, allocation: str = "uniform",
-                sens_tokens: int = 256) -> list[InputPoint]:
-    """Profile |inputs| on calib, then score held_out densely and at each level. allocation
-    "uniform": every site at the level; "greedy": the level is the target share of layer weight
-    bytes, spread over layers and sites by the damage each showed alone on the first sens_tokens
-    of calib (teal_greedy.py)."""
-    if not levels or not all(0.0 < v < 1.0 for v in levels):
-        raise InvalidArgumentError(f"input sparsity levels must be in (0, 1), got {list(levels)}")
-    if allocation not in ("uniform", "greedy"):
-        raise InvalidArgumentError(f"allocation must be uniform or greedy, got {allocation!r}")
-    if allocation == "greedy":
-        from powerinfer.sparsity.teal_greedy import LEVELS, allocate, measure
-
-        if max(levels) > LEVELS[-1]:  # before minutes of calibration, not after
-            raise InvalidArgumentError(f"greedy targets must be at most {LEVELS[-1]}, got {max(levels)}")
-        if sens_tokens < 2:
-            raise InvalidArgumentError(f"the sensitivity window needs at least 2 tokens, got {sens_tokens}")
-    m = InputSparsity(model)
-    samples: dict[tuple[int, str], list[np.ndarray]] = {}
-    calib_windows = m.windows(calib, n_ctx, tokens)
-    m.run(calib_windows, collect=samples)
-    plan: Callable[[float], float | np.ndarray] = lambda level: level
-    if allocation == "greedy":
-        n_sens = min(sens_tokens, tokens)  # the first tokens of the calibration text, within its budget
-        sens = measure(m, m.windows(calib, n_sens, n_sens)[0], samples, progress=progress)
-        plan = lambda level: allocate(sens, level)  # noqa: E731
-    held = m.windows(held_out, n_ctx, max_tokens)
-    dense_total, n, _ = m.run(held)
-    dense = math.exp(dense_total / n)
-    progress(f"input dense: perplexity {dense:.3f} over {n} tokens")
-    n_tok = sum(len(w) for w in held)
-    layer_bytes = int(sum(b.sum() for b in m.site_bytes.values()))
-    points = []
-    for level in levels:
-        total, _, zeros = m.run(held, m.thresholds(samples, plan(level)))
-        share = zeros / n_tok  # [n_layers, 4]: share of each input's entries that were zero
-        skipped = float(sum((share[:, k] * m.site_bytes[s]).sum() for k, s in enumerate(SITES)))
-        p = InputPoint(level, math.exp(total / n), dense, {s: float(share[:, k].mean()) for k, s in enumerate(SITES)}, skipped, layer_bytes)
-        points.append(p)
-        progress(f"input ({allocation}) {level:.2f}: perplexity {p.ppl:.3f} ({100 * p.increase:+.2f}%), layer weight bytes skipped "
-                 f"{100 * p.skipped_share:.1f}% (" + ", ".join(f"{s} {100 * v:.0f}%" for s, v in p.zero_share.items()) + ")")
-    return points

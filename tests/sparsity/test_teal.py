@@ -14,7 +14,8 @@ from powerinfer.config import config_from_gguf
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.reference import logits
-from powerinfer.sparsity.teal import SITES, InputSparsity, input_curve
+from powerinfer.sparsity.teal import SITES, InputSparsity
+from powerinfer.sparsity.teal_curve import input_curve
 from powerinfer.sparsity.teal_greedy import LEVELS, Sensitivity, allocate, measure
 
 TEXT = " ".join(f"The {w} of the {v} went over the hill number {i}." for i, (w, v) in
