@@ -9,7 +9,7 @@ per sequence computes the bitmask of tokens the grammar allows next, the disallo
 because it has no torch dependency (our workers and the server process do not load torch), its
 wheel is 3 MB, it compiles JSON schemas lazily (no per-schema precomputation over the
 vocabulary) and it reads GBNF, llama.cpp's grammar format, directly. The per-token mask time on
-this CPU: ``python -m powerinfer.cli.grammar_time MODEL`` (SmolLM2's 49k tokens: median 72 µs; Gemma-3's
+this CPU: ``python -m powerinfer.devtools.harness.grammar_time MODEL`` (SmolLM2's 49k tokens: median 72 µs; Gemma-3's
 262k: 83 µs; docs/guide.md).
 
 The tokenizer bridge: llguidance needs each token's bytes and a way to tokenize text; both come

@@ -56,7 +56,7 @@ done
 
 echo "== check (setup took $(( $(date +%s) - t0 ))s)"
 # shellcheck disable=SC2086
-"$PY" -m powerinfer.tools.gpu_check "${ARGS[@]}" ${BENCH_ARGS:-} 2>&1 | tee /tmp/powerinfer-gpu-check.log
+"$PY" -m powerinfer.devtools.harness.gpu_check "${ARGS[@]}" ${BENCH_ARGS:-} 2>&1 | tee /tmp/powerinfer-gpu-check.log
 rc=${PIPESTATUS[0]}
 [[ -n "${OUT:-}" ]] && cp /tmp/powerinfer-gpu-check.log "$OUT/" 2>/dev/null
 echo "gpu_check.sh: exit $rc after $(( $(date +%s) - t0 ))s"

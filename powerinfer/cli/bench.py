@@ -214,7 +214,7 @@ def run_bench(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     report_paths(args.json, args.plot)
     if args.merge:
-        from powerinfer.cli.bench_merge import bench_handoff, bench_merge
+        from powerinfer.devtools.harness.bench_merge import bench_handoff, bench_merge
 
         if args.workers[0] < 2:
             raise CLIError(f"--merge measures a merge between ranks: give --workers 2 or more, got {args.workers[0]}")
@@ -243,7 +243,7 @@ def run_bench(argv: Sequence[str]) -> int:
     if pwri is not None and pwri.predictor is not None and not args.predictor:
         args.predictor = str(pwri.predictor)  # a PowerInfer model file runs with its own predictors
     if args.profile:
-        from powerinfer.cli.bench_profile import as_dict, profile_decode
+        from powerinfer.devtools.harness.bench_profile import as_dict, profile_decode
 
         prof = profile_decode(model, threads=args.workers[0], prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                               predictor=args.predictor)
@@ -253,7 +253,7 @@ def run_bench(argv: Sequence[str]) -> int:
                 json.dump(as_dict(prof), fh, indent=2)
         return 0
     if args.lookup:
-        from powerinfer.cli.bench_lookup import compare_lookup
+        from powerinfer.devtools.harness.bench_lookup import compare_lookup
 
         lk = compare_lookup(model, args.lookup, args.workers[0], args.executor, args.gen_tokens, args.rounds)
         print(lk.report())
@@ -262,7 +262,7 @@ def run_bench(argv: Sequence[str]) -> int:
                 json.dump(lk.as_dict(), fh, indent=2)
         return 0
     if args.paired:
-        from powerinfer.cli.bench_scaling import compare_scaling, plot_scaling
+        from powerinfer.devtools.harness.bench_scaling import compare_scaling, plot_scaling
 
         sc = compare_scaling(model, args.workers, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, rounds=args.rounds,
                              worker_threads=args.worker_threads, n_batch=args.batch_size, predictor=args.predictor)
@@ -276,7 +276,7 @@ def run_bench(argv: Sequence[str]) -> int:
     if args.vs_llama_cpp and not (args.vs_dense or args.sparse):
         if args.predictor:
             raise PowerInferError("--predictor with --vs-llama-cpp compares sparse decode: give --vs-dense too")
-        from powerinfer.cli.bench_llama import compare_llama_cpp
+        from powerinfer.devtools.harness.bench_llama import compare_llama_cpp
 
         vs = compare_llama_cpp(model, threads=args.workers[0], executor=args.executor, prompt_tokens=args.prompt_tokens,
                                gen_tokens=args.gen_tokens, rounds=args.rounds, n_batch=args.batch_size)

@@ -99,7 +99,7 @@ def _synth(argv: Sequence[str]) -> int:
 
 
 def _loadtest(argv: Sequence[str]) -> int:
-    from powerinfer.server.loadtest import main as run_loadtest
+    from powerinfer.devtools.harness.loadtest import main as run_loadtest
 
     return run_loadtest(argv)
 

@@ -332,7 +332,7 @@ def test_a_prompt_too_long_prints_nothing_and_a_full_disk_is_an_error(make_model
 
 
 def test_grammar_time_has_help_and_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from powerinfer.cli.grammar_time import main as grammar_time
+    from powerinfer.devtools.harness.grammar_time import main as grammar_time
 
     assert grammar_time(["/no/such.gguf"]) == 1 and capsys.readouterr().err.strip() == "error: /no/such.gguf: no such file"
     with pytest.raises(SystemExit) as e:

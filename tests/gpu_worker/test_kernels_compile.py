@@ -17,7 +17,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
-from powerinfer.tools.gpu_check import random_weight_rows
+from powerinfer.devtools.harness.gpu_check import random_weight_rows
 from powerinfer.gpu_worker.cuda_backend import SIGNATURES
 from powerinfer.gpu_worker.kernels import KERNEL_DIR, SOURCES, SUFFIX, ref_add_rows, ref_gemv, ref_rms_norm_rows, source_files
 
