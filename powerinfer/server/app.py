@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from powerinfer.api import LLM
 from powerinfer.server import embeddings, responses_api
 from powerinfer.server.compat import add_cors, add_routes
-from powerinfer.server.generate import prompt_ids, run_jobs, submit_jobs
+from powerinfer.server.generate import prompt_ids, run_jobs, submit_jobs, thinking
 from powerinfer.server.host import ModelHost
 from powerinfer.server.state import ServerState
 from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_json
@@ -184,8 +184,10 @@ def create_app(config: ServerConfig, load: Callable[[str], LLM]) -> FastAPI:
         async with state.use(req.common.model) as host:
             llm, sched = host.ready()
             prompts = await run_in_threadpool(prompt_ids, llm, req)
+            opens = thinking(llm, req, prompts, config)
             return await responses_api.respond(request, body, req, prompts[0], sched, host.model_id,
-                                               lambda common, ps: submit_jobs(llm, sched, common, ps, config))
+                                               lambda common, ps: submit_jobs(llm, sched, common, ps, config),
+                                               None if opens is None else opens[0])
 
     async def embed(request: Request, oai: bool) -> Response:
         check_key(request)

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from powerinfer.server import reasoning
 from powerinfer.server.requests import APIError, ChatRequest, bad, parse_chat
 from powerinfer.server.scheduler import Event, Job, Scheduler
 from powerinfer.server.streaming import collect, failure, watch_disconnect
@@ -68,6 +69,9 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
                                                          "metadata", "user", "truncation", "include", "parallel_tool_calls",
                                                          "tool_choice", "stream_options")}
     chat["messages"] = msgs
+    effort = body.get("reasoning")
+    if isinstance(effort, dict) and effort.get("effort") is not None:  # Responses' {"effort": ...} -> the chat's reasoning_effort
+        chat["reasoning_effort"] = effort["effort"]
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
@@ -81,7 +85,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 # the chat parameters a Responses body's fields became, back to the names the client sent
-_RENAMED = (("max_tokens", "max_output_tokens"), ("messages", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+_RENAMED = (("max_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"), ("messages", "input"), ("response_format.json_schema.schema", "text.format.schema"),
             ("response_format.json_schema.name", "text.format.name"), ("response_format", "text.format"))
 
 
@@ -89,15 +93,23 @@ class Shape:
     """The bodies of one response (its ids and creation time shared)."""
 
     def __init__(self, model: str, body: dict[str, Any]) -> None:
-        self.id, self.msg_id = "resp_" + secrets.token_hex(12), "msg_" + secrets.token_hex(12)
+        self.id, self.msg_id, self.rs_id = "resp_" + secrets.token_hex(12), "msg_" + secrets.token_hex(12), "rs_" + secrets.token_hex(12)
         self.created, self.model = time.time(), model
         self.params = {k: body.get(k) for k in ("temperature", "top_p", "max_output_tokens", "instructions")}
 
-    def response(self, status: str, text: str | None, usage: dict[str, Any] | None = None, incomplete: str | None = None) -> dict[str, Any]:
+    def response(self, status: str, text: str | None, usage: dict[str, Any] | None = None, incomplete: str | None = None,
+                 thought: str = "") -> dict[str, Any]:
+        """thought: a reasoning model's, the output's first item (server/reasoning.py)."""
         out = [] if text is None else [self.message(text, "completed" if status == "completed" else "incomplete")]
+        if thought and text is not None:
+            out.insert(0, self.reasoning(thought, "completed"))
         return {"id": self.id, "object": "response", "created_at": self.created, "model": self.model, "status": status,
                 "output": out, "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "error": None,
                 "incomplete_details": {"reason": incomplete} if incomplete else None, "usage": usage, **self.params}
+
+    def reasoning(self, thought: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.rs_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": thought}] if thought else []}
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
@@ -114,13 +126,14 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 async def respond(request: Request, body: dict[str, Any], req: ChatRequest, prompt: list[int], sched: Scheduler, model: str,
-                  submit: Callable[..., tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]]) -> Response:
+                  submit: Callable[..., tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]], think: bool | None = None) -> Response:
+    """think: whether the reply starts inside a thought (None: no reasoning split; generate.thinking)."""
     if req.common.n != 1:
         raise bad("'n' is not a Responses parameter", "n")
     jobs, queue = submit(req.common, [prompt])
     shape = Shape(model, body)
     if req.common.stream:
-        return StreamingResponse(_events(shape, sched, jobs, queue, len(prompt)), media_type="text/event-stream",
+        return StreamingResponse(_events(shape, sched, jobs, queue, len(prompt), think), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.ensure_future(watch_disconnect(request, sched, jobs, queue))
     try:
@@ -131,25 +144,68 @@ async def respond(request: Request, body: dict[str, Any], req: ChatRequest, prom
     r = results[0]
     status, reason = ("incomplete", "max_output_tokens") if r.finish_reason == "length" else ("completed", None)
     cached = jobs[0].seq.cached if jobs[0].seq is not None else 0
-    return JSONResponse(shape.response(status, "".join(r.text), _usage(len(prompt), r.tokens, cached), reason))
+    thought, text = reasoning.split("".join(r.text), think) if think is not None else ("", "".join(r.text))
+    return JSONResponse(shape.response(status, text, _usage(len(prompt), r.tokens, cached), reason, thought))
 
 
 async def _events(shape: Shape, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
-                  n_prompt: int) -> AsyncIterator[bytes]:
+                  n_prompt: int, think: bool | None = None) -> AsyncIterator[bytes]:
+    """The Responses stream: a reasoning item first when the model thinks (its text as
+    reasoning_text deltas), then the message; each item is added when its first text comes."""
     seq = 0
+    state = {"reasoning": "none", "message": "none"}  # none -> open -> done
+    thought: list[str] = []
+    text: list[str] = []
 
     def ev(kind: str, **data: Any) -> bytes:
         nonlocal seq
         seq += 1
         return _sse(kind, {"type": kind, "sequence_number": seq - 1, **data})
 
-    where = {"item_id": shape.msg_id, "output_index": 0, "content_index": 0}
+    def where(item: str) -> dict[str, Any]:
+        if item == "reasoning":
+            return {"item_id": shape.rs_id, "output_index": 0, "content_index": 0}
+        return {"item_id": shape.msg_id, "output_index": 1 if state["reasoning"] != "none" else 0, "content_index": 0}
+
+    def close_reasoning() -> list[bytes]:
+        if state["reasoning"] != "open":
+            return []
+        state["reasoning"] = "done"
+        full = "".join(thought)
+        return [ev("response.reasoning_text.done", **where("reasoning"), text=full),
+                ev("response.output_item.done", output_index=0, item=shape.reasoning(full, "completed"))]
+
+    def open_message() -> list[bytes]:
+        if state["message"] != "none":
+            return []
+        out = close_reasoning()
+        state["message"] = "open"
+        w = where("message")
+        return [*out, ev("response.output_item.added", output_index=w["output_index"], item={**shape.message("", "in_progress"), "content": []}),
+                ev("response.content_part.added", **w, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def pieces(th: str, ct: str) -> list[bytes]:
+        out: list[bytes] = []
+        if th:
+            if state["reasoning"] == "none":
+                state["reasoning"] = "open"
+                out.append(ev("response.output_item.added", output_index=0, item={**shape.reasoning("", "in_progress")}))
+            thought.append(th)
+            out.append(ev("response.reasoning_text.delta", **where("reasoning"), delta=th))
+        if ct:
+            out += open_message()
+            text.append(ct)
+            out.append(ev("response.output_text.delta", **where("message"), delta=ct, logprobs=[]))
+        return out
+
+    splitter = reasoning.ThinkSplitter(think) if think is not None else None
     try:
         yield ev("response.created", response=shape.response("in_progress", None))
         yield ev("response.in_progress", response=shape.response("in_progress", None))
-        yield ev("response.output_item.added", output_index=0, item={**shape.message("", "in_progress"), "content": []})
-        yield ev("response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        text, tokens, finish = [], 0, None
+        if splitter is None:  # no thought can come: the message opens at once, as before any text
+            for b in open_message():
+                yield b
+        tokens, finish = 0, None
         while finish is None:
             _, e = await queue.get()
             if isinstance(e, BaseException):
@@ -157,17 +213,24 @@ async def _events(shape: Shape, sched: Scheduler, jobs: list[Job], queue: "async
                 yield ev("error", code=err["code"], message=err["message"], param=None)
                 return
             tokens += e.token >= 0
-            if e.text:
-                text.append(e.text)
-                yield ev("response.output_text.delta", **where, delta=e.text, logprobs=[])
+            th, ct = splitter.push(e.text) if splitter is not None and e.text else ("", e.text)
             finish = e.finish_reason
+            if finish is not None and splitter is not None:
+                more, rest = splitter.finish()
+                th, ct = th + more, ct + rest
+            for b in pieces(th, ct):
+                yield b
+        for b in open_message():  # a reply that was all thought still has its (empty) message
+            yield b
         full = "".join(text)
         status, reason = ("incomplete", "max_output_tokens") if finish == "length" else ("completed", None)
-        yield ev("response.output_text.done", **where, text=full, logprobs=[])
-        yield ev("response.content_part.done", **where, part={"type": "output_text", "text": full, "annotations": [], "logprobs": []})
-        yield ev("response.output_item.done", output_index=0, item=shape.message(full, "completed" if status == "completed" else "incomplete"))
+        w = where("message")
+        yield ev("response.output_text.done", **w, text=full, logprobs=[])
+        yield ev("response.content_part.done", **w, part={"type": "output_text", "text": full, "annotations": [], "logprobs": []})
+        yield ev("response.output_item.done", output_index=w["output_index"],
+                 item=shape.message(full, "completed" if status == "completed" else "incomplete"))
         cached = jobs[0].seq.cached if jobs[0].seq is not None else 0
-        yield ev(f"response.{status}", response=shape.response(status, full, _usage(n_prompt, tokens, cached), reason))
+        yield ev(f"response.{status}", response=shape.response(status, full, _usage(n_prompt, tokens, cached), reason, "".join(thought)))
     finally:
         sched.cancel([j for j in jobs if not j.finished])
 

@@ -91,3 +91,29 @@ def test_bad_template_kwargs_are_400(server: RunningServer) -> None:
                          ({"reasoning_format": "auto-ish"}, "reasoning_format")):
         r = httpx.post(server.base_url + "/chat/completions", json={"model": "smollm2", "messages": MESSAGES, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_responses_api_has_a_reasoning_item(server: RunningServer) -> None:
+    """/v1/responses through the openai client: the thought is the output's first item (a reasoning
+    item with reasoning_text), streamed as its own deltas; the message holds only the answer."""
+    client = _client(server)
+    whole = client.responses.create(model="smollm2", input="What is the capital of France?", max_output_tokens=40, temperature=0,
+                                    extra_body=_extra())
+    kinds = [item.type for item in whole.output]
+    assert kinds == ["reasoning", "message"], kinds
+    thought = whole.output[0].content[0].text  # type: ignore[union-attr,index]
+    assert thought and "</think>" not in thought and "</think>" not in whole.output_text and whole.output_text.endswith(".")
+    deltas: dict[str, list[str]] = {"reasoning": [], "text": []}
+    done = None
+    for ev in client.responses.create(model="smollm2", input="What is the capital of France?", max_output_tokens=40, temperature=0,
+                                      stream=True, extra_body=_extra()):
+        if ev.type == "response.reasoning_text.delta":
+            deltas["reasoning"].append(ev.delta)
+        elif ev.type == "response.output_text.delta":
+            deltas["text"].append(ev.delta)
+        elif ev.type == "response.completed":
+            done = ev.response
+    assert "".join(deltas["reasoning"]) == thought and "".join(deltas["text"]) == whole.output_text
+    assert done is not None and [i.type for i in done.output] == ["reasoning", "message"]
+    plain = client.responses.create(model="smollm2", input="Hi", max_output_tokens=8, reasoning={"effort": "none"})  # type: ignore[arg-type]
+    assert [i.type for i in plain.output] == ["message"]  # the template closed the thought: no reasoning item
