@@ -71,8 +71,8 @@ def restore_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
     if head["model"] != identity(engine):
         raise InvalidArgumentError(f"{name} was saved from another model ({head['model'].get('name')!r}, "
                                    f"{head['model'].get('file_bytes')} bytes); this server runs {engine.cfg.name!r}")
-    layout = engine.executor.kv_layout  # type: ignore[attr-defined]
-    if head["layout"] != layout or head["geometry"] != geometry(engine).__dict__:
+    layout, geo = engine.executor.kv_layout, geometry(engine)  # type: ignore[attr-defined]
+    if head["layout"] != layout or head["geometry"] != geo.__dict__:
         raise InvalidArgumentError(f"{name} holds a {head['layout']} KV cache; this executor keeps a {layout} one")
     tokens: list[int] = head["tokens"]
     if not tokens or len(tokens) > engine.n_ctx:
@@ -82,4 +82,4 @@ def restore_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
     engine.rewind(0, slot)  # a restore that fails part way leaves an empty slot, never a half-restored one
     load(slot, len(tokens), path, off)
     engine.slot_tokens[slot].extend(tokens)
-    return len(tokens), geometry(engine).n_layers * geometry(engine).layer_bytes(len(tokens))
+    return len(tokens), geo.n_layers * geo.layer_bytes(len(tokens))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import time
 from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 

@@ -77,7 +77,11 @@ class ServerState:
         request's jobs reach its scheduler inside). With several models it is loaded first if it
         is not (the request waits for the load), within the memory budget."""
         host = self.host(name)
-        await run_in_threadpool(self._lease, host)
+        if self.multi:  # may wait for a load, or for an unload to make room: off the event loop
+            await run_in_threadpool(self._lease, host)
+        else:  # one model is never unloaded: no thread hop on every request
+            with self.lease_lock:
+                host.leases += 1
         try:
             host.ready()
             yield host
@@ -86,16 +90,16 @@ class ServerState:
                 host.leases -= 1
 
     def _lease(self, host: ModelHost) -> None:
+        """Several models: hold host, loading it first (and unloading others to make room) if it is not loaded."""
         with self.lock:
-            if self.multi and host.state in ("unloaded", "failed"):
+            if host.state in ("unloaded", "failed"):
                 if self.closing:
                     raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
                 self._make_room(host)
                 host.start()
             with self.lease_lock:
                 host.leases += 1
-        if self.multi:
-            host.ready_event.wait()
+        host.ready_event.wait()
 
     def _make_room(self, host: ModelHost) -> None:
         """Unload idle models, least recently used first, until host fits the budget."""

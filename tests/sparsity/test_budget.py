@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
-from powerinfer.sparsity import budget, timed_choice
+from powerinfer.sparsity import timed_choice
 from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, BudgetPoint, allocate, calibrate_within_budget, ffn_read_bytes,
                                         predictor_bytes)
 from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
