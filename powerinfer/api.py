@@ -33,7 +33,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.generation import GenerationChunk, SequenceState, checked_request
 from powerinfer.sampling import SamplingParams
-from powerinfer.predictors.predictor_file import read_predictor
+from powerinfer.predictors.predictor_file import read_predictor, refuse_residual_input
 from powerinfer.predictors.pwri_model import runnable_model
 from powerinfer.tokenizer import GGUFTokenizer
 
@@ -223,8 +223,8 @@ class LLM:
             log.warning("worker processes exchange each layer over ZeroMQ (slower): %s", why)
         from powerinfer.coordinator.process_executor import ProcessExecutor
 
-        # The coordinator itself only does small numpy vector work (norms, residuals, sampling)
-        # and never imports torch; the workers hold every matrix, the output head included.
+        refuse_residual_input(self.predictor if sparse else None, "the ZeroMQ torch workers")
+        # The coordinator only does small numpy work (norms, residuals, sampling), never torch: the workers hold every matrix.
         return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
                                predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
 

@@ -240,7 +240,7 @@ def run_bench(argv: Sequence[str]) -> int:
                        "(powerinfer convert --powerinfer writes it), and --sparse or --vs-dense")
     if args.powerinfer_model and not args.vs_powerinfer:
         raise CLIError("--powerinfer-model is the file for --vs-powerinfer: give --vs-powerinfer PATH too")
-    if pwri is not None and pwri.predictor is not None and not args.predictor:
+    if pwri is not None and not args.predictor:
         args.predictor = str(pwri.predictor)  # a PowerInfer model file runs with its own predictors
     if args.profile:
         from powerinfer.devtools.harness.bench_profile import as_dict, profile_decode

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer.errors import ModelFileError, quoted
+from powerinfer.errors import ModelFileError, UnsupportedModelError, quoted
 from powerinfer.predictors.predictor_file import PredictorFile, read_predictor
 
 _LAYER_FILE = re.compile(r"model_(\d+)\.pt")
@@ -83,16 +83,22 @@ def read_powerinfer_dir(folder: Path, n_layers: int, d: int, n_ff: int) -> Resid
     return ResidualPredictors(tuple(fc1s), tuple(fc2s), threshold)
 
 
-def ours_as_residual(pf: PredictorFile, norms: list[np.ndarray], where: str) -> ResidualPredictors:
-    """Our predictor (normed input) in PowerInfer's form: fc1 * ffn_norm.weight; only bias-free ones are exact."""
+def ours_as_residual(pf: PredictorFile, norms: list[np.ndarray] | None, where: str) -> ResidualPredictors:
+    """Our predictor in PowerInfer's form (on the residual stream): one on the normed input gets
+    fc1 * ffn_norm.weight (norms: each layer's; None for a LayerNorm, which no predictor crosses);
+    one that reads the residual already is as it is. Only bias-free ones are exact."""
     if pf.mode != "predictor":
         raise ModelFileError(f"{where}: a '{pf.mode}' mode predictor has no fc1/fc2 for PowerInfer's layout "
                              f"(calibrate with --mode predictor)")
+    if not pf.reads_residual and norms is None:
+        raise UnsupportedModelError(f"{where}: this predictor reads the normed FFN input, and it cannot be moved across the "
+                                    "model's LayerNorm onto the residual stream PowerInfer's predictors read")
     for i, lp in enumerate(pf.layers):
         if np.any(lp.fc1_b) or np.any(lp.fc2_b):
             raise ModelFileError(f"{where}: layer {i}'s predictor has biases, which PowerInfer's layout cannot hold "
                                  f"(its predictors are fc2(relu(fc1 x)) on the residual stream)")
-    return ResidualPredictors(tuple(np.ascontiguousarray(lp.fc1_w * norms[i][None, :], dtype=np.float32) for i, lp in enumerate(pf.layers)),
+    scale = [np.ones(pf.d_model, np.float32) if norms is None or pf.reads_residual else norms[i] for i in range(pf.n_layers)]
+    return ResidualPredictors(tuple(np.ascontiguousarray(lp.fc1_w * scale[i][None, :], dtype=np.float32) for i, lp in enumerate(pf.layers)),
                               tuple(np.ascontiguousarray(lp.fc2_w, dtype=np.float32) for lp in pf.layers), 0.0)
 
 

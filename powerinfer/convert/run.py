@@ -60,13 +60,13 @@ def from_gguf(f: GGUFFile) -> tuple[Converted, dict[str, object]]:
     return out, meta
 
 
-def _norms(model: Converted) -> list[np.ndarray]:
+def _norms(model: Converted) -> list[np.ndarray] | None:
     """Each layer's ffn_norm weights, to move a predictor between the residual stream and the normed
-    input (exact for RMSNorm); a LayerNorm's mean subtraction does not move (OPT): refused."""
+    input (exact for RMSNorm); None for a LayerNorm (OPT), whose mean subtraction does not move: a
+    predictor there stays one of the residual stream (PredictorFile.input "residual")."""
     by_name = {t.name: t for t in model.tensors}
     if "blk.0.ffn_norm.bias" in by_name:
-        raise UnsupportedModelError(f"{model.arch}: a predictor cannot be moved across its LayerNorm (PowerInfer's read the residual "
-                                    "stream, ours the normed input); give PowerInfer's predictor folder with --powerinfer")
+        return None
     return [by_name[f"blk.{i}.ffn_norm.weight"].read().astype(np.float32) for i in range(model.n_layers)]
 
 

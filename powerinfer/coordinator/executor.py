@@ -36,8 +36,9 @@ class Executor(Protocol):
         all slot 0) -> attention output [T, d] (before the residual add)."""
         ...
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x [T, d] f32 normed -> FFN output [T, d] (before the residual add)."""
+    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] f32 normed (resid [T, d]: the residual stream before the norm, for a predictor
+        that reads it) -> FFN output [T, d] (before the residual add)."""
         ...
 
     def logits(self, x: np.ndarray) -> np.ndarray:
@@ -76,7 +77,8 @@ class InProcessExecutor:
                 self.ffns.append([FFNShard(f, cfg, layer, n) for n in self.plan.neurons if len(n)])
             else:
                 lp = predictor.layers[layer]
-                self.ffns.append([SparseFFNShard(f, cfg, layer, n, lp, predictor.mode) for n in self.plan.neurons if len(n)])
+                self.ffns.append([SparseFFNShard(f, cfg, layer, n, lp, predictor.mode, reads_residual=predictor.reads_residual)
+                                  for n in self.plan.neurons if len(n)])
         self.heads = [HeadShard(f, cfg, a, b) for a, b in self.plan.vocab if b > a]
         log.debug("built %d layers x %d shards in %.2fs", cfg.n_layers, n_shards, time.perf_counter() - t0)
 
@@ -96,14 +98,15 @@ class InProcessExecutor:
             out = out + shard.forward(xt, pt, st)
         return out.numpy()
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
         import torch
 
         xt = torch.from_numpy(x)
+        rt = None if resid is None else torch.from_numpy(resid)
         shards = self.ffns[layer]
-        out = shards[0].forward(xt)
+        out = shards[0].forward(xt, rt)
         for shard in shards[1:]:
-            out = out + shard.forward(xt)
+            out = out + shard.forward(xt, rt)
         return out.numpy()
 
     def logits(self, x: np.ndarray) -> np.ndarray:

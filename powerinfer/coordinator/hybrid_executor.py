@@ -43,6 +43,7 @@ from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.model.sharding import HeadRange, ShardPlan, cold_neurons, plan_shards
 from powerinfer.coordinator.placement import Placement, cached_neuron_split, layer_costs, solve_layer_split, solve_neuron_split
 from powerinfer.predictors.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_types import refuse_residual_input
 
 if TYPE_CHECKING:
     from powerinfer.cpu_workers.native_model import NativeDecoder
@@ -155,8 +156,9 @@ class HybridExecutor:
         self.stats.cpu_attention_s += time.perf_counter() - t0
         return y
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """x [T, d] normed -> hot partial (GPU) + cold partial (CPU) [T, d]."""
+    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] normed -> hot partial (GPU) + cold partial (CPU) [T, d]. (resid unused: a
+        predictor reading the residual is refused at load.)"""
         import torch
 
         self._not_native(layer)
@@ -332,6 +334,7 @@ def solve_placement(model_path: str | Path, f: GGUFFile, cfg: ModelConfig, n_ctx
     if not cfg.gated_ffn or cfg.norm != "rms" or cfg.learned_pos:  # its kernels have no LayerNorm, biases or learned positions
         raise UnsupportedModelError(f"{cfg.arch} models run on the CPU only: the GPU worker has no kernels for LayerNorm, "
                                     "biased projections and learned positions yet (drop -ngl / --vram-budget)")
+    refuse_residual_input(predictor if sparse else None, "the GPU worker")
     costs = layer_costs(f, cfg, n_ctx, n_slots=n_slots, predictor=predictor, sparse=sparse, max_tokens=opts.max_tokens)
     ngl = cfg.n_layers if opts.n_gpu_layers < 0 else opts.n_gpu_layers
     if opts.split == "layer":

@@ -97,7 +97,9 @@ class ProcessExecutor:
         tensors = (np.ascontiguousarray(x, dtype=np.float32), pos, sl)
         return self._summed(self._call(self.attn_workers, AttnMsg, layer, tensors, self.stats.attention))
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] normed -> the workers' summed partials (resid unused: a predictor reading the
+        residual is refused by the workers at load)."""
         return self._summed(self._call(self.ffn_workers, FfnMsg, layer, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.ffn))
 
     def logits(self, x: np.ndarray) -> np.ndarray:

@@ -89,7 +89,7 @@ def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]
     c1, w1 = _q8(fc1)
     c2, w2 = _q8(fc2)
     packed = tuple(p for p in (repack_x8(lib, w1), repack_x8(lib, w2)) if p is not None) if lib is not None else ()
-    return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data), (c1, c2, b1, b2, *packed)
+    return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data, int(pf.reads_residual)), (c1, c2, b1, b2, *packed)
 
 
 def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np.ndarray | None:

@@ -167,8 +167,8 @@ class FFNShard:
         """(act(gate), the hidden state act(gate) * up) [T, n] of normed x [T, d] (OPT: act(up + b) twice)."""
         return ffn_hidden(self.gate_up(x), self.cfg, self.bias)  # gate_up: [T, 2n] (OPT: [T, n])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] (already normed) -> partial output [T, d]."""
+    def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, d] (already normed) -> partial output [T, d] (resid: for sparse shards' predictors)."""
         return self.down(self.hidden(x)[1])
 
 

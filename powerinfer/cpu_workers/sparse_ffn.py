@@ -97,10 +97,13 @@ class SparseFFNShard:
     worker's hot ones), computed sparsely at decode time."""
 
     def __init__(self, f: GGUFFile, cfg: ModelConfig, layer: int, neurons: np.ndarray, pred: LayerPredictor, mode: str,
-                 native: bool = True) -> None:
+                 native: bool = True, reads_residual: bool = False) -> None:
+        """reads_residual: the predictor's input is the residual stream before the FFN norm (forward's
+        resid), not the normed x (PredictorFile.input)."""
         if mode not in ("predictor", "gate"):
             raise ValueError(f"unknown sparse mode {mode!r}")
         self.cfg, self.layer, self.mode = cfg, layer, mode
+        self.reads_residual = reads_residual and mode == "predictor"
         idx = np.asarray(neurons, dtype=np.int64)
         if idx.size == 0 or np.any(np.diff(idx) <= 0):
             raise ValueError("a sparse FFN shard is a non-empty sorted set of distinct neurons")
@@ -266,7 +269,16 @@ class SparseFFNShard:
         (OPT: act(up + b) twice)."""
         return ffn_hidden(self.gate_up(x), self.cfg, self.bias)  # gate_up: [T, 2n] (OPT: [T, n])
 
+    def _pred_input(self, x: torch.Tensor, resid: torch.Tensor | None) -> torch.Tensor:
+        """What the predictor reads: the normed x, or the residual stream it was normed from."""
+        if not self.reads_residual:
+            return x
+        if resid is None:
+            raise ValueError("this shard's predictor reads the residual stream: forward needs resid")
+        return resid
+
     def active_mask(self, x: torch.Tensor, g: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
+        """bool [T, n]: the neurons to compute (x: the predictor's input; g, h: act(gate) and the hidden state)."""
         if self.oracle and h is not None:
             return h.abs() > self.threshold
         if self.mode == "gate":
@@ -274,14 +286,16 @@ class SparseFFNShard:
             return g.abs() > self.threshold
         return self.predict(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] (already normed) -> partial output [T, d].
+    def forward(self, x: torch.Tensor, resid: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, d] (already normed) -> partial output [T, d]; resid [T, d]: the residual stream x was
+        normed from (read by a predictor that reads it, else unused).
 
         Every path computes a token's output the same way (its active neurons' down rows summed in
         one embedding_bag), so prefill, decode and batched decode agree to the bit.
         """
+        px = self._pred_input(x, resid)
         if self.native is not None:
-            return self._forward_native(x)
+            return self._forward_native(x, px)
         T = x.shape[0]
         if self.force_dense:
             self.last_active = 1.0
@@ -289,7 +303,7 @@ class SparseFFNShard:
         if self.mode == "predictor" and T == 1 and not self.oracle:
             # decode: the predictor picks the neurons; gate and up rows of the others are never read
             assert self.gate_w is not None and self.gate_s is not None
-            idx = torch.nonzero(self.predict(x)[0]).flatten()
+            idx = torch.nonzero(self.predict(px)[0]).flatten()
             self._count_decode(len(idx))
             if len(idx) == 0:
                 return torch.zeros(T, self.cfg.d_model)
@@ -310,7 +324,7 @@ class SparseFFNShard:
             if len(idx) == 0:
                 return torch.zeros(1, self.cfg.d_model)
             return F.embedding_bag(idx, self.down_t, _ZERO_OFFSET, mode="sum", per_sample_weights=h[0, idx].to(self.down_t.dtype)).float()
-        mask = self.active_mask(x, g, h)
+        mask = self.active_mask(px, g, h)
         if T == 1:
             self._count_decode(int(mask.sum()))
         else:
@@ -320,7 +334,7 @@ class SparseFFNShard:
             self.last_active = float(mask.float().mean())
         return self._down(h, mask)
 
-    def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_native(self, x: torch.Tensor, px: torch.Tensor) -> torch.Tensor:
         """One kernel call for all T tokens: per token, the same computation whatever T is."""
         assert self.native is not None
         T = x.shape[0]
@@ -332,7 +346,7 @@ class SparseFFNShard:
         elif self.mode == "gate":
             kmode = "gate"
         else:
-            kmode, mask = "mask", self.predict(x)
+            kmode, mask = "mask", self.predict(px)
             if self.mine is not None:
                 mask &= self.mine  # the cover's other neurons are never computed here
         y, active = self.native.forward(x, kmode, self.threshold, mask)

@@ -57,6 +57,7 @@ class _Shards:
         from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable
         from powerinfer.predictors.predictor_file import read_predictor
+        from powerinfer.predictors.predictor_types import refuse_residual_input
 
         f = GGUFFile(load.model)
         cfg = config_from_gguf(f)
@@ -68,6 +69,7 @@ class _Shards:
         self.ffn: list[FFNShard | SparseFFNShard] | None = None
         if len(neurons) and load.predictor:
             pf = read_predictor(load.predictor, model=f)
+            refuse_residual_input(pf, "the ZeroMQ torch workers")
             self.ffn = [SparseFFNShard(f, cfg, i, neurons, pf.layers[i], pf.mode) for i in range(cfg.n_layers)]
         elif len(neurons):
             self.ffn = [FFNShard(f, cfg, i, neurons) for i in range(cfg.n_layers)]

@@ -296,7 +296,8 @@ class GpuModel:
     def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
         return self.attention_begin(layer, x, positions, slots).result()
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
+        """(resid unused: the GPU worker refuses predictors that read the residual.)"""
         return self.ffn_begin(layer, x).result()
 
     def whole(self, layer: int) -> bool:

@@ -9,7 +9,7 @@ run is the engine's float operations bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -17,9 +17,15 @@ from powerinfer.config import ModelConfig
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 
-# attention(layer, x_normed [T, d], positions [T], slots [T]) -> [T, d]; ffn(layer, x_normed [T, d]) -> [T, d]
+# attention(layer, x_normed [T, d], positions [T], slots [T]) -> [T, d]
 AttentionFn = Callable[[int, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-FfnFn = Callable[[int, np.ndarray], np.ndarray]
+
+
+class FfnFn(Protocol):
+    def __call__(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
+        """x [T, d] normed (resid [T, d]: the residual stream it was normed from, which a predictor
+        reading the residual needs) -> the FFN's output [T, d]."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ def run_layers(cfg: ModelConfig, norms: Sequence[LayerNorms], first: int, stop: 
         if n.post_attn is not None:
             h = rms_norm(h, n.post_attn, eps)
         x = x + h
-        h = ffn(layer, norm(x, n.ffn, n.ffn_b, eps))
+        h = ffn(layer, norm(x, n.ffn, n.ffn_b, eps), x)
         if n.down_b is not None:
             h = h + n.down_b
         if n.post_ffn is not None:

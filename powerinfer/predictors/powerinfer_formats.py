@@ -174,8 +174,9 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
 
     With ``fold_ffn_norm`` (default), fc1 is rewritten for the normed FFN input our engine feeds
     predictors (see :func:`_norm_weights`); exact for threshold 0 and bias-free predictors, which is
-    what PowerInfer ships. ``calibration["input"]`` says which input the result expects:
-    ``"normed"`` or ``"residual"`` (ffn_inp, before ffn_norm: folding was off or impossible).
+    what PowerInfer ships. The result's ``input`` (also ``calibration["input"]``) says which input it
+    expects: ``"normed"`` or ``"residual"`` (ffn_inp, before ffn_norm: folding was off, or
+    impossible, as for OPT's LayerNorm, whose mean subtraction does not fold).
     PowerInfer has no calibration statistics: act_freq / act_mass are zeros; target_sparsity is
     unknown, 0; the fingerprint is "" (unknown), so read_predictor(model=...) checks only shapes.
     """
@@ -201,17 +202,17 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
         have = f.get(key)
         if isinstance(have, int) and have != want:
             raise ModelFileError(f"{f.path}: predictors map {d} -> {n_ff}, but {key} is {have}")
-    if fold_ffn_norm and "blk.0.ffn_norm.bias" in f.tensors:  # a LayerNorm (OPT): mean subtraction does not fold
-        raise UnsupportedModelError(f"{f.path}: its predictors read the residual stream before a LayerNorm ({arch}), which "
-                                    "cannot be folded onto the normed input our predictors read; run it dense or calibrate one of ours")
-    norms = _norm_weights(f, n_layers, d) if fold_ffn_norm else None
+    # A LayerNorm (OPT) subtracts each token's mean, which does not fold: such predictors keep
+    # reading the residual stream (input "residual"), which the native decoder feeds them.
+    layer_norm = "blk.0.ffn_norm.bias" in f.tensors
+    norms = _norm_weights(f, n_layers, d) if fold_ffn_norm and not layer_norm else None
     fcs = []
     for i in range(n_layers):
         p = f"blk.{i}."
         fc1_w, fc2_w = _dense(f, p + "fc1.weight"), _dense(f, p + "fc2.weight")
         r = fc1_w.shape[0] if fc1_w.ndim == 2 else 0
         fcs.append((fc1_w, fc2_w, _optional_vector(f, p + "fc1.bias", r), _optional_vector(f, p + "fc2.bias", n_ff)))
-    if fold_ffn_norm and norms is None:
+    if fold_ffn_norm and norms is None and not layer_norm:
         log.warning("%s: PowerInfer's predictors read the FFN input before ffn_norm and cannot be folded onto "
                     "the normed input (missing/zero norm weights or biases); they expect the residual input", f.path)
     return powerinfer_predictor(str(f.get("general.name", f.path.stem)), fcs, t, norms, str(f.path))
@@ -252,7 +253,7 @@ def powerinfer_predictor(model_name: str, fcs: list[tuple[np.ndarray, np.ndarray
     pf = PredictorFile(
         mode="predictor", model_name=model_name, fingerprint="",
         n_layers=n_layers, d_model=d, n_ff=n_ff, rank=max(lp.rank for lp in layers), target_sparsity=0.0,
-        calibration=MappingProxyType(calibration), layers=tuple(layers))
+        calibration=MappingProxyType(calibration), layers=tuple(layers), input=input_kind)
     try:
         validate_predictor(pf)
     except ValueError as e:

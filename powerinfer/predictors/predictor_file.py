@@ -17,6 +17,9 @@ guards models), written with ``gguf.GGUFWriter``. Metadata keys:
 ``powerinfer.predictor.n_ff``          uint32    FFN neurons per layer
 ``powerinfer.predictor.rank``          uint32    largest predictor hidden width r over the layers
 ``powerinfer.predictor.target_sparsity`` float32 fraction of neurons meant to be skipped, 0..1
+``powerinfer.predictor.input``         string    what fc1 reads: ``"normed"`` (the FFN's normed input;
+                                                 the default when absent) or ``"residual"`` (the
+                                                 residual stream before the FFN norm)
 ``powerinfer.predictor.calibration.K`` str/i64/f64  calibration setting K (source, tokens, seed...)
 =====================================  ========  ===============================================
 
@@ -53,10 +56,11 @@ from powerinfer.config import config_from_gguf
 from powerinfer.errors import DiskWriteError, ModelFileError, file_mode, quoted, write_failure
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.predictors.powerinfer_formats import is_powerinfer_file, read_powerinfer_predictor
-from powerinfer.predictors.predictor_types import MODES, CalibrationValue, LayerPredictor, PredictorFile, validate_predictor
+from powerinfer.predictors.predictor_types import (INPUTS, MODES, CalibrationValue, LayerPredictor, PredictorFile, refuse_residual_input,
+                                                   validate_predictor)
 
-__all__ = ["MODES", "CalibrationValue", "LayerPredictor", "PredictorFile", "model_fingerprint", "read_predictor", "validate_predictor",
-           "write_predictor"]
+__all__ = ["MODES", "CalibrationValue", "LayerPredictor", "PredictorFile", "model_fingerprint", "read_predictor", "refuse_residual_input",
+           "validate_predictor", "write_predictor"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +128,7 @@ def write_predictor(path: str | Path, pf: PredictorFile) -> None:
         w.add_uint32(KEY + "n_ff", pf.n_ff)
         w.add_uint32(KEY + "rank", pf.rank)
         w.add_float32(KEY + "target_sparsity", float(pf.target_sparsity))
+        w.add_key_value(KEY + "input", pf.input, GGUFValueType.STRING)
         for key, value in pf.calibration.items():
             # int64/float64 so every Python int (within 64 bits) and float round-trips exactly
             if isinstance(value, str):
@@ -207,6 +212,9 @@ def _read_own(f: GGUFFile) -> PredictorFile:
     n_layers, d, n_ff = (_meta_int(f, KEY + k, 1) for k in ("n_layers", "d_model", "n_ff"))
     rank = _meta_int(f, KEY + "rank", 0)
     sparsity = float(f.require(KEY + "target_sparsity", (int, float)))
+    fc_input = f.require(KEY + "input", str) if KEY + "input" in f.metadata else "normed"
+    if fc_input not in INPUTS:
+        raise ModelFileError(f"{f.path}: unknown predictor input {quoted(fc_input)} (expected one of {', '.join(INPUTS)})")
     expected: set[str] = set()
     layers = []
     for i in range(n_layers):
@@ -239,7 +247,7 @@ def _read_own(f: GGUFFile) -> PredictorFile:
         raise ModelFileError(f"{f.path}: metadata {KEY + 'fingerprint'!r} is {quoted(fingerprint)}, not a sha256 hex digest")
     pf = PredictorFile(mode=mode, model_name=f.require(KEY + "model_name", str), fingerprint=fingerprint,
                        n_layers=n_layers, d_model=d, n_ff=n_ff, rank=rank, target_sparsity=sparsity,
-                       calibration=MappingProxyType(_read_calibration(f)), layers=tuple(layers))
+                       calibration=MappingProxyType(_read_calibration(f)), layers=tuple(layers), input=fc_input)
     try:
         validate_predictor(pf)
     except ValueError as e:

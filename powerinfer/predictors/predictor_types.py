@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from powerinfer.errors import InvalidArgumentError
+
 MODES = ("predictor", "gate")
+# What a predictor's fc1 reads: the FFN's normed input (ours, and PowerInfer's folded onto it) or
+# the residual stream before the FFN norm (PowerInfer's predictors where the norm cannot be
+# folded: OPT's LayerNorm subtracts each token's mean). Only the native decoder feeds the residual.
+INPUTS = ("normed", "residual")
 CalibrationValue = str | int | float
 
 
@@ -61,6 +67,21 @@ class PredictorFile:
     target_sparsity: float  # fraction of neurons meant to be skipped, 0..1
     calibration: Mapping[str, CalibrationValue] = field(default_factory=dict)
     layers: tuple[LayerPredictor, ...] = ()
+    input: str = "normed"  # one of INPUTS: what fc1 reads (predictor mode)
+
+    @property
+    def reads_residual(self) -> bool:
+        """True where the predictor must be fed the residual stream before the FFN norm."""
+        return self.mode == "predictor" and self.input == "residual"
+
+
+def refuse_residual_input(pf: PredictorFile | None, where: str) -> None:
+    """InvalidArgumentError when pf's predictors read the residual stream and ``where`` (an
+    executor that hands its FFNs only the normed input) cannot feed them."""
+    if pf is not None and pf.reads_residual:
+        raise InvalidArgumentError(
+            f"this predictor reads the residual stream before the FFN norm (PowerInfer's predictors for a LayerNorm model such "
+            f"as OPT), which {where} does not pass to its FFNs; run it on the native executors (the default), or with --no-sparse")
 
 
 # -- validation (shared by the writer, ValueError, and the reader, ModelFileError) -------------
@@ -81,6 +102,8 @@ def validate_predictor(pf: PredictorFile) -> None:
     """Raise ValueError naming the first inconsistency (shapes, dtypes, ranges, non-finite values)."""
     if pf.mode not in MODES:
         raise ValueError(f"mode {pf.mode!r} is not one of {', '.join(MODES)}")
+    if pf.input not in INPUTS:
+        raise ValueError(f"input {pf.input!r} is not one of {', '.join(INPUTS)}")
     for what, value in (("n_layers", pf.n_layers), ("d_model", pf.d_model), ("n_ff", pf.n_ff)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{what} must be a positive integer, got {value!r}")

@@ -7,9 +7,9 @@ A PWRI file is a GGUF whose FFN down projection is stored transposed (``ffn_down
 neuron-major, for PowerInfer's sparse axpy) and which carries a predictor per layer (``fc1``,
 ``fc2``) and ``powerinfer.sparse_threshold``. Its architecture fixes the activation (PowerInfer
 hard-codes it): ``llama`` runs ReLU (ReGLU), ``bamboo`` dReLU, ``opt`` its ReLU MLP. OPT's predictors
-read the residual stream before a LayerNorm, which cannot be folded onto the normed input our
-predictors read (the norm subtracts each token's mean): an OPT file runs dense here, with a warning,
-until ``powerinfer calibrate`` makes a predictor of ours for it.
+read the residual stream before a LayerNorm, which cannot be folded onto the normed input (the norm
+subtracts each token's mean): they stay predictors of the residual stream (input ``residual``),
+which the native decoder feeds them.
 
 The first open writes, once, into the cache folder (``$POWERINFER_CACHE`` or the user cache, under
 ``pwri/``), keyed by the file's path, size and modification time:
@@ -19,7 +19,8 @@ The first open writes, once, into the cache folder (``$POWERINFER_CACHE`` or the
   ffn_down_t is widened to F16, whose rounding is 2^-11 of each value, instead of requantized),
   the predictors left out, and our activation key saying ReLU;
 * ``NAME-KEY.predictor``: the predictors in our format, folded onto the normed FFN input
-  (exact at threshold 0: :func:`powerinfer_formats.read_powerinfer_predictor`); with PowerInfer's
+  (exact at threshold 0: :func:`powerinfer_formats.read_powerinfer_predictor`; OPT's as they are,
+  reading the residual stream); with PowerInfer's
   GPU index beside the file (``FILE.generated.gpuidx``), its GPU neurons as the layers' activation
   mass, which our placement solver serves first (the key covers that file too).
 
@@ -57,9 +58,8 @@ from powerinfer.predictors.predictor_file import PredictorFile, model_fingerprin
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when what is written changes: old cache entries are then not reused
+FORMAT = 4  # bump when what is written changes: old cache entries are then not reused
 ACTIVATION_OF = {"llama": "relu", "bamboo": "drelu", "opt": "relu"}  # what PowerInfer's sparse graph computes for each architecture
-UNFOLDABLE = ("opt",)  # LayerNorm models: PowerInfer's residual-stream predictors have no exact form on the normed input
 _SKIPPED_KEYS = ("general.alignment", "GGUF.", SPARSE_THRESHOLD_KEY)
 
 
@@ -69,7 +69,7 @@ class PwriModel:
 
     source: Path
     model: Path
-    predictor: Path | None  # None: its predictors cannot run here (UNFOLDABLE), the model runs dense
+    predictor: Path
     sparse_threshold: float
 
 
@@ -242,21 +242,15 @@ def prepare_pwri(path: str | Path, cache: Path | None = None) -> PwriModel:
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
         raise ModelFileError(f"{path}: metadata {SPARSE_THRESHOLD_KEY} must be a finite number, got {quoted(threshold)}")
     threshold = float(threshold)
-    if arch in UNFOLDABLE:
-        log.warning("%s: PowerInfer's %s predictors read the residual stream before a LayerNorm, which our predictors "
-                    "(on the normed input) cannot express exactly: running dense; `powerinfer calibrate -m %s` makes one of ours",
-                    path, arch, path)
-    if model.exists() and (pred.exists() or arch in UNFOLDABLE):
-        return PwriModel(path, model, None if arch in UNFOLDABLE else pred, threshold)
-    pf = None if arch in UNFOLDABLE else read_powerinfer_predictor(path)  # validated before anything is written
-    if pf is not None and gpuidx is not None:
+    if model.exists() and pred.exists():
+        return PwriModel(path, model, pred, threshold)
+    pf = read_powerinfer_predictor(path)  # validated before anything is written
+    if gpuidx is not None:
         pf = _with_gpu_index(pf, read_gpuidx(gpuidx), gpuidx)
     try:
         root.mkdir(parents=True, exist_ok=True)
         phase.info("PowerInfer model file %s: writing its runnable form to %s (once)", path, model)
         _write_plain(f, arch, model)
-        if pf is None:
-            return PwriModel(path, model, None, threshold)
         # the runnable model is known exactly: its fingerprint makes later loads check the pairing
         write_predictor(pred, replace(pf, fingerprint=model_fingerprint(GGUFFile(model))))
     except (struct.error, ValueError, OverflowError) as e:  # a value the writer cannot hold (a hostile file)

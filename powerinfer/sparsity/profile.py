@@ -44,11 +44,11 @@ class ProfilingExecutor(InProcessExecutor):
         self.rng = np.random.default_rng(seed)
         self.recording = True
 
-    def ffn(self, layer: int, x: np.ndarray) -> np.ndarray:
+    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
         import torch
 
         if not self.recording:
-            return super().ffn(layer, x)
+            return super().ffn(layer, x, resid)
         xt = torch.from_numpy(x)
         out, gates, acts = None, [], []
         for shard in self.ffns[layer]:

@@ -10,8 +10,8 @@ transformers, sentencepiece, safetensors), e.g. a venv:
 For each family (ReluLLaMA: ReGLU; Bamboo: dReLU) and type (its F16, then its Q4_0) it prints our
 logits' distance from transformers' on 64 held-out tokens, dense (``--no-sparse``) and sparse
 (PowerInfer's rule as a transformers hook), as a share of the dense logits' range. Then OPT, F16,
-dense only on each executor (its predictors read the residual before a LayerNorm and do not run
-here: docs/powerinfer-models.md); the Q4_0 one too when ``build/bin/quantize`` is there; and PowerInfer's own
+dense and sparse (its predictors read the residual stream before the LayerNorm, as in PowerInfer)
+on each executor; the Q4_0 one too when ``build/bin/quantize`` is there; and PowerInfer's own
 ``build/bin/main`` on its OPT files when it is built (does it load them; its greedy tokens against transformers).
 """
 
@@ -92,6 +92,7 @@ def _opt(pi: Path, python: str, root: Path) -> None:
     span = ref.max() - ref.min()
     preds = write_predictor_dir(root / "pred-opt", src, rank=32, seed=4, threshold=0.0)
     sparse_model = hook_powerinfer_rule(load_oracle(src), preds)  # loaded before the rewrite below
+    sparse_ref = oracle_logits(sparse_model, ids)
     _as_original_opt(src)
     f16 = root / "opt-f16.powerinfer.gguf"
     env = {**os.environ, "PATH": f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -107,12 +108,13 @@ def _opt(pi: Path, python: str, root: Path) -> None:
     for path in paths:
         for name, kw in (("native", dict(executor="inprocess")), ("pool", dict(executor="process", n_threads=2)),
                          ("torch", dict(executor="inprocess", native=False))):
-            llm = LLM(path, n_ctx=128, **kw)  # type: ignore[arg-type]
-            got = llm.logits(ids)
-            llm.close()
-            err = np.abs(got - ref).max(-1) / span
-            print(f"  {path.name:28} dense {name:6} first step {err[0]:.1e}, worst {err.max():.1e}, "
-                  f"top-1 {(got.argmax(-1) == ref.argmax(-1)).mean():.1%}")
+            for sparse, want in ((False, ref), (True, sparse_ref)):
+                llm = LLM(path, n_ctx=128, sparse=sparse, **kw)  # type: ignore[arg-type]
+                got = llm.logits(ids)
+                llm.close()
+                err = np.abs(got - want).max(-1) / span
+                print(f"  {path.name:28} {'sparse' if sparse else 'dense ':6} {name:6} first step {err[0]:.1e}, worst {err.max():.1e}, "
+                      f"median {np.median(err):.1e}, top-1 {(got.argmax(-1) == want.argmax(-1)).mean():.1%}")
 
 
 def _powerinfer_runs(pi: Path, path: Path, src: Path, ref_model: object, sparse_model: object) -> None:
@@ -122,7 +124,7 @@ def _powerinfer_runs(pi: Path, path: Path, src: Path, ref_model: object, sparse_
     prompt = TEXT[SPLIT : SPLIT + 120]
     for mode, extra, model in (("dense", {"LLAMA_SPARSE_PRED_THRESHOLD": "-1e30"}, ref_model), ("sparse", {}, sparse_model)):
         r = subprocess.run([str(pi / "build/bin/main"), "-m", str(path), "-p", prompt, "-n", "24", "--temp", "0", "--repeat-penalty",
-                            "1.0", "-t", "2", "-c", "256"], capture_output=True, text=True, env={**os.environ, **extra}, timeout=300)
+                            "1.0", "-t", os.environ.get("PI_THREADS", "2"), "-c", "256"], capture_output=True, text=True, env={**os.environ, **extra}, timeout=300)
         if r.returncode != 0 or prompt not in r.stdout:
             last = [line for line in r.stderr.splitlines() if "error" in line.lower()] or r.stderr.splitlines()[-3:]
             print(f"  {path.name:28} PowerInfer's main ({mode}): exit {r.returncode}: {' | '.join(last)[:300]}")

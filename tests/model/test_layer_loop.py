@@ -31,7 +31,7 @@ def test_a_run_of_layers_is_the_per_layer_recipe_and_runs_compose() -> None:
             assert pos.tolist() == [3, 4] and slots.tolist() == [0, 0]
             return h @ mats[layer][0]
 
-        def ffn(layer: int, h: np.ndarray) -> np.ndarray:
+        def ffn(layer: int, h: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
             calls.append(("ffn", layer))
             return np.tanh(h @ mats[layer][1])
 

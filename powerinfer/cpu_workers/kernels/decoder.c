@@ -225,7 +225,7 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
     const int d0 = m->d0, d1 = m->d0 + L->wd.rows;
     if (L->sp) {
-        sparse_hidden(m, L, T, s, last); /* g [T, nffA] at [n0, n0 + nff): zero but for the computed neurons */
+        sparse_hidden(m, L, x, T, s, last); /* g [T, nffA] at [n0, n0 + nff): zero but for the computed neurons */
     } else {
         matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: not here */
         if (!m->gateless) matmul_blocks(&L->wu, s, s->xn, T, s->u, nff, L->cold_blocks);

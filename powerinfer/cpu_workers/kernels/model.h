@@ -55,6 +55,7 @@ enum { PI_PART_ATTN = 1, PI_PART_FFN = 2 };
 typedef struct pi_pred {
     pi_wt fc1, fc2;
     const float *b1, *b2;
+    int32_t residual; /* 1: fc1 reads the residual stream before the FFN norm (PowerInfer's OPT predictors), 0: the normed input */
 } pi_pred;
 
 /* A layer's sparse rule: which neurons a token computes (PI_SP_*, sparse_rows.h), the threshold

@@ -48,10 +48,13 @@ static inline void prefetch_row_bytes(const uint8_t *p, int64_t n) {
     for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o);
 }
 
-/* logits [T, n] of the layer's predictor into s->mask (1: compute the neuron). */
-static void predict_mask(const pi_model *m, const pi_pred *P, int T, const pi_scratch *s) {
+/* logits [T, n] of the layer's predictor into s->mask (1: compute the neuron). Its input is xn
+ * [T, d] (normed, quantized by the caller) or, for a predictor that reads the residual stream,
+ * x [T, d] (quantized here; the caller quantizes xn again afterwards). */
+static void predict_mask(const pi_model *m, const pi_pred *P, const float *x, int T, const pi_scratch *s) {
     const int r = P->fc1.rows, n = m->n_ff;
-    matmul(&P->fc1, s, s->xn, T, s->u, r);
+    if (P->residual) quantize_rows(s, x, T, m->d);
+    matmul(&P->fc1, s, P->residual ? x : s->xn, T, s->u, r);
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++)
@@ -78,15 +81,16 @@ static void dot_quad(const pi_wt *w, dotr_fn quad, dot_fn one, const int32_t *j,
 }
 
 /* The sparse FFN hidden state into g [T, nffA] at this rank's neurons [n0, n0 + n_ff): zero but
- * for the chosen neurons. xn [T, d] is normed and quantized; the caller gathers g afterwards. */
-static void sparse_hidden(const pi_model *m, const pi_layer *L, int T, const pi_scratch *s, double *last) {
+ * for the chosen neurons. xn [T, d] is normed and quantized, x [T, d] the residual stream it was
+ * normed from (a residual predictor's input); the caller gathers g afterwards. */
+static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, int T, const pi_scratch *s, double *last) {
     const pi_sparse *S = L->sp;
     const int n = m->n_ff, nffA = pi_ff_all(m), n0 = m->n0, d = m->d, mode = S->mode, nchunk = (n + 255) / 256;
     const float thr = L->sp->thr;
     const int rows_only = T <= PI_SPARSE_T, dense_gate = !rows_only || mode != PI_SP_MASK;
     int32_t *off = s->cnt, *qo = s->cnt + T + 1, *kept = s->cnt + 2 * T + 2;
     if (mode == PI_SP_MASK) {
-        predict_mask(m, L->pred, T, s);
+        predict_mask(m, L->pred, x, T, s);
         quantize_rows(s, s->xn, T, d); /* the predictor's hidden took the activation scratch */
     }
     if (dense_gate) matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: never chosen */
