@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from powerinfer.config import ModelConfig
-from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
+from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuHandle, GpuSetup, GpuWorkerProcess, LocalGpuWorker, NoGpu
 from powerinfer.gpu_worker.errors import GIB, gib, over_card
@@ -331,9 +331,6 @@ def solve_placement(model_path: str | Path, f: GGUFFile, cfg: ModelConfig, n_ctx
                     predictor: PredictorFile | None = None, sparse: bool = True, n_slots: int = 1) -> Placement:
     """The neuron split (cached beside the model when a predictor gives activation statistics) or
     the layer split for this budget, priced with the GPU worker's own byte counts."""
-    if not cfg.gated_ffn or cfg.norm != "rms" or cfg.learned_pos:  # its kernels have no LayerNorm, biases or learned positions
-        raise UnsupportedModelError(f"{cfg.arch} models run on the CPU only: the GPU worker has no kernels for LayerNorm, "
-                                    "biased projections and learned positions yet (drop -ngl / --vram-budget)")
     refuse_residual_input(predictor if sparse else None, "the GPU worker")
     costs = layer_costs(f, cfg, n_ctx, n_slots=n_slots, predictor=predictor, sparse=sparse, max_tokens=opts.max_tokens)
     ngl = cfg.n_layers if opts.n_gpu_layers < 0 else opts.n_gpu_layers

@@ -113,11 +113,12 @@ class Backend(Protocol):
     def bias_act(self, y: Buf, ld: int, b: Buf, t: int, n: int, relu: int) -> None: ...
     def rms_norm_rows(self, x: Buf, ldx: int, y: Buf, ldy: int, t: int, d: int, w: Buf, eps: float) -> None: ...
     def add_rows(self, y: Buf, ldy: int, x: Buf, ldx: int, t: int, n: int) -> None: ...
-    def act_mul(self, g: Buf, u: Buf, h: Buf, t: int, n: int, kind: int, athr: float, thr: float, logits: Buf | None,
+    def act_mul(self, g: Buf, u: Buf | None, h: Buf, t: int, n: int, kind: int, athr: float, thr: float, logits: Buf | None,
                 n_dev: Buf | None = None) -> None: ...
     def act_inplace(self, g: Buf, n: int, kind: int, athr: float) -> None: ...
     def compact(self, v: Buf, n: int, thr: float, use_abs: int, idx: Buf, count: Buf) -> None: ...
-    def gather_mul(self, a: Buf, idx: Buf, count: Buf, n: int, u: Buf, h: Buf, kind: int) -> None: ...
+    def gather_mul(self, a: Buf, idx: Buf, count: Buf, n: int, u: Buf | None, h: Buf, kind: int) -> None: ...
+    def gather_add(self, y: Buf, b: Buf, idx: Buf, count: Buf, n: int) -> None: ...
 
 
 def host_memory() -> int:
@@ -220,7 +221,7 @@ class CpuBackend:
     def add_rows(self, y: np.ndarray, ldy: int, x: np.ndarray, ldx: int, t: int, n: int) -> None:
         K.ref_add_rows(y, ldy, x, ldx, t, n)
 
-    def act_mul(self, g: np.ndarray, u: np.ndarray, h: np.ndarray, t: int, n: int, kind: int, athr: float, thr: float,
+    def act_mul(self, g: np.ndarray, u: np.ndarray | None, h: np.ndarray, t: int, n: int, kind: int, athr: float, thr: float,
                 logits: np.ndarray | None, n_dev: np.ndarray | None = None) -> None:
         vals = K.ref_act_mul(g, u, t, n, kind, athr, thr, logits, n_dev)
         h[: vals.size] = vals
@@ -233,6 +234,9 @@ class CpuBackend:
         idx[: sel.size] = sel
         count[0] = sel.size
 
-    def gather_mul(self, a: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int, u: np.ndarray, h: np.ndarray, kind: int) -> None:
+    def gather_mul(self, a: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int, u: np.ndarray | None, h: np.ndarray, kind: int) -> None:
         vals = K.ref_gather_mul(a, idx, count, n, u, kind)
         h[: vals.size] = vals
+
+    def gather_add(self, y: np.ndarray, b: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int) -> None:
+        K.ref_gather_add(y, b, idx, count, n)

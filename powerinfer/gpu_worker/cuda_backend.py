@@ -63,6 +63,7 @@ SIGNATURES: dict[str, str] = {
     "act_inplace": "Piif",
     "compact": "PifiPP",
     "gather_mul": "PPPiPPi",
+    "gather_add": "PPPPi",
     "rms_norm_rows": "PiPiiiPf",
     "add_rows": "PiPiii",
 }
@@ -323,9 +324,9 @@ class CudaBackend:
     def add_rows(self, y: DeviceBuffer, ldy: int, x: DeviceBuffer, ldx: int, t: int, n: int) -> None:
         self._launch("add_rows", (_blocks(t * n),), K.BLOCK, y.ptr, ldy, x.ptr, ldx, t, n)
 
-    def act_mul(self, g: DeviceBuffer, u: DeviceBuffer, h: DeviceBuffer, t: int, n: int, kind: int, athr: float, thr: float,
+    def act_mul(self, g: DeviceBuffer, u: DeviceBuffer | None, h: DeviceBuffer, t: int, n: int, kind: int, athr: float, thr: float,
                 logits: DeviceBuffer | None, n_dev: DeviceBuffer | None = None) -> None:
-        self._launch("act_mul", (_blocks(t * n),), K.BLOCK, g.ptr, u.ptr, h.ptr, t, n, kind, np.float32(athr), np.float32(thr), _p(logits),
+        self._launch("act_mul", (_blocks(t * n),), K.BLOCK, g.ptr, _p(u), h.ptr, t, n, kind, np.float32(athr), np.float32(thr), _p(logits),
                      _p(n_dev))
 
     def act_inplace(self, g: DeviceBuffer, n: int, kind: int, athr: float) -> None:
@@ -334,6 +335,9 @@ class CudaBackend:
     def compact(self, v: DeviceBuffer, n: int, thr: float, use_abs: int, idx: DeviceBuffer, count: DeviceBuffer) -> None:
         self._launch("compact", (1,), 1024, v.ptr, n, np.float32(thr), use_abs, idx.ptr, count.ptr)
 
-    def gather_mul(self, a: DeviceBuffer, idx: DeviceBuffer, count: DeviceBuffer, n: int, u: DeviceBuffer, h: DeviceBuffer,
+    def gather_mul(self, a: DeviceBuffer, idx: DeviceBuffer, count: DeviceBuffer, n: int, u: DeviceBuffer | None, h: DeviceBuffer,
                    kind: int) -> None:
-        self._launch("gather_mul", (_blocks(n),), K.BLOCK, a.ptr, idx.ptr, count.ptr, n, u.ptr, h.ptr, kind)
+        self._launch("gather_mul", (_blocks(n),), K.BLOCK, a.ptr, idx.ptr, count.ptr, n, _p(u), h.ptr, kind)
+
+    def gather_add(self, y: DeviceBuffer, b: DeviceBuffer, idx: DeviceBuffer, count: DeviceBuffer, n: int) -> None:
+        self._launch("gather_add", (_blocks(n),), K.BLOCK, y.ptr, b.ptr, idx.ptr, count.ptr, n)

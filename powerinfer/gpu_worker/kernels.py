@@ -42,7 +42,7 @@ SOURCES: tuple[KernelSource, ...] = (
     *(KernelSource(f"{s}.cu", (f"gemv_{s}", f"gemv_lanes_{s}", f"axpy_{s}")) for s in SUFFIX.values()),
     KernelSource("norm_rope.cu", ("rms_norm", "rope")),
     KernelSource("attention.cu", ("kv_store", "attend")),
-    KernelSource("ffn_ops.cu", ("bias_act", "act_mul", "act_inplace", "compact", "gather_mul")),
+    KernelSource("ffn_ops.cu", ("bias_act", "act_mul", "act_inplace", "compact", "gather_mul", "gather_add")),
     KernelSource("residual.cu", ("rms_norm_rows", "add_rows")),
 )
 
@@ -175,13 +175,14 @@ def ref_bias_act(y: np.ndarray, ld: int, b: np.ndarray, T: int, n: int, relu: in
         y[t * ld : t * ld + n] = np.maximum(v, 0) if relu else v
 
 
-def ref_act_mul(g: np.ndarray, u: np.ndarray, T: int, n: int, kind: int, athr: float, thr: float, logits: np.ndarray | None,
+def ref_act_mul(g: np.ndarray, u: np.ndarray | None, T: int, n: int, kind: int, athr: float, thr: float, logits: np.ndarray | None,
                 n_dev: np.ndarray | None = None) -> np.ndarray:
-    """act_mul: float32 [T * count] (count = n, or min(n_dev[0], n) for a compacted decode step)."""
+    """act_mul: float32 [T * count] (count = n, or min(n_dev[0], n) for a compacted decode step);
+    u None: a gate-less FFN, up = 1."""
     m = T * _count(n_dev, n)
     a = act(g[:m], kind, athr)
     on = logits[:m] > 0 if logits is not None else (np.abs(a) > thr if thr >= 0 else np.ones(m, dtype=bool))
-    return np.where(on, a * up(u[:m], kind), 0.0).astype(np.float32)
+    return np.where(on, a * (1.0 if u is None else up(u[:m], kind)), 0.0).astype(np.float32)
 
 
 def ref_compact(v: np.ndarray, n: int, thr: float, use_abs: int) -> np.ndarray:
@@ -190,6 +191,12 @@ def ref_compact(v: np.ndarray, n: int, thr: float, use_abs: int) -> np.ndarray:
     return np.flatnonzero(vals > thr).astype(np.int32)
 
 
-def ref_gather_mul(a: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int, u: np.ndarray, kind: int) -> np.ndarray:
+def ref_gather_mul(a: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int, u: np.ndarray | None, kind: int) -> np.ndarray:
     c = min(int(count[0]), n)
-    return (a[idx[:c]].astype(np.float64) * up(u[:c].astype(np.float64), kind)).astype(np.float32)
+    return (a[idx[:c]].astype(np.float64) * (1.0 if u is None else up(u[:c].astype(np.float64), kind))).astype(np.float32)
+
+
+def ref_gather_add(y: np.ndarray, b: np.ndarray, idx: np.ndarray, count: np.ndarray, n: int) -> None:
+    """gather_add, in place on y: y[j] += b[idx[j]] for j < count."""
+    c = min(int(count[0]), n)
+    y[:c] = y[:c] + b[idx[:c]]

@@ -86,10 +86,11 @@ def predictor_fixed_bytes(cfg: ModelConfig, rank: int) -> int:
 
 
 def neuron_bytes(f: GGUFFile, cfg: ModelConfig, layer: int, rank: int) -> int:
-    """One hot neuron: gate row, up row, transposed down row, predictor fc2 row and bias."""
+    """One hot neuron: gate row, up row, transposed down row, predictor fc2 row and bias (a gate-less
+    FFN, OPT: its fc1 row, in the gate's place, and fc1's bias instead of an up row)."""
     d = cfg.d_model
-    gate = device_row_bytes(f.tensor(layer_tensor(layer, "ffn_gate")).qtype, d)
-    up = device_row_bytes(f.tensor(layer_tensor(layer, "ffn_up")).qtype, d)
+    gate = device_row_bytes(f.tensor(layer_tensor(layer, cfg.gate_part)).qtype, d)
+    up = device_row_bytes(f.tensor(layer_tensor(layer, "ffn_up")).qtype, d) if cfg.gated_ffn else F32
     down = device_row_bytes(down_t_qtype(f.tensor(layer_tensor(layer, "ffn_down")).qtype, d), d)
     return gate + up + down + ((rank + 1) * F32 if rank else 0)
 

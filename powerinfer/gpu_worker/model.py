@@ -71,10 +71,11 @@ class _Attn:
 
 @dataclass
 class _Ffn:
-    gate: _Mat
-    up: _Mat
+    gate: _Mat  # a gate-less FFN (OPT): fc1's rows
+    up: _Mat | None  # None: a gate-less FFN
     down_t: _Mat
     threshold: float
+    bias: Buf | None = None  # a gate-less FFN's fc1 bias [n_hot]
     fc1: _Mat | None = None  # predictor mode only
     fc1_b: Buf | None = None
     fc2: _Mat | None = None
@@ -116,7 +117,10 @@ class GpuModel:
         # runs of whole layers (a few KiB a layer)
         self.norms: list[_DevNorms | None] | None = None
         self.host_norms: list[LayerNorms] = []
-        self._device_run: bool | None = None  # None: the first run of whole layers checks the device path
+        # None: the first run of whole layers checks the device path; False: the per-layer path,
+        # whose norms and biases run on the host (OPT: there is no LayerNorm kernel, and residual.cu
+        # adds no output biases)
+        self._device_run: bool | None = False if cfg.norm == "layer" or cfg.proj_bias else None
         if any(plan.gpu_layers):
             self.host_norms = load_layer_norms(f, cfg)
             self.norms = [self._upload_norms(self.host_norms[i], i) if plan.gpu_layers[i] else None for i in range(cfg.n_layers)]
@@ -154,7 +158,7 @@ class GpuModel:
             q=self._mat(a.q, w), k=self._mat(a.k, w), v=self._mat(a.v, w), o=self._mat(a.o, w),
             bias=None if a.bias is None else b.upload(a.bias, w),
             q_norm=None if a.q_norm is None else b.upload(a.q_norm, w), k_norm=None if a.k_norm is None else b.upload(a.k_norm, w),
-            inv_freq=b.upload(a.inv_freq, w), window=a.window,
+            inv_freq=b.upload(a.inv_freq if a.inv_freq.size else np.zeros(1), w), window=a.window,  # OPT: no rope
             k_cache=b.alloc(kv * cfg.head_dim, np.float16, f"layer {layer} KV cache"),
             v_cache=b.alloc(kv * cfg.v_head_dim, np.float16, f"layer {layer} KV cache"),
         )
@@ -167,8 +171,9 @@ class GpuModel:
     def _upload_ffn(self, f: GGUFFile, layer: int, hot: np.ndarray, predictor: PredictorFile | None, rank: int) -> _Ffn:
         h = hot_arrays(f, self.cfg, layer, hot)
         w = f"layer {layer}: {len(hot)} hot neurons"
-        ffn = _Ffn(self._mat(h.gate, w), self._mat(h.up, w), self._mat(h.down_t, w),
-                   float(predictor.layers[layer].threshold) if predictor is not None else 0.0)
+        ffn = _Ffn(self._mat(h.gate, w), None if h.up is None else self._mat(h.up, w), self._mat(h.down_t, w),
+                   float(predictor.layers[layer].threshold) if predictor is not None else 0.0,
+                   None if h.bias is None else self.b.upload(h.bias, w))
         if rank:
             assert predictor is not None
             p = predictor_arrays(predictor.layers[layer], hot)
@@ -234,7 +239,8 @@ class GpuModel:
         if a.q_norm is not None and a.k_norm is not None:
             b.rms_norm(ws["qkv"], W, t, Hq, D, a.q_norm, cfg.norm_eps)
             b.rms_norm(self._tail("qkv", Hq * D), W, t, Hkv, D, a.k_norm, cfg.norm_eps)
-        b.rope(ws["qkv"], W, ws["pos"], t, Hq + Hkv, D, cfg.rope_dim, a.inv_freq)  # q and k heads are adjacent
+        if cfg.rope_dim:  # OPT has learned positions instead (added to the embeddings)
+            b.rope(ws["qkv"], W, ws["pos"], t, Hq + Hkv, D, cfg.rope_dim, a.inv_freq)  # q and k heads are adjacent
         b.kv_store(ws["qkv"], W, Hq * D, (Hq + Hkv) * D, ws["pos"], ws["slots"], t, Hkv, D, Dv, a.k_cache, a.v_cache, self.n_ctx)
         b.attend(ws["qkv"], W, ws["pos"], ws["slots"], t, Hq, Hkv, D, Dv, a.k_cache, a.v_cache, self.n_ctx, a.window,
                  cfg.attn_scale, ws["att"])
@@ -262,34 +268,45 @@ class GpuModel:
         return self.b.read(self.ws["y"], x.shape[0] * self.cfg.d_model)
 
     def _ffn_dev(self, ffn: _Ffn, t: int) -> None:
-        """ws.y [t, d] = the hot neurons' FFN partial of ws.x [t, d] (normed)."""
+        """ws.y [t, d] = the hot neurons' FFN partial of ws.x [t, d] (normed). A gate-less FFN (OPT)
+        has fc1 in the gate's place, its bias added before the activation, and no up (u None: 1)."""
         b, ws, n, d = self.b, self.ws, ffn.gate.n, self.cfg.d_model
+        u = None if ffn.up is None else ws["u"]
         b.zero(self.b.view(ws["y"], 0, t * d))  # axpy accumulates into y
         if self.mode == "dense" or t > 1:
             # every hot neuron; masked (not skipped) when sparse, as the CPU's sparse shard does
             self._gemv(ffn.gate, ws["x"], t, ws["g"], n)
-            self._gemv(ffn.up, ws["x"], t, ws["u"], n)
+            if ffn.up is not None:
+                self._gemv(ffn.up, ws["x"], t, ws["u"], n)
+            if ffn.bias is not None:
+                b.bias_act(ws["g"], n, ffn.bias, t, n, 0)
             logits = None
             if self.mode == "predictor":
                 self._predict(ffn, t)
                 logits = ws["logits"]
             thr = ffn.threshold if self.mode == "gate" else -1.0
-            b.act_mul(ws["g"], ws["u"], ws["h"], t, n, self.kind, self.athr, thr, logits)
+            b.act_mul(ws["g"], u, ws["h"], t, n, self.kind, self.athr, thr, logits)
             b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, None, None, n, ws["h"], n, d, t, ws["y"])
         else:
             idx, count = ws["idx"], ws["count"]
             if self.mode == "gate":
                 self._gemv(ffn.gate, ws["x"], 1, ws["g"], n)
+                if ffn.bias is not None:
+                    b.bias_act(ws["g"], n, ffn.bias, 1, n, 0)
                 b.act_inplace(ws["g"], n, self.kind, self.athr)
                 b.compact(ws["g"], n, ffn.threshold, 1, idx, count)
-                self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
-                b.gather_mul(ws["g"], idx, count, n, ws["u"], ws["h"], self.kind)
+                if ffn.up is not None:
+                    self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
+                b.gather_mul(ws["g"], idx, count, n, u, ws["h"], self.kind)
             else:
                 self._predict(ffn, 1)
                 b.compact(ws["logits"], n, 0.0, 0, idx, count)
                 self._gemv(ffn.gate, ws["x"], 1, ws["g"], n, idx, count)
-                self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
-                b.act_mul(ws["g"], ws["u"], ws["h"], 1, n, self.kind, self.athr, -1.0, None, count)
+                if ffn.bias is not None:  # the compacted neurons' own biases
+                    b.gather_add(ws["g"], ffn.bias, idx, count, n)
+                if ffn.up is not None:
+                    self._gemv(ffn.up, ws["x"], 1, ws["u"], n, idx, count)
+                b.act_mul(ws["g"], u, ws["h"], 1, n, self.kind, self.athr, -1.0, None, count)
             # down projection over the active neurons' transposed rows only
             b.axpy(ffn.down_t.suffix, ffn.down_t.buf, ffn.down_t.row_bytes, idx, count, n, ws["h"], n, d, 1, ws["y"])
 

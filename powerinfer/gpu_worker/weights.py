@@ -121,17 +121,21 @@ def attention_arrays(f: GGUFFile, cfg: ModelConfig, layer: int) -> AttentionArra
 
 @dataclass(frozen=True)
 class HotArrays:
-    gate: DeviceMatrix  # [n_hot, d]
-    up: DeviceMatrix  # [n_hot, d]
+    gate: DeviceMatrix  # [n_hot, d] (a gate-less FFN, OPT: fc1's rows)
+    up: DeviceMatrix | None  # [n_hot, d]; None for a gate-less FFN
     down_t: DeviceMatrix  # [n_hot, d]: row j is hot neuron j's output direction
+    bias: np.ndarray | None = None  # float32 [n_hot]: a gate-less FFN's fc1 bias
 
 
 def hot_arrays(f: GGUFFile, cfg: ModelConfig, layer: int, hot: np.ndarray) -> HotArrays:
     name = layer_tensor(layer, "ffn_down")
     down_t = down_columns(f, layer, hot)[0].T  # [n_hot, d]
+    gated = cfg.gated_ffn
     return HotArrays(
-        gate=matrix_rows(f, layer_tensor(layer, "ffn_gate"), hot), up=matrix_rows(f, layer_tensor(layer, "ffn_up"), hot),
+        gate=matrix_rows(f, layer_tensor(layer, cfg.gate_part), hot),
+        up=matrix_rows(f, layer_tensor(layer, "ffn_up"), hot) if gated else None,
         down_t=floats_as_device(down_t_qtype(f.tensor(name).qtype, cfg.d_model), down_t),
+        bias=None if gated else np.ascontiguousarray(load_vector(f, layer_bias(layer, "ffn_up"), cfg.n_ff)[hot], dtype=np.float32),
     )
 
 

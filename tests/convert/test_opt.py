@@ -1,6 +1,7 @@
 """OPT end to end: greedy decoding against transformers' (learned positions through the decode
-steps), the sparse rules on every executor, and what the engine refuses for OPT (a context past its
-position table, the GPU worker, a post-LayerNorm checkpoint)."""
+steps), the sparse rules on every executor, the GPU worker (CPU backend), PowerInfer's OPT files with
+their predictors, and what the engine refuses for OPT (a context past its position table, a
+post-LayerNorm checkpoint)."""
 
 from __future__ import annotations
 
@@ -99,11 +100,67 @@ def test_context_past_the_position_table_is_refused(trained: Path) -> None:
     assert r.returncode != 0 and "2048 positions" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-def test_gpu_offload_is_refused_clearly(trained: Path) -> None:
-    from powerinfer.coordinator.hybrid_executor import GpuOptions
+@pytest.mark.parametrize("split", ["neuron", "layer"])
+@pytest.mark.parametrize("mode", [None, "gate", "predictor"])
+def test_the_gpu_worker_runs_opt(trained: Path, split: str, mode: str | None) -> None:
+    """OPT's attention (q/k/v biases, no rope) and hot neurons (fc1 and its bias, no up) on the GPU
+    worker's CPU backend: prefill and decode steps track the in-process engine, dense and sparse,
+    with the neuron split (every layer's attention, some neurons) and the layer split (a whole
+    layer, run per layer since its LayerNorm runs on the host)."""
+    from powerinfer.config import config_from_gguf
+    from powerinfer.coordinator.engine import Engine
+    from powerinfer.coordinator.executor import InProcessExecutor
+    from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
+    from powerinfer.coordinator.placement import layer_costs
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.gpu_worker.errors import GIB
+    from tests.gpu_worker.helpers import make_predictor, rel
 
-    with pytest.raises(UnsupportedModelError, match="CPU only"):
-        LLM(trained / "opt.gguf", n_ctx=128, gpu=GpuOptions(n_gpu_layers=1, backend="cpu", vram_budget_gib=0.01))
+    path = trained / "opt.gguf"
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    pf = make_predictor(f, cfg, mode) if mode else None
+    c = layer_costs(f, cfg, 64, predictor=pf, max_tokens=8)
+    budget = (c.overhead + c.fixed.sum() + 0.4 * cfg.n_ff * c.per_neuron.sum() if split == "neuron"
+              else c.overhead + c.fixed[0] + cfg.n_ff * c.per_neuron[0] + c.fixed[1] // 2)
+    opts = GpuOptions(backend="cpu", split=split, vram_budget_gib=float(budget) / GIB, process=False, max_tokens=8)
+    ex = build_hybrid_executor(path, f, cfg, 64, opts, predictor=pf)
+    try:
+        pl = ex.placement
+        if split == "neuron":
+            assert all(pl.gpu_layers) and all(0 < len(h) < cfg.n_ff for h in pl.hot)
+        else:
+            assert pl.gpu_layers[0] and len(pl.hot[0]) == cfg.n_ff
+        ids = [int(i) for i in np.random.default_rng(3).integers(2, 290, 24)]
+        ours, oracle = Engine(f, cfg, ex, 64, 8), Engine(f, cfg, InProcessExecutor(f, cfg, 64, predictor=pf), 64, 8)
+        a, b = ours.eval(ids[:16], all_logits=True), oracle.eval(ids[:16], all_logits=True)
+        steps = np.stack([ours.eval([t])[0] for t in ids[16:]]), np.stack([oracle.eval([t])[0] for t in ids[16:]])
+    finally:
+        ex.close()
+    bound = 0.03 if mode is None else 0.1  # sparse: int8 CPU weights flip a few neurons across the threshold
+    assert rel(a, b) < bound and rel(*steps) < bound
+    assert np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.9 and np.mean(steps[0].argmax(-1) == steps[1].argmax(-1)) >= 0.75
+
+
+def test_the_gpu_rank_joins_the_native_pool_on_opt(trained: Path) -> None:
+    """-ngl on OPT with the default executor: the GPU worker as a rank of the native pool (its
+    attention and hot neurons handed over in shared memory, the biases added by the CPU ranks),
+    greedy tokens equal to the CPU-only pool's."""
+    from powerinfer.config import config_from_gguf
+    from powerinfer.coordinator.hybrid_executor import GpuOptions
+    from powerinfer.coordinator.placement import layer_costs
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.gpu_worker.errors import GIB
+
+    f = GGUFFile(trained / "opt.gguf")
+    cfg = config_from_gguf(f)
+    c = layer_costs(f, cfg, 128)
+    some = float(c.overhead + c.fixed.sum() + 0.4 * cfg.n_ff * c.per_neuron.sum()) / GIB  # every attention, ~40% of the neurons
+    ids = [int(i) for i in np.random.default_rng(1).integers(2, 290, 20)]
+    want = _greedy(trained / "opt.gguf", ids, 16, executor="process", n_threads=2)
+    for split, budget, ngl in (("neuron", some, cfg.n_layers), ("layer", 1.0, 1)):
+        gpu = GpuOptions(backend="cpu", split=split, vram_budget_gib=budget, n_gpu_layers=ngl)
+        assert _greedy(trained / "opt.gguf", ids, 16, executor="process", n_threads=2, gpu=gpu) == want, split
 
 
 def test_post_layernorm_opt_is_refused(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ def make_predictor(f: GGUFFile, cfg: ModelConfig, mode: str, seed: int = 0, rank
     x = rng.standard_normal((64, cfg.d_model))
     layers = []
     for i in range(cfg.n_layers):
-        name = layer_tensor(i, "ffn_gate")
+        name = layer_tensor(i, cfg.gate_part)  # OPT: fc1 (its bias left out: only a threshold's scale)
         info = f.tensor(name)
         g = act(x @ dequantize_rows(info.qtype, f.raw(name), info.n_cols).astype(np.float64).T, ACT_CODES[cfg.activation], cfg.act_threshold)
         r = rank if mode == "predictor" else 0

@@ -139,6 +139,9 @@ def _small_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
         b.zero(H)
         b.act_mul(G, U, H, 1, 500, 1, 0.0, -1.0, None, C)
         out.append(b.read(H, 1500).result())
+        for thr, logits in ((-1.0, None), (0.3, None), (-1.0, L)):  # a gate-less FFN (OPT): no up, ReLU
+            b.act_mul(G, None, H, 3, 500, 2, 0.0, thr, logits)
+            out.append(b.read(H, 1500).result())
         B = b.upload(_f32(np.random.default_rng(3), 500), "bias")
         b.bias_act(G, 500, B, 3, 400, 1)
         b.act_inplace(U, 1500, 1, 0.0)
@@ -156,13 +159,17 @@ def _small_cases(rng: np.random.Generator) -> Iterator[tuple[str, Case]]:
         b.gather_mul(V, I, C, 13824, U, H, 0)
         out = [count.astype(np.float32), b.read(I, int(count[0])).result().astype(np.float32), b.read(H, int(count[0])).result()]
         b.gather_mul(V, I, C, 13824, U, H, 3)  # dReLU: the up values rectified
-        return out + [b.read(H, int(count[0])).result()]
+        out.append(b.read(H, int(count[0])).result())
+        b.gather_mul(V, I, C, 13824, None, H, 2)  # a gate-less FFN: no up
+        out.append(b.read(H, int(count[0])).result())
+        b.gather_add(U, V, I, C, 13824)  # U[j] += V[idx[j]]: fc1's bias on the compacted neurons
+        return out + [b.read(U, 13824).result()]
 
     yield "rms_norm heads + rows", norm
     yield "rms_norm_rows + add_rows (the stream on the device)", residual
     yield "rope full + partial", rope
     yield "act_mul/bias_act/act_inplace", ffn
-    yield "compact + gather_mul", compact
+    yield "compact + gather_mul + gather_add", compact
     yield "kv_store + attend GQA 8/2 D128 slots", _attention_case(rng, 8, 2, 128, 0)
     yield "kv_store + attend MHA D64 window 50", _attention_case(rng, 4, 4, 64, 50)
 

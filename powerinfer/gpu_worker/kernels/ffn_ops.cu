@@ -8,11 +8,13 @@
 //   (gate mode, thr >= 0) or logits[t, j] <= 0 (predictor mode, logits given). Used when every hot
 //   neuron is computed (prefill, dense) so masking, not skipping, decides the output; with n_dev
 //   (T = 1) only the first *n_dev entries, the compacted active neurons of a decode step.
+//   u NULL: a gate-less FFN (OPT: act(fc1 x + b)), whose "up" is 1.
 // act_inplace: g = act(g) (decode, gate mode: the gate of every hot neuron is needed to pick).
 // compact: idx = [j for j < n if v[j] > thr] (|v[j]| > thr when use_abs), in increasing order,
 //   and *count = len(idx). One block: each thread takes a contiguous run, a block-wide scan gives
 //   each run its output offset, so the order is deterministic.
-// gather_mul: h[j] = a[idx[j]] * up(u[j]) for j < *count (decode, gate mode).
+// gather_mul: h[j] = a[idx[j]] * up(u[j]) for j < *count (decode, gate mode; u NULL: 1).
+// gather_add: y[j] += b[idx[j]] for j < *count (a gate-less FFN's fc1 bias on the compacted neurons).
 #include "common.cuh"
 
 __device__ __forceinline__ float act(float x, int kind, float athr) {
@@ -41,7 +43,7 @@ extern "C" __global__ void act_mul(const float* __restrict__ g, const float* __r
     if (k >= (long long)T * (n_dev ? min(*n_dev, n) : n)) return;
     const float a = act(g[k], kind, athr);
     const bool on = logits ? logits[k] > 0.0f : (thr < 0.0f || fabsf(a) > thr);
-    h[k] = on ? a * up(u[k], kind) : 0.0f;
+    h[k] = on ? a * (u ? up(u[k], kind) : 1.0f) : 0.0f;
 }
 
 extern "C" __global__ void act_inplace(float* __restrict__ g, int n, int kind, float athr) {
@@ -74,5 +76,11 @@ extern "C" __global__ void gather_mul(const float* __restrict__ a, const int* __
                                       const int* __restrict__ count, int n, const float* __restrict__ u,
                                       float* __restrict__ h, int kind) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < min(*count, n)) h[j] = a[idx[j]] * up(u[j], kind);
+    if (j < min(*count, n)) h[j] = a[idx[j]] * (u ? up(u[j], kind) : 1.0f);
+}
+
+extern "C" __global__ void gather_add(float* __restrict__ y, const float* __restrict__ b, const int* __restrict__ idx,
+                                      const int* __restrict__ count, int n) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < min(*count, n)) y[j] += b[idx[j]];
 }
