@@ -91,6 +91,20 @@ def test_round_trip(tmp_path: Path, make_model: Any) -> None:
     _assert_same(_pf(fingerprint=pf.fingerprint, seed=5), read_predictor(path))
 
 
+def test_what_fc1_reads_round_trips(tmp_path: Path) -> None:
+    """input: "normed" (the default, also when the key is absent: test_documented_layout_reads_like_the_writer)
+    or "residual" (PowerInfer's predictors of a LayerNorm model), written and read back."""
+    from dataclasses import replace
+
+    pf = replace(_pf(), input="residual")
+    write_predictor(tmp_path / "r.predictor", pf)
+    back = read_predictor(tmp_path / "r.predictor")
+    assert back.input == "residual" and back.reads_residual and not _pf().reads_residual
+    assert not replace(back, mode="gate").reads_residual  # gate mode has no fc1 to feed
+    with pytest.raises(ValueError, match="input"):
+        write_predictor(tmp_path / "x.predictor", replace(_pf(), input="raw"))
+
+
 def test_gate_mode_without_predictors(tmp_path: Path) -> None:
     pf = _pf(mode="gate", ranks=(0,))
     write_predictor(tmp_path / "g.predictor", pf)
@@ -222,6 +236,7 @@ def _write_layout(path: Path, meta: dict[str, Any], tensors: dict[str, np.ndarra
     (lambda m, t: t.__setitem__("blk.2.act_freq", np.zeros(N_FF, np.float32)), ("unexpected tensor", "blk.2.act_freq")),
     (lambda m, t: m.__setitem__("powerinfer.predictor.version", 2), ("version 2",)),
     (lambda m, t: m.__setitem__("powerinfer.predictor.mode", "oracle"), ("mode", "oracle")),
+    (lambda m, t: m.__setitem__("powerinfer.predictor.input", "raw"), ("predictor input", "raw")),
     (lambda m, t: m.pop("powerinfer.predictor.n_ff"), ("powerinfer.predictor.n_ff", "missing")),
 ])
 def test_malformed_predictor(tmp_path: Path, mutate: Any, needles: tuple[str, ...]) -> None:
