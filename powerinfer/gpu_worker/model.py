@@ -26,7 +26,6 @@ copies every sub-layer's input in and output out and waits for it (two host roun
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,60 +35,14 @@ from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.backend import Backend, Buf, PendingRead, PendingRows, disagreement
 from powerinfer.gpu_worker.layout import GpuPlan, qkv_width
-from powerinfer.gpu_worker.weights import DeviceMatrix, attention_arrays, hot_arrays, predictor_arrays
+from powerinfer.gpu_worker.weights import (DeviceAttention, DeviceFfn, DeviceMat, DeviceMatrix, DeviceNorms, attention_arrays,
+                                            hot_arrays, predictor_arrays)
 from powerinfer.model.layer_loop import LayerNorms, load_layer_norms, run_layers
 from powerinfer.predictors.predictor_file import PredictorFile
 
 log = logging.getLogger(__name__)
 
 DEVICE_RUN_AGREE = 1e-3  # the first run of whole layers: the device path's tolerance against the per-layer path
-
-
-@dataclass(frozen=True)
-class _Mat:
-    buf: Buf
-    suffix: str
-    row_bytes: int
-    n: int
-    k: int
-
-
-@dataclass
-class _Attn:
-    q: _Mat
-    k: _Mat
-    v: _Mat
-    o: _Mat
-    bias: Buf | None
-    q_norm: Buf | None
-    k_norm: Buf | None
-    inv_freq: Buf
-    window: int
-    k_cache: Buf
-    v_cache: Buf
-
-
-@dataclass
-class _Ffn:
-    gate: _Mat  # a gate-less FFN (OPT): fc1's rows
-    up: _Mat | None  # None: a gate-less FFN
-    down_t: _Mat
-    threshold: float
-    bias: Buf | None = None  # a gate-less FFN's fc1 bias [n_hot]
-    fc1: _Mat | None = None  # predictor mode only
-    fc1_b: Buf | None = None
-    fc2: _Mat | None = None
-    fc2_b: Buf | None = None
-
-
-@dataclass
-class _DevNorms:
-    """A whole layer's RMSNorm weights on the device (post norms: Gemma-3's, else None)."""
-
-    attn: Buf
-    ffn: Buf
-    post_attn: Buf | None
-    post_ffn: Buf | None
 
 
 class GpuModel:
@@ -103,8 +56,8 @@ class GpuModel:
         self.mode = predictor.mode if predictor is not None and plan.sparse else "dense"
         self.kind, self.athr = ACT_CODES[cfg.activation], cfg.act_threshold
         ranks = [lp.rank for lp in predictor.layers] if predictor is not None and self.mode == "predictor" else [0] * cfg.n_layers
-        self.attn: list[_Attn | None] = [None] * cfg.n_layers
-        self.ffns: list[_Ffn | None] = [None] * cfg.n_layers
+        self.attn: list[DeviceAttention | None] = [None] * cfg.n_layers
+        self.ffns: list[DeviceFfn | None] = [None] * cfg.n_layers
         self.ws: dict[str, Buf] = {}
         if any(plan.gpu_layers) or any(len(h) for h in plan.hot):
             self._workspace(max(ranks))
@@ -115,7 +68,7 @@ class GpuModel:
                 self.ffns[i] = self._upload_ffn(f, i, np.asarray(plan.hot[i], dtype=np.int64), predictor, ranks[i])
         # the norms of every layer whose attention is here (layout.attention_bytes counts them), for
         # runs of whole layers (a few KiB a layer)
-        self.norms: list[_DevNorms | None] | None = None
+        self.norms: list[DeviceNorms | None] | None = None
         self.host_norms: list[LayerNorms] = []
         # None: the first run of whole layers checks the device path; False: the per-layer path,
         # whose norms and biases run on the host (OPT: there is no LayerNorm kernel, and residual.cu
@@ -146,15 +99,15 @@ class GpuModel:
             sizes.update(z=(t * max_rank, np.float32), logits=(t * cfg.n_ff, np.float32))
         self.ws = {name: b.alloc(n, dt, f"scratch {name}") for name, (n, dt) in sizes.items()}
 
-    def _mat(self, m: DeviceMatrix, what: str) -> _Mat:
-        return _Mat(self.b.upload(m.data, what), m.suffix, m.row_bytes, m.n, m.k)
+    def _mat(self, m: DeviceMatrix, what: str) -> DeviceMat:
+        return DeviceMat(self.b.upload(m.data, what), m.suffix, m.row_bytes, m.n, m.k)
 
-    def _upload_attention(self, f: GGUFFile, layer: int) -> _Attn:
+    def _upload_attention(self, f: GGUFFile, layer: int) -> DeviceAttention:
         cfg, b = self.cfg, self.b
         a = attention_arrays(f, cfg, layer)
         w = f"layer {layer} attention"
         kv = self.n_slots * cfg.n_kv_heads * self.n_ctx
-        return _Attn(
+        return DeviceAttention(
             q=self._mat(a.q, w), k=self._mat(a.k, w), v=self._mat(a.v, w), o=self._mat(a.o, w),
             bias=None if a.bias is None else b.upload(a.bias, w),
             q_norm=None if a.q_norm is None else b.upload(a.q_norm, w), k_norm=None if a.k_norm is None else b.upload(a.k_norm, w),
@@ -163,15 +116,15 @@ class GpuModel:
             v_cache=b.alloc(kv * cfg.v_head_dim, np.float16, f"layer {layer} KV cache"),
         )
 
-    def _upload_norms(self, n: LayerNorms, layer: int) -> _DevNorms:
+    def _upload_norms(self, n: LayerNorms, layer: int) -> DeviceNorms:
         w, up = f"layer {layer} norms", self.b.upload
-        return _DevNorms(up(n.attn, w), up(n.ffn, w), None if n.post_attn is None else up(n.post_attn, w),
+        return DeviceNorms(up(n.attn, w), up(n.ffn, w), None if n.post_attn is None else up(n.post_attn, w),
                          None if n.post_ffn is None else up(n.post_ffn, w))
 
-    def _upload_ffn(self, f: GGUFFile, layer: int, hot: np.ndarray, predictor: PredictorFile | None, rank: int) -> _Ffn:
+    def _upload_ffn(self, f: GGUFFile, layer: int, hot: np.ndarray, predictor: PredictorFile | None, rank: int) -> DeviceFfn:
         h = hot_arrays(f, self.cfg, layer, hot)
         w = f"layer {layer}: {len(hot)} hot neurons"
-        ffn = _Ffn(self._mat(h.gate, w), None if h.up is None else self._mat(h.up, w), self._mat(h.down_t, w),
+        ffn = DeviceFfn(self._mat(h.gate, w), None if h.up is None else self._mat(h.up, w), self._mat(h.down_t, w),
                    float(predictor.layers[layer].threshold) if predictor is not None else 0.0,
                    None if h.bias is None else self.b.upload(h.bias, w))
         if rank:
@@ -183,7 +136,7 @@ class GpuModel:
 
     # -- compute -----------------------------------------------------------------------------------
 
-    def _gemv(self, m: _Mat, x: Buf, t: int, y: Buf, ldy: int, rows: Buf | None = None, n_dev: Buf | None = None) -> None:
+    def _gemv(self, m: DeviceMat, x: Buf, t: int, y: Buf, ldy: int, rows: Buf | None = None, n_dev: Buf | None = None) -> None:
         self.b.gemv(m.suffix, m.buf, m.row_bytes, rows, n_dev, m.n, x, m.k, t, y, ldy)
 
     def _tail(self, name: str, offset: int) -> Buf:
@@ -218,7 +171,7 @@ class GpuModel:
             raise InvalidArgumentError(f"KV-cache slot {int(sl.min() if sl.min() < 0 else sl.max())} out of range (the GPU worker holds {self.n_slots})")
         return pos, sl
 
-    def _attention_chunk(self, a: _Attn, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> PendingRead:
+    def _attention_chunk(self, a: DeviceAttention, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> PendingRead:
         b, ws = self.b, self.ws
         b.write(ws["x"], x)
         b.write(ws["pos"], pos)
@@ -226,7 +179,7 @@ class GpuModel:
         self._attention_dev(a, x.shape[0])
         return b.read(ws["y"], x.shape[0] * self.cfg.d_model)
 
-    def _attention_dev(self, a: _Attn, t: int) -> None:
+    def _attention_dev(self, a: DeviceAttention, t: int) -> None:
         """ws.y [t, d] = the layer's attention of ws.x [t, d] (normed) at ws.pos / ws.slots."""
         cfg, b, ws = self.cfg, self.b, self.ws
         Hq, Hkv, D, Dv, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim, qkv_width(cfg)
@@ -253,7 +206,7 @@ class GpuModel:
             raise InvalidArgumentError(f"layer {layer} has no hot neurons on the GPU")
         return PendingRows([self._ffn_chunk(ffn, x[i:j]) for i, j in self._chunks(x)], self.cfg.d_model)
 
-    def _predict(self, ffn: _Ffn, t: int) -> None:
+    def _predict(self, ffn: DeviceFfn, t: int) -> None:
         """ws.logits [T, n_hot] = fc2(relu(fc1(x))) for the hot neurons (active where > 0)."""
         assert ffn.fc1 is not None and ffn.fc2 is not None and ffn.fc1_b is not None and ffn.fc2_b is not None
         b, ws, r, n = self.b, self.ws, ffn.fc1.n, ffn.gate.n
@@ -262,12 +215,12 @@ class GpuModel:
         self._gemv(ffn.fc2, ws["z"], t, ws["logits"], n)
         b.bias_act(ws["logits"], n, ffn.fc2_b, t, n, 0)
 
-    def _ffn_chunk(self, ffn: _Ffn, x: np.ndarray) -> PendingRead:
+    def _ffn_chunk(self, ffn: DeviceFfn, x: np.ndarray) -> PendingRead:
         self.b.write(self.ws["x"], x)
         self._ffn_dev(ffn, x.shape[0])
         return self.b.read(self.ws["y"], x.shape[0] * self.cfg.d_model)
 
-    def _ffn_dev(self, ffn: _Ffn, t: int) -> None:
+    def _ffn_dev(self, ffn: DeviceFfn, t: int) -> None:
         """ws.y [t, d] = the hot neurons' FFN partial of ws.x [t, d] (normed). A gate-less FFN (OPT)
         has fc1 in the gate's place, its bias added before the activation, and no up (u None: 1)."""
         b, ws, n, d = self.b, self.ws, ffn.gate.n, self.cfg.d_model

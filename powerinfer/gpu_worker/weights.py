@@ -1,4 +1,5 @@
-"""Host-side arrays of what a layer uploads to the GPU: attention weights, hot neurons, predictor.
+"""What a layer uploads to the GPU: the host-side arrays (attention weights, hot neurons, predictor)
+and the records of the device buffers they become (DeviceMat, DeviceAttention, DeviceFfn, DeviceNorms).
 
 Runs in: the GPU worker process (or the coordinator for the in-process GPU worker). numpy only.
 Formats and sizes are the ones :mod:`powerinfer.gpu_worker.layout` prices; every matrix is rows of
@@ -14,6 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 
 from powerinfer.config import ModelConfig
+from powerinfer.gpu_worker.backend import Buf
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.kernels import MAX_HEAD_DIM, SUFFIX
 from powerinfer.gpu_worker.layout import device_qtype, down_t_qtype
@@ -153,3 +155,59 @@ def predictor_arrays(lp: LayerPredictor, hot: np.ndarray) -> PredictorArrays:
         fc1=floats_as_device(QT.F32, np.array(lp.fc1_w, dtype=np.float32)), fc1_b=np.array(lp.fc1_b, dtype=np.float32),
         fc2=floats_as_device(QT.F32, np.array(lp.fc2_w[hot], dtype=np.float32)), fc2_b=np.array(lp.fc2_b[hot], dtype=np.float32),
     )
+
+
+# -- what the device holds --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceMat:
+    """A matrix on the device: n rows of k values in a kernel's format (suffix), row_bytes each."""
+
+    buf: Buf
+    suffix: str
+    row_bytes: int
+    n: int
+    k: int
+
+
+@dataclass
+class DeviceAttention:
+    """An offloaded layer's attention: AttentionArrays uploaded, and its KV cache."""
+
+    q: DeviceMat
+    k: DeviceMat
+    v: DeviceMat
+    o: DeviceMat
+    bias: Buf | None
+    q_norm: Buf | None
+    k_norm: Buf | None
+    inv_freq: Buf
+    window: int
+    k_cache: Buf
+    v_cache: Buf
+
+
+@dataclass
+class DeviceFfn:
+    """A layer's hot neurons on the device (HotArrays uploaded) and, in predictor mode, their predictor."""
+
+    gate: DeviceMat  # a gate-less FFN (OPT): fc1's rows
+    up: DeviceMat | None  # None: a gate-less FFN
+    down_t: DeviceMat
+    threshold: float
+    bias: Buf | None = None  # a gate-less FFN's fc1 bias [n_hot]
+    fc1: DeviceMat | None = None  # predictor mode only
+    fc1_b: Buf | None = None
+    fc2: DeviceMat | None = None
+    fc2_b: Buf | None = None
+
+
+@dataclass
+class DeviceNorms:
+    """A whole layer's RMSNorm weights on the device (post norms: Gemma-3's, else None)."""
+
+    attn: Buf
+    ffn: Buf
+    post_attn: Buf | None
+    post_ffn: Buf | None
