@@ -174,7 +174,7 @@ def read_powerinfer_predictor(path: str | Path, fold_ffn_norm: bool = True) -> P
 
     With ``fold_ffn_norm`` (default), fc1 is rewritten for the normed FFN input our engine feeds
     predictors (see :func:`_norm_weights`); exact for threshold 0 and bias-free predictors, which is
-    what PowerInfer ships. The result's ``input`` (also ``calibration["input"]``) says which input it
+    what PowerInfer ships. The result's ``input`` says which input it
     expects: ``"normed"`` or ``"residual"`` (ffn_inp, before ffn_norm: folding was off, or
     impossible, as for OPT's LayerNorm, whose mean subtraction does not fold).
     PowerInfer has no calibration statistics: act_freq / act_mass are zeros; target_sparsity is
@@ -249,7 +249,7 @@ def powerinfer_predictor(model_name: str, fcs: list[tuple[np.ndarray, np.ndarray
     if norms is not None and t != 0.0:
         log.warning("%s: %s = %g is applied to the folded (normed-input) logits; that is exact only for 0",
                     where, SPARSE_THRESHOLD_KEY, t)
-    calibration: dict[str, CalibrationValue] = {"source": "powerinfer", "sparse_threshold": float(t), "input": input_kind}
+    calibration: dict[str, CalibrationValue] = {"source": "powerinfer", "sparse_threshold": float(t)}
     pf = PredictorFile(
         mode="predictor", model_name=model_name, fingerprint="",
         n_layers=n_layers, d_model=d, n_ff=n_ff, rank=max(lp.rank for lp in layers), target_sparsity=0.0,

@@ -348,7 +348,7 @@ def test_powerinfer_model_file(tmp_path: Path, make_model: Any, caplog: pytest.L
     pf = read_predictor(path)
     assert path.read_bytes() == raw  # the copy-on-write mapping never touches the file
     assert (pf.mode, pf.fingerprint, pf.n_layers, pf.d_model, pf.n_ff, pf.rank) == ("predictor", "", 2, D, N_FF, 24)
-    assert pf.model_name == "ReluLLaMA-tiny" and pf.calibration["input"] == "normed"
+    assert pf.model_name == "ReluLLaMA-tiny" and pf.input == "normed"
     assert [lp.rank for lp in pf.layers] == [16, 24] and all(lp.threshold == 0.0 for lp in pf.layers)
     assert all(not lp.act_freq.any() and not lp.act_mass.any() for lp in pf.layers)
     # folded onto the normed input: the same active set as PowerInfer's rule on the residual input
@@ -375,7 +375,7 @@ def test_powerinfer_threshold_unfolded(tmp_path: Path) -> None:
     path = tmp_path / "t.powerinfer.gguf"
     arrays = _powerinfer_model(path, threshold=0.25)
     pf = read_powerinfer_predictor(path, fold_ffn_norm=False)
-    assert pf.calibration["input"] == "residual" and pf.calibration["sparse_threshold"] == 0.25
+    assert pf.input == "residual" and pf.calibration["sparse_threshold"] == 0.25
     x = np.random.default_rng(1).standard_normal((16, D)).astype(np.float32)
     w1, w2 = arrays["blk.1.fc1.weight"].astype(np.float64), arrays["blk.1.fc2.weight"].astype(np.float64)
     logits = np.maximum(x @ w1.T, 0) @ w2.T
