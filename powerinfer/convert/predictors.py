@@ -97,8 +97,8 @@ def ours_as_residual(pf: PredictorFile, norms: list[np.ndarray] | None, where: s
         if np.any(lp.fc1_b) or np.any(lp.fc2_b):
             raise ModelFileError(f"{where}: layer {i}'s predictor has biases, which PowerInfer's layout cannot hold "
                                  f"(its predictors are fc2(relu(fc1 x)) on the residual stream)")
-    scale = [np.ones(pf.d_model, np.float32) if norms is None or pf.reads_residual else norms[i] for i in range(pf.n_layers)]
-    return ResidualPredictors(tuple(np.ascontiguousarray(lp.fc1_w * scale[i][None, :], dtype=np.float32) for i, lp in enumerate(pf.layers)),
+    fc1 = [lp.fc1_w if pf.reads_residual or norms is None else lp.fc1_w * norms[i][None, :] for i, lp in enumerate(pf.layers)]
+    return ResidualPredictors(tuple(np.ascontiguousarray(w, dtype=np.float32) for w in fc1),
                               tuple(np.ascontiguousarray(lp.fc2_w, dtype=np.float32) for lp in pf.layers), 0.0)
 
 
