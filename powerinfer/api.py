@@ -13,7 +13,6 @@ Runs in: the user's process, which becomes the coordinator.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -27,13 +26,13 @@ from powerinfer.chat import ChatMessage, ChatTemplate
 from powerinfer.config import ModelConfig, check_context, config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.engine_core import EngineCore, Seq
-from powerinfer.coordinator.executor import Executor, InProcessExecutor
+from powerinfer.coordinator.factory import ExecutorOptions, Model, build_executor
 from powerinfer.errors import ChatTemplateError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
 from powerinfer.generation import GenerationChunk, SequenceState, checked_request
 from powerinfer.sampling import SamplingParams
-from powerinfer.predictors.predictor_file import read_predictor, refuse_residual_input
+from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.predictors.pwri_model import runnable_model
 from powerinfer.tokenizer import GGUFTokenizer
 
@@ -106,12 +105,7 @@ class LLM:
     ) -> None:
         t0 = time.perf_counter()
         self._closed = False
-        if n_threads is not None and n_threads < 1:
-            raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
-        if executor not in ("process", "inprocess"):
-            raise InvalidArgumentError(f"executor must be 'process' or 'inprocess', got {executor!r}")
-        if transport not in ("auto", "shm", "zmq"):
-            raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'zmq', got {transport!r}")
+        ExecutorOptions(executor, n_threads=n_threads, transport=transport).check()  # before the file is read
         if default_ctx < 1:
             raise InvalidArgumentError(f"the default context must be positive, got {default_ctx}")
         self.source = Path(model_path)  # PowerInfer's files (PWRI) run as the GGUF and predictor made from them once
@@ -145,23 +139,8 @@ class LLM:
         # A predictor is validated against this model even when --no-sparse ignores it.
         self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
         use = self.predictor if sparse else None
-        ex: Executor
-        if gpu is not None and (not gpu.process or executor != "process" or transport == "zmq"):
-            ex = self._hybrid(gpu, n_ctx, n_threads, predictor, sparse, n_slots, progress)
-        elif executor == "inprocess" and (lib := self._native_lib(native, n_shards == 1)) is not None:
-            from powerinfer.coordinator.native_executor import NativeExecutor
-            from powerinfer.cpu_workers.topology import default_workers
-
-            ex = NativeExecutor(lib, self.file, self.config, n_ctx, n_threads or default_workers(), n_slots=n_slots, max_tokens=n_batch,
-                                predictor=use)
-        elif executor == "inprocess":
-            if n_threads is not None:
-                import torch
-
-                torch.set_num_threads(n_threads)
-            ex = InProcessExecutor(self.file, self.config, n_ctx, n_shards=n_shards, progress=progress, predictor=use, n_slots=n_slots)
-        else:  # with a GPU, it joins the native pool as a rank (coordinator/gpu_rank.py)
-            ex = self._process_executor(transport, use is not None, predictor, n_ctx, n_threads, worker_threads, pin, n_slots, n_batch, gpu)
+        opts = ExecutorOptions(executor, n_ctx, n_batch, n_threads, worker_threads, n_shards, pin, progress, n_slots, gpu, native, transport)
+        ex = build_executor(Model(self.path, self.file, self.config, self.predictor, predictor, sparse), opts)
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch, n_slots=n_slots)
         except BaseException:
@@ -181,84 +160,9 @@ class LLM:
         with self.core.guard():
             return self.engine.eval(ids, all_logits=all_logits)
 
-    def _hybrid(self, gpu: "GpuOptions", n_ctx: int, n_threads: int | None, predictor: "str | os.PathLike[str] | None", sparse: bool,
-                n_slots: int, progress: bool) -> Executor:
-        """Hot neurons (and the attention of offloaded layers) on the GPU worker, cold ones in this process."""
-        from powerinfer.coordinator.hybrid_executor import build_hybrid_executor
-
-        if n_threads is not None:
-            import torch
-
-            torch.set_num_threads(n_threads)
-        return build_hybrid_executor(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor, predictor_path=predictor,
-                                     sparse=sparse, n_slots=n_slots, progress=progress,
-                                     log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
-
-    def _process_executor(self, transport: str, sparse: bool, predictor: "str | os.PathLike[str] | None", n_ctx: int, n_threads: int | None,
-                          worker_threads: int, pin: bool, n_slots: int, n_batch: int, gpu: "GpuOptions | None" = None) -> Executor:
-        """Worker processes: native ranks merging in shared memory (and a GPU rank with -ngl),
-        or torch shards over ZeroMQ."""
-        from powerinfer.coordinator.native_pool import shm_blocker
-        from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
-
-        n_workers = n_threads or default_workers()
-        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        if transport != "zmq":
-            why = shm_blocker(self.file, self.config, n_workers, sparse)
-            if why is None:
-                from powerinfer.coordinator.gpu_rank import gpu_rank_spec
-                from powerinfer.coordinator.native_pool import NativePoolExecutor
-                from powerinfer.cpu_workers.native_lib import decoder_lib
-
-                rank = None if gpu is None else gpu_rank_spec(self.path, self.file, self.config, n_ctx, gpu, predictor=self.predictor,
-                                                               predictor_path=predictor, sparse=sparse, n_slots=n_slots, log_level=level)
-                placements = tuple(plan_placement(read_topology(), n_workers, worker_threads)) if pin else ()
-                return NativePoolExecutor(decoder_lib(), self.file, str(self.path), self.config, n_ctx, n_workers, worker_threads,  # type: ignore[arg-type]
-                                          placements, level, n_slots, n_batch, predictor=str(predictor) if sparse else "", gpu=rank)
-            if transport == "shm":
-                raise InvalidArgumentError(f"--transport shm is not possible here: {why}")
-            if gpu is not None:  # the GPU rank needs native CPU ranks: the hybrid executor instead
-                log.warning("the GPU worker cannot join native worker ranks (%s): hybrid executor", why)
-                return self._hybrid(gpu, n_ctx, n_threads, predictor, sparse, n_slots, False)
-            log.warning("worker processes exchange each layer over ZeroMQ (slower): %s", why)
-        from powerinfer.coordinator.process_executor import ProcessExecutor
-
-        refuse_residual_input(self.predictor if sparse else None, "the ZeroMQ torch workers")
-        # The coordinator only does small numpy work (norms, residuals, sampling), never torch: the workers hold every matrix.
-        return ProcessExecutor(str(self.path), self.config, n_ctx, n_workers, threads_per_worker=worker_threads, pin=pin,
-                               predictor=str(predictor) if sparse else "", log_level=level, n_slots=n_slots)
-
-    def _native_lib(self, native: bool | None, applies: bool) -> "ctypes.CDLL | None":
-        """The native decoder library when the in-process executor should use it, else None."""
-        if native is False:
-            return None
-        if not applies:
-            if native:
-                raise InvalidArgumentError("the native decoder runs models in one shard: n_shards=1")
-            return None
-        from powerinfer.cpu_workers.native_lib import decoder_lib
-        from powerinfer.cpu_workers.native_model import supports
-
-        lib = decoder_lib()
-        if lib is None:  # decoder_lib has said why when a build failed; POWERINFER_NATIVE=0 is said here
-            if native:
-                raise InvalidArgumentError("the native decoder is unavailable (POWERINFER_NATIVE=0, or no C compiler: see the log)")
-            if os.environ.get("POWERINFER_NATIVE", "1") == "0":
-                log.warning("POWERINFER_NATIVE=0: the in-process executor runs on torch (slower)")
-            return None
-        why = supports(self.file, self.config)
-        if why is None:
-            return lib
-        if native:
-            raise InvalidArgumentError(f"the native decoder cannot run this model: {why}")
-        log.warning("the native decoder cannot run this model (%s): the in-process executor runs on torch", why)
-        return None
-
     def check_workers(self) -> None:
         """Raise WorkerDiedError when a worker process is gone or silent (no-op in process)."""
-        check = getattr(self.engine.executor, "check_health", None)
-        if check is not None:
-            check()
+        self.engine.executor.check_health()
 
     def restart_workers(self) -> None:
         """Start fresh workers (their KV caches are empty, so every slot is forgotten)."""
@@ -266,9 +170,7 @@ class LLM:
         self.core.recover()
 
     def _restart_pool(self) -> None:
-        restart = getattr(self.engine.executor, "restart", None)
-        if restart is not None:
-            restart()
+        self.engine.executor.restart()
 
     # -- tokens --------------------------------------------------------------------------------
 

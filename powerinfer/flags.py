@@ -243,7 +243,7 @@ def set_lookup(llm: "LLM", n: int) -> None:
     if llm.sparse:
         log.warning("--lookup is off: with a sparsity predictor a pass over several tokens is computed unlike a decode step, "
                     "so the output would differ from decoding one token at a time")
-    elif getattr(llm.engine.executor, "native_step", None) is None:
+    elif not llm.engine.executor.describe().steps_match_decode:
         log.warning("--lookup is off: this executor (torch) rounds a pass over several tokens differently from a decode step")
     else:
         llm.core.lookup = n

@@ -131,7 +131,6 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
     try:
         ids = llm.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         eng = llm.engine
-        stats = getattr(eng.executor, "stats", None)
         prefill, decode = [], []
         for _ in range(repeat):
             eng.rewind(0)
@@ -139,14 +138,13 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             logits = eng.eval(ids)
             prefill.append(prompt_tokens / (time.perf_counter() - t))
             token = int(np.argmax(logits[-1]))
-            reset = getattr(eng.executor, "reset_stats", None) or getattr(stats, "reset", None)
-            if reset is not None:
-                reset()
+            eng.executor.reset_stats()
             t = time.perf_counter()
             for _ in range(gen_tokens):  # greedy, never stopping at end-of-text, so every run is equal
                 token = int(np.argmax(eng.eval([token])[-1]))
             decode.append(gen_tokens / (time.perf_counter() - t))
-        pids = [os.getpid(), *getattr(eng.executor, "pids", [])]
+        desc = eng.executor.describe()
+        pids = [os.getpid(), *desc.pids]
         peak, rss, pss = _memory(pids)
         from powerinfer.model.weights import decode_weight_bytes
 
@@ -168,21 +166,7 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             "read_mib_per_token": round(read / 2**20, 1),
             "decode_gbs": round(statistics.median(decode) * read / 1e9, 2),
         }
-        merge = getattr(eng.executor, "merge_latencies_ns", None)
-        if merge is not None and stats is not None:  # the native pool: one step per token, four merges per layer
-            lat = merge() / 1e3
-            row["decode_step_us"] = round(stats.round_trip_us / max(1, stats.calls), 1)
-            row["merge_median_us"] = round(float(np.median(lat)), 2) if lat.size else 0.0
-            row["merge_p99_us"] = round(float(np.percentile(lat, 99)), 2) if lat.size else 0.0
-            row["merge_wait_share"] = round(stats.wait_share, 3)
-            row["merge_wait_share_per_rank"] = [round(w, 3) for w in stats.rank_wait_shares]
-            row["outside_native_share"] = round(stats.outside_share, 3)
-        elif stats is not None:
-            # per layer and decode step: one attention and one FFN round trip
-            calls = max(1, stats.attention.calls)
-            row["decode_layer_us"] = round((stats.attention.round_trip_us + stats.ffn.round_trip_us) / calls, 1)
-            row["decode_layer_compute_us"] = round((stats.attention.compute_us + stats.ffn.compute_us) / calls, 1)
-            row["decode_layer_ipc_us"] = round((stats.attention.ipc_us + stats.ffn.ipc_us) / calls, 1)
+        row.update(desc.numbers)  # the executor's own step figures (merges, IPC per layer)
         return row
     finally:
         llm.close()

@@ -1,11 +1,11 @@
-"""The coordinator's model loop: embeddings, norms, residuals, output head, and the token cache.
+"""The coordinator's sequences: which tokens each KV slot holds, and forward steps over them.
 
 Runs in: the coordinator process.
 
-The engine owns everything that is per-token and small (embedding rows, RMSNorm weights, the
-residual stream [T, d]) plus the output head; everything per-shard (attention heads with their
-KV cache, FFN neurons) goes through an :class:`Executor`. ``tokens`` mirrors what the KV cache
-holds, so a new prompt that shares a prefix with the previous one only computes the rest.
+The engine owns what is per sequence: the tokens each KV slot caches (so a new prompt that shares a
+prefix with the previous one only computes the rest), a prompt's chunks of at most n_batch tokens,
+the context limit, the final logit softcap. Everything else of a step (embedding, layers, head and
+its refinement) is the executor's: one ``execute`` call per chunk (coordinator/executor.py).
 """
 
 from __future__ import annotations
@@ -16,16 +16,11 @@ from typing import Sequence
 import numpy as np
 
 from powerinfer.config import ModelConfig, check_context
-from powerinfer.coordinator.executor import Executor
+from powerinfer.coordinator.executor import Batch, Executor, Want
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.layer_loop import load_layer_norms, norm, run_layers
-from powerinfer.model.weights import embed_rows, load_vector
 
 log = logging.getLogger(__name__)
-
-REFINE = 32  # logits per position recomputed in float32 (see Engine.logits_of)
-REFINE_MARGIN = 1.0  # decode: refine every logit within this of the best (head error is ~0.1)
 
 
 def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
@@ -44,15 +39,6 @@ class Engine:
             check_context(cfg, n_ctx)
         self.f, self.cfg, self.executor = f, cfg, executor
         self.n_ctx, self.n_batch = n_ctx, n_batch
-        d = cfg.d_model
-        self.norms = load_layer_norms(f, cfg)
-        self.output_norm = load_vector(f, "output_norm.weight", d)
-        self.output_norm_b = load_vector(f, "output_norm.bias", d) if cfg.norm == "layer" else None
-        # OPT's learned positions, float32 [rows, d] (a few MiB; row pos + cfg.pos_offset is position pos)
-        self.pos_embd = load_vector(f, "position_embd.weight").reshape(-1, d) if cfg.learned_pos else None
-        # The output head [T, d] -> [T, vocab] is computed by the executor (split across workers);
-        # the engine only re-reads a few of its rows to refine the best logits.
-        self.head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         self.slot_tokens: list[list[int]] = [[] for _ in range(n_slots)]
 
     @property
@@ -116,83 +102,21 @@ class Engine:
             raise InvalidArgumentError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         return arr
 
-    def _forward(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Run tokens ids [T] at positions [T] of KV slots [T] through every layer -> final hidden [T, d] f32."""
-        cfg = self.cfg
-        by_ids = getattr(self.executor, "forward_ids", None)
-        if by_ids is not None:  # the native pool's ranks embed the tokens themselves
-            return by_ids(ids, positions, slots)
-        native_embed = getattr(self.executor, "embed", None)  # the native executor dequantizes rows itself
-        x = native_embed(ids) if native_embed is not None else embed_rows(self.f, ids)
-        if cfg.embed_scale != 1.0:
-            x = x * np.float32(cfg.embed_scale)
-        if self.pos_embd is not None:
-            x = x + self.pos_embd[positions + cfg.pos_offset]
-        whole_step = getattr(self.executor, "forward", None)
-        if whole_step is not None:  # the native executor runs every layer and the final norm in one call
-            return whole_step(x, positions, slots)
-        # runs of layers the executor computes whole (a GPU worker's fully offloaded layers: one
-        # request each); every other layer goes attention, then FFN, through the executor
-        runs = getattr(self.executor, "layer_runs", ())
-        layer = 0
-        while layer < cfg.n_layers:
-            stop = next((b for a, b in runs if a == layer), None)
-            if stop is not None:
-                x = self.executor.layers(layer, stop, x, positions, slots)  # type: ignore[attr-defined]
-            else:
-                stop = next((a for a, _ in runs if a > layer), cfg.n_layers)
-                x = run_layers(cfg, self.norms, layer, stop, x, positions, slots, self.executor.attention, self.executor.ffn)
-            layer = stop
-        return norm(x, self.output_norm, self.output_norm_b, cfg.norm_eps)
-
-    def logits_of(self, hidden: np.ndarray, decode: bool = False) -> np.ndarray:
-        """hidden [T, d] -> logits float32 [T, vocab].
-
-        The packed head returns bf16-rounded logits (a step of 0.125 around 20), which can flip
-        near-ties. The REFINE best candidates of each row (in decode, those within REFINE_MARGIN of
-        the best) are recomputed in float32 from their dequantized head rows, so the values that
-        decide sampling are exact. Decode rows (one per sequence) are refined one by one, so a
-        sequence's logits do not depend on which other sequences share its batch.
-        """
-        k = min(REFINE, self.cfg.vocab_size)
-        native = getattr(self.executor, "decode_logits", None)
-        if native is not None and (decode or hidden.shape[0] == 1):  # the same rule, in one native call
-            return softcap(native(hidden, REFINE_MARGIN, k), self.cfg.final_logit_softcap)
-        logits = np.array(self.executor.logits(hidden), dtype=np.float32)  # owned: refined in place
-        if decode or logits.shape[0] == 1:
-            for r in range(logits.shape[0]):
-                # the candidates near the best are few; a threshold scan is ~10x cheaper than
-                # argpartition over the whole vocabulary
-                near = np.flatnonzero(logits[r] >= logits[r].max() - REFINE_MARGIN)
-                if len(near) > k:
-                    near = near[np.argpartition(-logits[r, near], k - 1)[:k]]
-                self._refine(logits[r : r + 1], hidden[r : r + 1], near[None, :])
-        else:
-            self._refine(logits, hidden, np.argpartition(-logits, k - 1, axis=1)[:, :k])  # [T, R]
-        return softcap(logits, self.cfg.final_logit_softcap)
-
-    def _refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
-        """Overwrite logits [T, V] at idx [T, R] with float32 products of hidden [T, d] and those head rows."""
-        native_refine = getattr(self.executor, "refine", None)
-        if native_refine is not None:
-            native_refine(logits, hidden, idx)
-            return
-        rows, inverse = np.unique(idx, return_inverse=True)  # [U], [T * R]
-        w = embed_rows(self.f, rows, self.head_name)  # [U, d]
-        exact = hidden @ w.T  # [T, U]
-        np.put_along_axis(logits, idx, np.take_along_axis(exact, inverse.reshape(idx.shape), axis=1), axis=1)
+    def _run(self, ids: np.ndarray | Sequence[int], positions: np.ndarray | Sequence[int], slots: np.ndarray | Sequence[int],
+             want: Want) -> np.ndarray:
+        out = self.executor.execute(Batch(ids, positions, slots, want))
+        return out if want is Want.HIDDEN or want is Want.CACHE else softcap(out, self.cfg.final_logit_softcap)
 
     def eval(self, ids: Sequence[int], all_logits: bool = False, slot: int = 0) -> np.ndarray:
         """Append ids to slot's cache; logits float32 [len(ids), vocab] if all_logits else [1, vocab] of the last."""
         arr = self._check_ids(ids)
         tokens = self._slot(slot)
-        step = getattr(self.executor, "native_step", None)
-        if step is not None and arr.size == 1 and not all_logits and len(tokens) + 1 <= self.n_ctx:
-            # a decode step: one native call, and no arrays built here (every array op is a cache
-            # miss after a pass over the weights)
-            logits = step(arr, (len(tokens),), (slot,), False, REFINE_MARGIN, REFINE)
+        if arr.size == 1 and not all_logits and len(tokens) + 1 <= self.n_ctx:
+            # a decode step: tuples, no arrays built here (every array op is a cache miss after a
+            # pass over the weights; the native executors take them as they are)
+            logits = self._run(arr, (len(tokens),), (slot,), Want.LAST)
             tokens.append(int(arr[0]))
-            return softcap(logits, self.cfg.final_logit_softcap)
+            return logits
         if arr.size == 0:
             raise InvalidArgumentError("nothing to evaluate: empty token list")
         if len(tokens) + arr.size > self.n_ctx:
@@ -203,17 +127,11 @@ class Engine:
         for i in range(0, arr.size, self.n_batch):
             chunk = arr[i : i + self.n_batch]
             positions = np.arange(len(tokens), len(tokens) + len(chunk), dtype=np.int64)
-            if step is not None and not all_logits and i + self.n_batch >= arr.size and len(chunk) <= self.executor.max_tokens:  # type: ignore[attr-defined]
-                # the last chunk: embedding, layers and the last row's logits in one native call
-                logits = step(chunk, positions, np.full(len(chunk), slot, dtype=np.int64), False, REFINE_MARGIN, REFINE)
-                tokens.extend(int(t) for t in chunk)
-                return softcap(logits, self.cfg.final_logit_softcap)
-            hidden = self._forward(chunk, positions, np.full(len(chunk), slot, dtype=np.int64))
+            want = Want.ALL if all_logits else Want.LAST if i + self.n_batch >= arr.size else Want.CACHE
+            out = self._run(chunk, positions, np.full(len(chunk), slot, dtype=np.int64), want)
             tokens.extend(int(t) for t in chunk)
-            if all_logits:
-                outs.append(self.logits_of(hidden))
-        if not all_logits:
-            outs.append(self.logits_of(hidden[-1:]))
+            if want is not Want.CACHE:
+                outs.append(out)
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
     def hidden(self, ids: Sequence[int], slot: int = 0) -> np.ndarray:
@@ -229,7 +147,7 @@ class Engine:
         for i in range(0, arr.size, self.n_batch):
             chunk = arr[i : i + self.n_batch]
             positions = np.arange(len(tokens), len(tokens) + len(chunk), dtype=np.int64)
-            outs.append(np.array(self._forward(chunk, positions, np.full(len(chunk), slot, dtype=np.int64)), dtype=np.float32))
+            outs.append(np.array(self._run(chunk, positions, np.full(len(chunk), slot, dtype=np.int64), Want.HIDDEN), dtype=np.float32))
             tokens.extend(int(t) for t in chunk)
         return np.concatenate(outs) if len(outs) > 1 else outs[0]
 
@@ -246,7 +164,7 @@ class Engine:
             if len(toks) + 1 > self.n_ctx:
                 raise ContextOverflowError(f"slot {int(s)} is full: {self.n_ctx} tokens (raise -c/--ctx-size)")
         positions = np.array([len(t) for t in lists], dtype=np.int64)
-        logits = self._decode_rows(arr, positions, sl)
+        logits = self._run(arr, positions, sl, Want.EACH)
         for t, toks in zip(arr, lists):
             toks.append(int(t))
         return logits
@@ -260,13 +178,6 @@ class Engine:
         if arr.size == 0 or len(tokens) + arr.size > self.n_ctx:
             raise ContextOverflowError(f"{len(tokens) + arr.size} tokens do not fit the context of {self.n_ctx} (raise -c/--ctx-size)")
         positions = np.arange(len(tokens), len(tokens) + arr.size, dtype=np.int64)
-        logits = self._decode_rows(arr, positions, np.full(arr.size, slot, dtype=np.int64))
+        logits = self._run(arr, positions, np.full(arr.size, slot, dtype=np.int64), Want.EACH)
         tokens.extend(int(t) for t in arr)
         return logits
-
-    def _decode_rows(self, arr: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """Every row's logits, each refined by the decode rule (one native call where it fits)."""
-        step = getattr(self.executor, "native_step", None)
-        if step is not None and arr.size <= self.executor.max_tokens:  # type: ignore[attr-defined]
-            return softcap(step(arr, positions, slots, True, REFINE_MARGIN, REFINE), self.cfg.final_logit_softcap)
-        return self.logits_of(self._forward(arr, positions, slots), decode=True)

@@ -1,151 +1,125 @@
-"""Executors: who runs each layer's shards. The in-process one is the test oracle.
+"""The one interface every executor implements: a forward step in, logits out.
 
 Runs in: the coordinator process.
 
-An executor receives one layer's normed activations (numpy float32) and returns the summed
-partial outputs of every shard of that layer, and the output head's logits. The in-process
-executor holds all shards itself and runs them one after another; the process executor (same
-interface) sends them to worker processes. Keeping the interface this narrow, and in numpy, is
-what lets every test run without processes and lets the coordinator run without torch.
+The engine (coordinator/engine.py) owns the sequences: which tokens each KV slot holds, chunking a
+prompt by the batch size, the context limit. An executor owns everything else of a forward pass:
+embedding the tokens, every layer with its KV cache, the final norm and the output head with the
+refinement of the best logits (coordinator/logits.py). So the engine calls one method per step,
+``execute(batch)``, and never asks an executor what it can do; which executor runs is decided once,
+by coordinator/factory.py. The executors:
+
+* ``NativeExecutor`` (native_executor.py): every layer in one call into the native decoder, here;
+* ``NativePoolExecutor`` (native_pool.py): native worker ranks merging in shared memory, a GPU
+  worker optionally one more rank (the default);
+* ``InProcessExecutor`` (inprocess.py): torch shards here, the test oracle; ``ProfilingExecutor``
+  (sparsity/profile.py) records its FFNs;
+* ``ProcessExecutor`` (process_executor.py): torch shards in worker processes over ZeroMQ;
+* ``HybridExecutor`` (hybrid_executor.py): a GPU worker's hot neurons and layers, the rest here.
+
+The last three share the per-layer recipe in layerwise.py.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import TYPE_CHECKING, Protocol
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, NoReturn, Protocol, Sequence, Union
 
 import numpy as np
 
-from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.kv_file import Holder, KvGeometry, load_caches, save_caches
-from powerinfer.gguf_file import GGUFFile
-from powerinfer.model.sharding import ShardPlan, plan_shards
+# token ids, positions, slots: a numpy int64 vector [T], or a short tuple for a decode step (building
+# arrays after a pass over the weights costs cache misses: the native executors take tuples as they are)
+Ints = Union[np.ndarray, Sequence[int]]
 
-if TYPE_CHECKING:
-    from powerinfer.predictors.predictor_file import PredictorFile
 
-log = logging.getLogger(__name__)
+class Want(enum.Enum):
+    """What one step returns."""
+
+    CACHE = "cache"  # nothing: the tokens only enter the KV cache (a prompt's chunks before the last)
+    LAST = "last"  # logits [1, vocab] of the last token, its candidates near the best refined (decode rule)
+    EACH = "each"  # logits [T, vocab], every row refined by the decode rule (decode of many slots, verify)
+    ALL = "all"  # logits [T, vocab], each row's REFINE best refined (perplexity, scoring)
+    HIDDEN = "hidden"  # final-normed hidden states [T, d] (embeddings), no head
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One forward pass: token ids [T] at positions [T] of KV slots [T] (one slot per token)."""
+
+    ids: Ints
+    positions: Ints
+    slots: Ints
+    want: Want
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids, positions, slots as contiguous int64 vectors [T]."""
+        return (np.ascontiguousarray(self.ids, dtype=np.int64), np.ascontiguousarray(self.positions, dtype=np.int64),
+                np.ascontiguousarray(self.slots, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Description:
+    """What an executor says about itself (``powerinfer`` prints it; ``bench`` records ``numbers``)."""
+
+    kind: str  # one phrase: "native decoder in this process", ...
+    pids: tuple[int, ...] = ()  # its worker processes (this one not included)
+    placement: tuple[str, ...] = ()  # the load summary's lines: where each part of the model runs
+    figures: tuple[str, ...] = ()  # --verbose: where a step's time went since reset_stats
+    numbers: Mapping[str, float | list[float]] = field(default_factory=dict)  # the same figures for bench's JSON
+    computed_share: float | None = None  # share of FFN neurons computed per token since reset_stats (None: not counted)
+    steps_match_decode: bool = False  # a pass over several tokens gives each row the logits a decode step would
+    kv_layout: str | None = None  # the KV cache's layout for slot files (cpu_workers/kv_file.py); None: cannot save
 
 
 class Executor(Protocol):
-    plan: ShardPlan
-
-    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
-        """x [T, d] f32 normed, positions [T] i64, slots [T] i64 KV-cache slot of each token (None:
-        all slot 0) -> attention output [T, d] (before the residual add)."""
-        ...
-
-    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
-        """x [T, d] f32 normed (resid [T, d]: the residual stream before the norm, for a predictor
-        that reads it) -> FFN output [T, d] (before the residual add)."""
-        ...
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        """x [T, d] f32 final-normed -> logits [T, vocab] f32 from the packed output head."""
-        ...
+    """Runs forward passes of one loaded model; owns its weights, KV caches and workers."""
 
     @property
-    def weight_bytes(self) -> int: ...
+    def weight_bytes(self) -> int:
+        """Bytes of packed weights and KV cache it holds (CPU side)."""
+        ...
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """Run batch through the model (its tokens enter the KV cache) -> what batch.want asks for
+        (float32; an empty array for Want.CACHE). Logits are before the model's final softcap."""
+        ...
+
+    def describe(self) -> Description: ...
+
+    def reset_stats(self) -> None:
+        """Zero the step timings and sparse counters that describe() reports."""
+        ...
+
+    def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
+        """Sparse FFNs compute every neuron (dense=True), the true active set (oracle=True), or
+        their predictor's (both False); no effect on a dense executor."""
+        ...
+
+    def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
+        """slot's first n positions of every layer's KV cache into path at offset (its header
+        written); InvalidArgumentError where the cache cannot be reached (describe().kv_layout None)."""
+        ...
+
+    def load_kv(self, slot: int, n: int, path: str, offset: int) -> None: ...
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a worker process is gone or silent (no-op without workers)."""
+        ...
+
+    def restart(self) -> None:
+        """Fresh workers after a failure (their KV caches start empty); no-op without workers."""
+        ...
 
     def close(self) -> None: ...
 
 
-class InProcessExecutor:
-    """All shards of all layers in this process; `n_shards` > 1 splits layers exactly as workers would."""
+def no_kv(what: str) -> NoReturn:
+    """The error of save_kv/load_kv where the KV cache cannot be reached from the coordinator."""
+    from powerinfer.errors import InvalidArgumentError
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_shards: int = 1, progress: bool = False,
-                 predictor: "PredictorFile | None" = None, n_slots: int = 1) -> None:
-        from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
-        from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
-        from powerinfer.model.ops import RopeTable
-
-        self.plan = plan_shards(cfg, n_shards)
-        self.kv_geometry = KvGeometry(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.v_head_dim)
-        ropes: dict[tuple[float, float], RopeTable] = {}
-        self.attn: list[list[AttentionShard]] = []
-        self.ffns: list[list[FFNShard | SparseFFNShard]] = []
-        t0 = time.perf_counter()
-        layers = range(cfg.n_layers)
-        if progress:
-            from tqdm import tqdm
-
-            layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
-        for layer in layers:
-            self.attn.append([AttentionShard(f, cfg, layer, h, n_ctx, ropes, n_slots) for h in self.plan.heads if h is not None])
-            if predictor is None:
-                self.ffns.append([FFNShard(f, cfg, layer, n) for n in self.plan.neurons if len(n)])
-            else:
-                lp = predictor.layers[layer]
-                self.ffns.append([SparseFFNShard(f, cfg, layer, n, lp, predictor.mode, reads_residual=predictor.reads_residual)
-                                  for n in self.plan.neurons if len(n)])
-        self.heads = [HeadShard(f, cfg, a, b) for a, b in self.plan.vocab if b > a]
-        log.debug("built %d layers x %d shards in %.2fs", cfg.n_layers, n_shards, time.perf_counter() - t0)
-
-    @property
-    def weight_bytes(self) -> int:
-        shards = [s for layer in self.attn for s in layer] + [s for layer in self.ffns for s in layer] + self.heads
-        return sum(s.nbytes for s in shards)
-
-    def attention(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
-        import torch
-
-        xt, pt = torch.from_numpy(x), torch.from_numpy(positions)
-        st = None if slots is None else torch.from_numpy(slots)
-        shards = self.attn[layer]
-        out = shards[0].forward(xt, pt, st)
-        for shard in shards[1:]:
-            out = out + shard.forward(xt, pt, st)
-        return out.numpy()
-
-    def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
-        import torch
-
-        xt = torch.from_numpy(x)
-        rt = None if resid is None else torch.from_numpy(resid)
-        shards = self.ffns[layer]
-        out = shards[0].forward(xt, rt)
-        for shard in shards[1:]:
-            out = out + shard.forward(xt, rt)
-        return out.numpy()
-
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        import torch
-
-        xt = torch.from_numpy(x)
-        parts = [h.forward(xt).numpy() for h in self.heads]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-
-    kv_layout = "torch"  # keys with the rotary rows permuted as the torch shards keep them (cpu_workers/kv_file.py)
-
-    def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
-        """slot's first n positions of every shard's KV cache into path (its header written)."""
-        save_caches(path, offset, self.kv_geometry, slot, n, self._kv_holders())
-
-    def load_kv(self, slot: int, n: int, path: str, offset: int) -> None:
-        load_caches(path, offset, self.kv_geometry, slot, n, self._kv_holders())
-
-    def _kv_holders(self) -> list[Holder]:
-        return [(layer, s.heads.kv_start, s.k_cache, s.v_cache) for layer, shards in enumerate(self.attn) for s in shards]
-
-    def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
-        """Switch sparse FFN shards to dense (exact) or oracle (true active set) computation."""
-        for layer in self.ffns:
-            for shard in layer:
-                if dense is not None and hasattr(shard, "force_dense"):
-                    shard.force_dense = dense
-                if oracle is not None and hasattr(shard, "oracle"):
-                    shard.oracle = oracle
-
-    def decode_share(self) -> float:
-        """Average share of FFN neurons computed per decode step so far (1.0 when dense)."""
-        shards = [s for layer in self.ffns for s in layer]
-        calls = sum(getattr(s, "decode_calls", 0) for s in shards)
-        if not calls:
-            return 1.0
-        return sum(getattr(s, "decode_active", 0.0) for s in shards) / calls
-
-    def close(self) -> None:
-        self.attn.clear()
-        self.ffns.clear()
-        self.heads.clear()
+    raise InvalidArgumentError("slot save and restore need the native executors (the default) or --executor inprocess; "
+                               f"{what} keeps its KV cache where they cannot reach it")

@@ -3,7 +3,7 @@
 Runs in: the coordinator process (the CPU shards run here, with torch's intra-op threads; the GPU
 worker runs in its own process or, for tests, in this one).
 
-Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor`. From a
+A layer-by-layer executor (coordinator/layerwise.py) like the in-process one. From a
 :class:`powerinfer.coordinator.placement.Placement`:
 
 * attention of a GPU layer (``gpu_layers[i]``) is computed by the GPU worker with its KV cache;
@@ -34,6 +34,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.coordinator.executor import Description
+from powerinfer.coordinator.layerwise import LayerwiseExecutor
+from powerinfer.coordinator.stats import HybridStats, mib
+from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuHandle, GpuSetup, GpuWorkerProcess, LocalGpuWorker, NoGpu
@@ -54,38 +58,16 @@ SPLITS = ("neuron", "layer")
 NATIVE_MAX_T = 128  # tokens per native call for the CPU-only layers (longer chunks are split)
 
 
-@dataclass
-class HybridStats:
-    """Accumulated seconds: GPU attention round trips, CPU cold-neuron compute, waiting for the GPU's hot partial."""
-
-    gpu_attention_s: float = 0.0
-    cpu_attention_s: float = 0.0
-    cpu_ffn_s: float = 0.0
-    gpu_ffn_wait_s: float = 0.0  # time the GPU partial was still missing after the CPU finished
-    gpu_layers_s: float = 0.0  # runs of whole GPU layers, one request each
-    cpu_layers_s: float = 0.0  # runs of CPU-only layers in the native decoder
-    native_layer_calls: int = 0  # layers computed there
-    ffn_calls: int = 0  # split layers' FFN calls (hot on the GPU and/or cold here)
-    attention_calls: int = 0  # split layers' attention calls (GPU or CPU)
-    layer_runs: int = 0  # LAYERS requests
-    whole_layer_calls: int = 0  # layers computed inside them
-
-    @property
-    def layer_calls(self) -> int:
-        """Layers computed, any way (a forward pass of T tokens counts n_layers)."""
-        return self.ffn_calls + self.whole_layer_calls + self.native_layer_calls
-
-
-class HybridExecutor:
+class HybridExecutor(LayerwiseExecutor):
     def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, placement: Placement, gpu: GpuHandle, *,
                  predictor: PredictorFile | None = None, n_slots: int = 1, progress: bool = False, native: bool = True) -> None:
         from powerinfer.cpu_workers.shards import AttentionShard, FFNShard, HeadShard
-        from powerinfer.cpu_workers.sparse_ffn import SparseFFNShard
         from powerinfer.model.ops import RopeTable
 
         if len(placement.hot) != cfg.n_layers or len(placement.gpu_layers) != cfg.n_layers:
             raise InvalidArgumentError(f"placement has {len(placement.hot)} layers, the model {cfg.n_layers}")
-        self.cfg, self.placement, self.gpu = cfg, placement, gpu
+        super().__init__(f, cfg)
+        self.placement, self.gpu = placement, gpu
         self.plan: ShardPlan = plan_shards(cfg, 1)  # the CPU side runs as one shard per layer, here
         self.n_hot = [len(h) for h in placement.hot]
         ropes: dict[tuple[float, float], RopeTable] = {}
@@ -123,7 +105,7 @@ class HybridExecutor:
         whole = [self.attn[i] is None and self.ffns[i] is None and i not in on_cpu for i in range(cfg.n_layers)]
         native_runs = _runs([i in on_cpu for i in range(cfg.n_layers)])
         self._native_runs = frozenset(a for a, _ in native_runs)
-        self.layer_runs: tuple[tuple[int, int], ...] = tuple(sorted(_runs(whole) + native_runs))
+        self.layer_runs = tuple(sorted(_runs(whole) + native_runs))
 
     @property
     def cpu_bytes(self) -> int:
@@ -206,7 +188,7 @@ class HybridExecutor:
         self.stats.whole_layer_calls += stop - first
         return out
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    def head_logits(self, x: np.ndarray) -> np.ndarray:
         import torch
 
         return self.head.forward(torch.from_numpy(x)).numpy()
@@ -217,27 +199,39 @@ class HybridExecutor:
         if sparse is not None:  # the native decoder's layers, as NativeExecutor.set_sparse
             sparse.set_flags(dense, oracle)
         for shard in self.ffns:
-            if shard is not None and dense is not None and hasattr(shard, "force_dense"):
-                shard.force_dense = dense
-            if shard is not None and oracle is not None and hasattr(shard, "oracle"):
-                shard.oracle = oracle
+            if isinstance(shard, SparseFFNShard):
+                shard.set_mode(dense, oracle)
 
     @property
     def pids(self) -> list[int]:
         """The GPU worker's process, when it runs in one."""
-        return list(getattr(self.gpu, "pids", []))
+        return list(self.gpu.pids)
+
+    def describe(self) -> Description:
+        cfg, pl, pids = self.cfg, self.placement, self.pids
+        hot = sum(len(h) for h in pl.hot)
+        none = isinstance(self.gpu, NoGpu)
+        worker = " not started: the budget holds no part of any layer" if none else f" (pid {pids[0]})" if pids else " (in process)"
+        native = (self.native.only if self.native is not None else None) or ()
+        where = f"; {len(native)} layers with no GPU part: the native decoder, this process" if native else ""
+        placement = (f"placement  GPU worker{worker}, {pl.mode} split: attention of {sum(pl.gpu_layers)}/{cfg.n_layers} layers, "
+                     f"{hot}/{cfg.n_ff * cfg.n_layers} FFN neurons hot ({100 * pl.mass_on_gpu:.0f}% of the activation mass), "
+                     f"{mib(pl.used)} of a {mib(pl.budget)} budget",
+                     f"           cold neurons and the other layers' attention: this process{where}; coordinator: embeddings, norms, head, "
+                     "sampling")
+        return Description(kind="a GPU worker and shards in this process", pids=tuple(pids), placement=placement,
+                           figures=self.stats.figures(hot / (cfg.n_ff * cfg.n_layers), pl.mass_on_gpu))
+
+    def reset_stats(self) -> None:
+        self.stats.reset()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if the GPU worker process is gone or silent (between requests)."""
-        check = getattr(self.gpu, "check_health", None)
-        if check is not None:
-            check()
+        self.gpu.check_health()
 
     def restart(self) -> None:
         """A fresh GPU worker after a failure (its KV caches start empty, as the engine's slots do)."""
-        restarted = getattr(self.gpu, "restarted", None)
-        if restarted is not None:
-            self.gpu = restarted()
+        self.gpu = self.gpu.restarted()
 
     def close(self) -> None:
         self.gpu.close()

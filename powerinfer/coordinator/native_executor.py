@@ -18,6 +18,9 @@ from typing import Sequence
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.coordinator.embedding import Embedding
+from powerinfer.coordinator.executor import Batch, Description, Want
+from powerinfer.coordinator.logits import REFINE, REFINE_MARGIN, answer
 from powerinfer.cpu_workers.kv_file import Holder, KvGeometry, load_caches, save_caches
 from powerinfer.cpu_workers.native_model import NativeDecoder
 from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
@@ -27,7 +30,7 @@ from powerinfer.predictors.predictor_file import PredictorFile
 
 
 class NativeExecutor:
-    """Whole forward passes in native code (see :meth:`forward`); ``logits`` runs the head."""
+    """Whole forward passes in native code (see :meth:`execute`)."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_threads: int, n_slots: int = 1,
                  max_tokens: int = 512, predictor: PredictorFile | None = None) -> None:
@@ -35,7 +38,35 @@ class NativeExecutor:
         self.n_threads = n_threads
         self.sparse = NativeSparseFFNs(lib, f, cfg, predictor) if predictor is not None else None
         self.decoder = NativeDecoder(lib, f, cfg, n_ctx, n_slots, n_threads, max_tokens, sparse=self.sparse)
+        self.embedding = Embedding(f, cfg, self.decoder.embed)  # rows dequantized natively
+        self.vocab = cfg.vocab_size
         self._tokens = 0  # tokens through the layers since the sparse counters were reset
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """A decode step or a last chunk that fits: embedding, every layer and the refined logits in
+        one native call (no arrays built here: after a pass over the weights each is a cache miss);
+        else the final hidden states, then the head by the shared rule (coordinator/logits.py)."""
+        want = batch.want
+        if (want is Want.LAST or want is Want.EACH) and len(batch) <= self.max_tokens:
+            return self.native_step(batch.ids, batch.positions, batch.slots, want is Want.EACH, REFINE_MARGIN, REFINE)
+        ids, positions, slots = batch.arrays()
+        hidden = self.forward(self.embedding(ids, positions), positions, slots)
+        return answer(want, hidden, self.vocab, self.decoder.logits, self.decoder.refine, self.decoder.decode_logits)
+
+    def describe(self) -> Description:
+        return Description(kind="the native decoder in this process", placement=("placement  everything in this process (in-process executor)",),
+                           figures=("per-layer figures: in-process executor (no IPC); see `powerinfer bench` for speed",),
+                           computed_share=self.decode_share() if self.sparse is not None else None, steps_match_decode=True,
+                           kv_layout=self.kv_layout)
+
+    def reset_stats(self) -> None:
+        self.reset_sparse_counts()
+
+    def check_health(self) -> None:
+        """No worker processes."""
+
+    def restart(self) -> None:
+        """No worker processes."""
 
     def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
         """Sparse FFNs: every neuron (dense=True), the true active set (oracle=True), or the file's rule."""
@@ -86,14 +117,6 @@ class NativeExecutor:
         self._tokens += x.shape[0]
         return self.decoder.forward(x, positions, slots)
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        """x [T, d] f32 final-normed -> logits [T, vocab] f32."""
-        return self.decoder.logits(x)
-
-    def decode_logits(self, x: np.ndarray, margin: float, k: int) -> np.ndarray:
-        """x [T, d] -> logits [T, vocab] f32 with each row's best candidates refined in float32."""
-        return self.decoder.decode_logits(x, margin, k)
-
     def native_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
         """Embedding, every layer and the decode logits (last row, or each row) in one call."""
         self._tokens += len(ids)
@@ -102,14 +125,6 @@ class NativeExecutor:
     @property
     def max_tokens(self) -> int:
         return self.decoder.max_t
-
-    def embed(self, ids: np.ndarray) -> np.ndarray:
-        """Token ids [T] -> embedding rows [T, d] f32 (unscaled), dequantized natively."""
-        return self.decoder.embed(ids)
-
-    def refine(self, logits: np.ndarray, hidden: np.ndarray, idx: np.ndarray) -> None:
-        """Recompute logits [T, V] at idx [T, R] in float32 from hidden [T, d] (in place)."""
-        self.decoder.refine(logits, hidden, idx)
 
     def close(self) -> None:
         self.decoder.k_cache.clear()

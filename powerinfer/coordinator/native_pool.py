@@ -23,14 +23,17 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.coordinator.executor import Batch, Description, Want
 from powerinfer.coordinator.gpu_rank import GpuRankSpec
+from powerinfer.coordinator.logits import REFINE, REFINE_MARGIN, answer
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
+from powerinfer.coordinator.stats import PoolStats, layer_runs_text, mib
 from powerinfer.cpu_workers.native_model import weight
 from powerinfer.cpu_workers.shm_segment import comm_error, create_segment, merge_latencies_ns
 from powerinfer.cpu_workers.topology import Placement
@@ -45,59 +48,6 @@ log = logging.getLogger(__name__)
 
 WAIT_SLICE_MS = 50  # the coordinator checks the ranks' health this often while a step runs
 STEP = "running a step"  # the phase a rank that fails inside a step is said to have failed in
-
-
-@dataclass
-class PoolStats:
-    """Accumulated over calls: wall time of each call, the ranks' time in native code and, of it,
-    waiting in merges (summed over ranks, and per rank), and the merges themselves."""
-
-    calls: int = 0
-    round_trip_us: float = 0.0
-    compute_us: float = 0.0  # summed over ranks
-    wait_us: float = 0.0  # summed over ranks
-    syncs: int = 0  # per rank
-    rank_compute_us: list[float] = field(default_factory=list)
-    rank_wait_us: list[float] = field(default_factory=list)
-    slowest_us: float = 0.0  # per call, the rank longest in native code: the rest of the wall time is outside it
-    gpu_us: float = 0.0  # per call, the longest a CPU rank waited for the GPU rank's answers (runs of layers, attention, hot neurons)
-
-    def reset(self) -> None:
-        self.calls, self.round_trip_us, self.compute_us, self.wait_us, self.syncs = 0, 0.0, 0.0, 0.0, 0
-        self.rank_compute_us, self.rank_wait_us, self.slowest_us, self.gpu_us = [], [], 0.0, 0.0
-
-    @property
-    def wait_share(self) -> float:
-        """Share of the ranks' native time spent waiting for peers in the merges."""
-        return self.wait_us / self.compute_us if self.compute_us else 0.0
-
-    @property
-    def rank_wait_shares(self) -> list[float]:
-        """Per rank: its share of native time spent waiting. One rank always waiting for another is
-        an imbalance of work; all ranks waiting a little is jitter."""
-        return [w / c if c else 0.0 for w, c in zip(self.rank_wait_us, self.rank_compute_us)]
-
-    @property
-    def outside_share(self) -> float:
-        """Share of the calls' wall time outside the slowest rank's native code: the doorbell's round
-        trip, the coordinator's own work, the ranks' return to and from the step loop."""
-        return 1.0 - self.slowest_us / self.round_trip_us if self.round_trip_us else 0.0
-
-    def add(self, wall_us: float, compute_us: Sequence[float], wait_us: Sequence[float], syncs: int, gpu_us: float = 0.0) -> None:
-        """One call: its wall time, and per rank the time in native code and of it in merges; the
-        longest wait for the GPU rank."""
-        if len(self.rank_compute_us) != len(compute_us):
-            self.rank_compute_us, self.rank_wait_us = [0.0] * len(compute_us), [0.0] * len(compute_us)
-        self.calls += 1
-        self.round_trip_us += wall_us
-        self.compute_us += sum(compute_us)
-        self.wait_us += sum(wait_us)
-        self.syncs += syncs
-        self.slowest_us += max(compute_us, default=0.0)
-        self.gpu_us += gpu_us
-        for i, (c, w) in enumerate(zip(compute_us, wait_us)):
-            self.rank_compute_us[i] += c
-            self.rank_wait_us[i] += w
 
 
 class NativePoolExecutor:
@@ -149,7 +99,44 @@ class NativePoolExecutor:
         self.pool.after_send = lambda: self.lib.pi_door_control(seg.base)
         self._gen = 0
 
-    # -- the Executor surface the engine uses --------------------------------------------------
+    # -- the Executor interface ----------------------------------------------------------------
+
+    def execute(self, batch: Batch) -> np.ndarray:
+        """One step through the doorbell: logits refined here from the segment (a decode step, the
+        last chunk of a prompt), or the final hidden states and the head as a second call."""
+        want = batch.want
+        if (want is Want.LAST or want is Want.EACH) and len(batch) <= self.max_tokens:
+            return self.native_step(batch.ids, batch.positions, batch.slots, want is Want.EACH, REFINE_MARGIN, REFINE)
+        hidden = self.forward_ids(batch.ids, batch.positions, batch.slots)
+        return answer(want, hidden, self.cfg.vocab_size, self.logits, self.refine, self.decode_logits)
+
+    def describe(self) -> Description:
+        cfg, pids = self.cfg, self.pids
+        where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in self._config.placements) or "not pinned"
+        lines = [f"placement  {len(self.ranks)} CPU worker processes ({where}), each a native rank of every layer, merging in shared "
+                 "memory; coordinator: steps, refinement of the best logits, sampling",
+                 "shards     " + ", ".join(f"w{i}: q heads {r.q0}-{r.q1 - 1}, neurons {r.n0}-{r.n1 - 1}, rows {r.d0}-{r.d1 - 1}"
+                                          for i, r in enumerate(self.ranks))]
+        spec = self.gpu_spec
+        if spec is not None:  # the GPU worker is one more rank (coordinator/gpu_rank.py)
+            on, split = spec.layers, spec.split_layers
+            hot = sum(len(spec.setup.plan.hot[i]) for i in split)
+            parts = [f"{len(on)}/{cfg.n_layers} whole layers ({layer_runs_text(on)}) handed over as the residual stream"] if on else []
+            if split:
+                parts.append(f"in {len(split)} layers ({layer_runs_text(split)}) the attention of {len(spec.attn_layers)} and {hot} hot "
+                             "neurons, the cold ones on the CPU ranks")
+            lines.append(f"placement  GPU worker (pid {pids[-1]}) as a rank of the pool: {'; '.join(parts)}; "
+                         f"{mib(self.gpu_bytes)} of a {mib(spec.setup.budget)} budget")
+        merge = merge_latencies_ns(self._seg) if self.seg is not None else np.zeros(0)
+        return Description(kind="native worker ranks" + (" and a GPU rank" if spec is not None else ""), pids=tuple(pids),
+                           placement=tuple(lines), figures=self.stats.figures(len(self.ranks), merge), numbers=self.stats.numbers(merge),
+                           steps_match_decode=True, kv_layout=self.kv_layout)
+
+    def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
+        """The ranks' sparse rule is fixed when they load: only the file's rule is available."""
+        if dense or oracle:
+            raise InvalidArgumentError("the worker ranks compute their predictor's rule, fixed at load; "
+                                       "dense or oracle FFNs need --executor inprocess")
 
     @property
     def weight_bytes(self) -> int:

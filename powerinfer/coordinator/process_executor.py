@@ -2,7 +2,7 @@
 
 Runs in: the coordinator process.
 
-Same interface as :class:`powerinfer.coordinator.executor.InProcessExecutor` (the test oracle):
+A layer-by-layer executor (coordinator/layerwise.py) like the in-process one, the test oracle:
 ``attention`` and ``ffn`` send the layer's normed activations to every worker that holds a shard
 of it and return the sum of their partial outputs, added in worker order like the oracle does.
 Per-layer timings (round trip vs the workers' own compute time) feed the benchmark.
@@ -12,51 +12,32 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from powerinfer.config import ModelConfig
+from powerinfer.coordinator.executor import Description
+from powerinfer.coordinator.layerwise import LayerwiseExecutor
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
+from powerinfer.coordinator.stats import ExecutorStats, LayerTimings
 from powerinfer.cpu_workers.topology import plan_placement, read_topology
-from powerinfer.model.sharding import plan_shards
+from powerinfer.gguf_file import GGUFFile
+from powerinfer.model.sharding import ShardPlan, plan_shards
 from powerinfer.protocol import AttnMsg, FfnMsg, LogitsMsg, Message, PartialMsg
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class LayerTimings:
-    """Accumulated microseconds: wall time of each round trip, and the slowest worker's compute."""
-
-    calls: int = 0
-    round_trip_us: float = 0.0
-    compute_us: float = 0.0
-
-    @property
-    def ipc_us(self) -> float:
-        return max(0.0, self.round_trip_us - self.compute_us)
-
-
-@dataclass
-class ExecutorStats:
-    attention: LayerTimings = field(default_factory=LayerTimings)
-    ffn: LayerTimings = field(default_factory=LayerTimings)
-    head: LayerTimings = field(default_factory=LayerTimings)
-
-    def reset(self) -> None:
-        self.attention, self.ffn, self.head = LayerTimings(), LayerTimings(), LayerTimings()
-
-
-class ProcessExecutor:
-    def __init__(self, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
+class ProcessExecutor(LayerwiseExecutor):
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
                  pin: bool = True, log_level: str = "WARNING", predictor: str = "", n_slots: int = 1) -> None:
-        self.plan = plan_shards(cfg, n_workers)
+        """f: the model's file, opened here for the embeddings and norms (the workers open it again by its path)."""
+        super().__init__(f, cfg)
+        self.plan: ShardPlan = plan_shards(cfg, n_workers)
         self.attn_workers = [i for i, h in enumerate(self.plan.heads) if h is not None]
         self.ffn_workers = [i for i, n in enumerate(self.plan.neurons) if len(n)]
         self.head_workers = [i for i, (a, b) in enumerate(self.plan.vocab) if b > a]
         self.placements = tuple(plan_placement(read_topology(), n_workers, threads_per_worker)) if pin else ()
-        self.pool = WorkerPool(PoolConfig(model, n_workers, n_ctx, threads_per_worker, self.placements, log_level, predictor, n_slots))
+        self.pool = WorkerPool(PoolConfig(str(f.path), n_workers, n_ctx, threads_per_worker, self.placements, log_level, predictor, n_slots))
         self.stats = ExecutorStats()
         self.step = 0
         self.n_layers = cfg.n_layers
@@ -102,10 +83,22 @@ class ProcessExecutor:
         residual is refused by the workers at load)."""
         return self._summed(self._call(self.ffn_workers, FfnMsg, layer, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.ffn))
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
+    def head_logits(self, x: np.ndarray) -> np.ndarray:
         """x [T, d] final-normed -> logits [T, vocab]: each worker's vocabulary rows, concatenated."""
         parts = self._call(self.head_workers, LogitsMsg, self.n_layers, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.head)
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+    def describe(self) -> Description:
+        pids = self.pids
+        where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in self.placements) or "not pinned"
+        heads = ", ".join(f"w{i}: kv {h.kv_start}-{h.kv_stop - 1}" if h else f"w{i}: -" for i, h in enumerate(self.plan.heads))
+        return Description(kind="torch shards in worker processes over ZeroMQ", pids=tuple(pids),
+                           placement=(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling",
+                                      f"shards     attention {heads}; FFN and output head split evenly"),
+                           figures=self.stats.figures(), numbers=self.stats.numbers())
+
+    def reset_stats(self) -> None:
+        self.stats.reset()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a worker exited or missed its heartbeats (between requests)."""

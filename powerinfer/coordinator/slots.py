@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from powerinfer.coordinator.engine import Engine
+from powerinfer.coordinator.executor import no_kv
 from powerinfer.cpu_workers.kv_file import KvGeometry, read_header, write_header
 from powerinfer.errors import InvalidArgumentError
 
@@ -32,18 +33,18 @@ def identity(engine: Engine) -> dict[str, Any]:
             "vocab": cfg.vocab_size}
 
 
-def _mover(engine: Engine, name: str) -> Any:
-    fn = getattr(engine.executor, name, None)
-    if fn is None:
-        raise InvalidArgumentError("slot save and restore need the native executors (the default) or --executor inprocess; "
-                                   "this executor keeps its KV cache where they cannot reach it")
-    return fn
+def _layout(engine: Engine) -> str:
+    """The executor's KV layout; the executor's own refusal where it cannot reach its cache."""
+    layout = engine.executor.describe().kv_layout
+    if layout is None:
+        no_kv("this executor")
+    return layout
 
 
 def save_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
     """slot's cached tokens and their KV cache -> path (written aside and renamed: an old file of
     that name is replaced only by a whole new one) -> (tokens, bytes written)."""
-    save = _mover(engine, "save_kv")
+    layout = _layout(engine)
     tokens = list(engine.slot_tokens[slot]) if 0 <= slot < engine.n_slots else None
     if tokens is None:
         raise InvalidArgumentError(f"slot {slot} out of range (0..{engine.n_slots - 1})")
@@ -51,8 +52,8 @@ def save_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
         raise InvalidArgumentError(f"slot {slot} holds no tokens to save")
     tmp = f"{path}.{os.getpid()}.part"
     try:
-        off = write_header(tmp, identity(engine), geometry(engine), engine.executor.kv_layout, tokens)  # type: ignore[attr-defined]
-        save(slot, len(tokens), tmp, off)
+        off = write_header(tmp, identity(engine), geometry(engine), layout, tokens)
+        engine.executor.save_kv(slot, len(tokens), tmp, off)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -63,7 +64,7 @@ def save_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
 
 def restore_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
     """path -> slot's cache (what the slot held before is forgotten) -> (tokens, bytes read)."""
-    load = _mover(engine, "load_kv")
+    layout = _layout(engine)
     if not 0 <= slot < engine.n_slots:
         raise InvalidArgumentError(f"slot {slot} out of range (0..{engine.n_slots - 1})")
     head, off = read_header(path)
@@ -71,7 +72,7 @@ def restore_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
     if head["model"] != identity(engine):
         raise InvalidArgumentError(f"{name} was saved from another model ({head['model'].get('name')!r}, "
                                    f"{head['model'].get('file_bytes')} bytes); this server runs {engine.cfg.name!r}")
-    layout, geo = engine.executor.kv_layout, geometry(engine)  # type: ignore[attr-defined]
+    geo = geometry(engine)
     if head["layout"] != layout or head["geometry"] != geo.__dict__:
         raise InvalidArgumentError(f"{name} holds a {head['layout']} KV cache; this executor keeps a {layout} one")
     tokens: list[int] = head["tokens"]
@@ -80,6 +81,6 @@ def restore_slot(engine: Engine, slot: int, path: str) -> tuple[int, int]:
     if any(not 0 <= t < engine.cfg.vocab_size for t in tokens):
         raise InvalidArgumentError(f"{name} holds token ids outside the vocabulary")
     engine.rewind(0, slot)  # a restore that fails part way leaves an empty slot, never a half-restored one
-    load(slot, len(tokens), path, off)
+    engine.executor.load_kv(slot, len(tokens), path, off)
     engine.slot_tokens[slot].extend(tokens)
     return len(tokens), geo.n_layers * geo.layer_bytes(len(tokens))

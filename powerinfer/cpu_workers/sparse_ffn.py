@@ -277,6 +277,13 @@ class SparseFFNShard:
             raise ValueError("this shard's predictor reads the residual stream: forward needs resid")
         return resid
 
+    def set_mode(self, dense: bool | None, oracle: bool | None) -> None:
+        """Every neuron (dense), the true active set (oracle) or the rule; None leaves a flag as it is."""
+        if dense is not None:
+            self.force_dense = dense
+        if oracle is not None:
+            self.oracle = oracle
+
     def active_mask(self, x: torch.Tensor, g: torch.Tensor | None, h: torch.Tensor | None) -> torch.Tensor:
         """bool [T, n]: the neurons to compute (x: the predictor's input; g, h: act(gate) and the hidden state)."""
         if self.oracle and h is not None:

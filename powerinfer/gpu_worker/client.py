@@ -111,6 +111,20 @@ class GpuHandle(Protocol):
     def attention_begin(self, layer: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending: ...
     def ffn_begin(self, layer: int, x: np.ndarray) -> Pending: ...
     def layers_begin(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending: ...
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker's process, when it runs in one."""
+        ...
+
+    def check_health(self, what: str = "idle") -> None:
+        """Raise WorkerDiedError if the worker's process is gone or silent (no-op in process)."""
+        ...
+
+    def restarted(self) -> "GpuHandle":
+        """A fresh worker after a failure (its KV caches empty); the same one when it has no process."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -139,6 +153,16 @@ class LocalGpuWorker:
     def layers_begin(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray | None) -> Pending:
         return _Done(self.model.layers(first, stop, x, positions, slots))
 
+    @property
+    def pids(self) -> list[int]:
+        return []
+
+    def check_health(self, what: str = "idle") -> None:
+        """In this process: nothing to lose."""
+
+    def restarted(self) -> "LocalGpuWorker":
+        return self
+
     def close(self) -> None:
         self.model.close()
 
@@ -154,6 +178,12 @@ class NoGpu:
         raise RuntimeError("nothing of this model lives on the GPU: the budget holds no layer")
 
     attention_begin = ffn_begin = layers_begin = _refuse
+
+    def check_health(self, what: str = "idle") -> None:
+        """No worker."""
+
+    def restarted(self) -> "NoGpu":
+        return self
 
     def close(self) -> None:
         pass

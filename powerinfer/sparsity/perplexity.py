@@ -20,7 +20,7 @@ import numpy as np
 
 from powerinfer.config import config_from_gguf
 from powerinfer.coordinator.engine import Engine
-from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.predictors.predictor_file import PredictorFile

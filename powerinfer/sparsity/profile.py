@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from powerinfer.coordinator.engine import Engine
-from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.inprocess import InProcessExecutor
 
 log = logging.getLogger(__name__)
 

@@ -124,11 +124,12 @@ def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: in
     sparse FFNs' reads counted by the in-process decoder's rule over gen_tokens greedy steps after
     ids; and the share of FFN neurons those steps computed."""
     from powerinfer.api import LLM
+    from powerinfer.coordinator.native_executor import NativeExecutor
     from powerinfer.model.weights import decode_weight_bytes
 
     with LLM(model, predictor=predictor, executor="inprocess", n_ctx=len(ids) + gen_tokens + 8, n_threads=threads) as llm:
         ex = llm.engine.executor
-        if not hasattr(ex, "sparse_bytes"):
+        if not isinstance(ex, NativeExecutor):
             raise InvalidArgumentError("counting sparse reads needs the native decoder")
         eng = llm.engine
         token = int(np.argmax(eng.eval(ids)[-1]))
@@ -246,7 +247,7 @@ def process_memory_mib(llm: Any) -> tuple[float, float]:
 
     import psutil
 
-    pids = [os.getpid(), *getattr(llm.engine.executor, "pids", [])]
+    pids = [os.getpid(), *llm.engine.executor.describe().pids]
     rss = pss = 0.0
     for pid in pids:
         try:
@@ -259,5 +260,5 @@ def process_memory_mib(llm: Any) -> tuple[float, float]:
 
 def _share(llm: Any) -> float:
     """Share of FFN neurons computed per decode step so far (1.0 when the executor cannot say)."""
-    share = getattr(llm.engine.executor, "decode_share", None)
-    return float(share()) if callable(share) else 1.0
+    share = llm.engine.executor.describe().computed_share
+    return 1.0 if share is None else float(share)

@@ -109,7 +109,7 @@ def test_the_gpu_worker_runs_opt(trained: Path, split: str, mode: str | None) ->
     layer, run per layer since its LayerNorm runs on the host)."""
     from powerinfer.config import config_from_gguf
     from powerinfer.coordinator.engine import Engine
-    from powerinfer.coordinator.executor import InProcessExecutor
+    from powerinfer.coordinator.inprocess import InProcessExecutor
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
     from powerinfer.coordinator.placement import layer_costs
     from powerinfer.gguf_file import GGUFFile

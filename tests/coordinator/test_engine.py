@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.config import config_from_gguf
 from powerinfer.coordinator.engine import Engine
-from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.reference import logits as reference_logits

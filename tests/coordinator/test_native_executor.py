@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.api import LLM
-from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
 from powerinfer.cpu_workers import native_lib
 from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib

@@ -15,7 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.coordinator.engine import Engine
-from powerinfer.coordinator.executor import InProcessExecutor
+from powerinfer.coordinator.executor import Batch, Want
+from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
 from powerinfer.gpu_worker.client import NoGpu
 from powerinfer.gpu_worker.errors import GIB, GpuMemoryError
@@ -216,9 +217,9 @@ def test_cpu_only_layers_run_in_the_native_decoder(make_model: Callable[..., Pat
         assert ex.layer_runs == ((0, cfg.n_layers),) and ex.native is not None
         assert isinstance(ex.gpu, NoGpu) and ex.pids == []  # nothing on the GPU: no worker
         ids, pos, slots = np.array(IDS), np.arange(len(IDS)), np.zeros(len(IDS), np.int64)
-        ours = Engine(f, cfg, ex, CTX, 8)._forward(ids, pos, slots)  # final hidden states [T, d]
+        ours = ex.execute(Batch(ids, pos, slots, Want.HIDDEN))  # final hidden states [T, d]
         oracle = NativeExecutor(lib, f, cfg, CTX, 1, max_tokens=8, predictor=pf)
-        want = Engine(f, cfg, oracle, CTX, 8)._forward(ids, pos, slots)
+        want = oracle.execute(Batch(ids, pos, slots, Want.HIDDEN))
         assert rel(ours, want) < 1e-5  # the same layers; only the final norm moved (numpy here, C there)
         assert ex.stats.native_layer_calls == cfg.n_layers and ex.stats.ffn_calls == 0
         if pf is not None:  # the same per-layer sparse decisions as the in-process decoder's
