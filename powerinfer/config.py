@@ -34,7 +34,7 @@ RopeStyle = Literal["norm", "neox"]
 # (Bamboo, TurboSparse: relu(gate) * relu(up)).
 Activation = Literal["silu", "gelu_tanh", "relu", "fatrelu", "drelu"]
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "relu", "fatrelu", "drelu")
-# Their codes in the C kernels (cpu_workers/kernels/act.h) and the CUDA kernels (ffn_ops.cu):
+# Their codes in the C kernels (native/kernels/act.h) and the CUDA kernels (ffn_ops.cu):
 # FATReLU is ReLU with a threshold (ReLU's is 0).
 ACT_CODES: dict[str, int] = {"silu": 0, "gelu_tanh": 1, "relu": 2, "fatrelu": 2, "drelu": 3}
 # Our metadata keys for a file's activation (docs/powerinfer-models.md): a string of ACTIVATIONS and

@@ -96,3 +96,26 @@ def test_no_import_cycle_between_files_of_one_folder() -> None:
                     seen.add(nxt)
                     todo.append((nxt, (*path, nxt)))
     assert not rings, "files of one folder import each other: " + "; ".join(" -> ".join((*r, r[0])) for r in rings[:10])
+
+
+def test_no_executor_is_probed_outside_the_factory() -> None:
+    """The engine, the API and the tools call the Executor interface (coordinator/executor.py); only
+    the factory decides what an executor can be. A getattr/hasattr on an executor, or on an
+    executor's GPU handle, anywhere else is a probe the interface should have answered."""
+    import re
+
+    probe = re.compile(r"\b(getattr|hasattr)\(\s*[\w.]*(executor|\bex|\.gpu)\b")
+    found = [f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}" for p in sorted(PACKAGE.rglob("*.py")) if p.name != "factory.py"
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if probe.search(line)]
+    assert not found, "\n".join(found)
+
+
+def test_mypy_strict_on_the_coordinator_and_the_native_package(tmp_path: Path) -> None:
+    """The Executor protocol and every executor type-check with mypy --strict, and so does the
+    native package (C bindings whose ctypes signatures are easy to get wrong)."""
+    import sys
+
+    pytest.importorskip("mypy", reason="mypy is a test dependency (pyproject's [test] extra)")
+    run = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir", str(tmp_path / "cache"),
+                          str(PACKAGE / "coordinator"), str(PACKAGE / "native")], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

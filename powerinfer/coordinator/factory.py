@@ -113,8 +113,12 @@ def _hybrid(m: Model, o: ExecutorOptions) -> Executor:
         import torch
 
         torch.set_num_threads(o.n_threads)
-    return build_hybrid_executor(m.path, m.file, m.config, o.n_ctx, o.gpu, predictor=m.predictor, predictor_path=m.predictor_path,
+    return build_hybrid_executor(m.path, m.file, m.config, o.n_ctx, o.gpu, predictor=m.predictor, predictor_path=_path(m),
                                  sparse=m.sparse, n_slots=o.n_slots, progress=o.progress, log_level=_log_level())
+
+
+def _path(m: Model) -> Path | None:
+    return None if m.predictor_path is None else Path(m.predictor_path)
 
 
 def _log_level() -> str:
@@ -133,10 +137,10 @@ def _worker_processes(m: Model, o: ExecutorOptions) -> Executor:
         if why is None:
             from powerinfer.coordinator.gpu_rank import gpu_rank_spec
             from powerinfer.coordinator.native_pool import NativePoolExecutor
-            from powerinfer.cpu_workers.native_lib import decoder_lib
+            from powerinfer.native.decoder_lib import decoder_lib
 
             rank = None if o.gpu is None else gpu_rank_spec(m.path, m.file, m.config, o.n_ctx, o.gpu, predictor=m.predictor,
-                                                             predictor_path=m.predictor_path, sparse=sparse, n_slots=o.n_slots,
+                                                             predictor_path=_path(m), sparse=sparse, n_slots=o.n_slots,
                                                              log_level=_log_level())
             placements = tuple(plan_placement(read_topology(), n_workers, o.worker_threads)) if o.pin else ()
             lib = decoder_lib()
@@ -167,8 +171,8 @@ def _native_lib(m: Model, native: bool | None, applies: bool) -> ctypes.CDLL | N
         if native:
             raise InvalidArgumentError("the native decoder runs models in one shard: n_shards=1")
         return None
-    from powerinfer.cpu_workers.native_lib import decoder_lib
-    from powerinfer.cpu_workers.native_model import supports
+    from powerinfer.native.decoder_lib import decoder_lib
+    from powerinfer.native.decoder import supports
 
     lib = decoder_lib()
     if lib is None:  # decoder_lib has said why when a build failed; POWERINFER_NATIVE=0 is said here

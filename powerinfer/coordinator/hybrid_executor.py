@@ -50,7 +50,7 @@ from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.predictors.predictor_types import refuse_residual_input
 
 if TYPE_CHECKING:
-    from powerinfer.cpu_workers.native_model import NativeDecoder
+    from powerinfer.native.decoder import NativeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class HybridExecutor(LayerwiseExecutor):
         self.ffns: list[FFNShard | SparseFFNShard | None] = []
         layers = range(cfg.n_layers)
         if progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]
 
             layers = tqdm(layers, desc="loading CPU layers", unit="layer", leave=False)
         heads = HeadRange(0, cfg.n_kv_heads, cfg.gqa_group)
@@ -248,9 +248,9 @@ def _native_layers(f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, pred
     this model (no C compiler, POWERINFER_NATIVE=0, a weight type it has no kernel for)."""
     import torch
 
-    from powerinfer.cpu_workers.native_lib import decoder_lib
-    from powerinfer.cpu_workers.native_model import NativeDecoder, supports
-    from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
+    from powerinfer.native.decoder_lib import decoder_lib
+    from powerinfer.native.decoder import NativeDecoder, supports
+    from powerinfer.native.sparse_layers import NativeSparseFFNs
 
     lib = decoder_lib()
     why = "the native decoder is unavailable" if lib is None else supports(f, cfg)

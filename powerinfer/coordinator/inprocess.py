@@ -48,7 +48,7 @@ class InProcessExecutor(LayerwiseExecutor):
         t0 = time.perf_counter()
         layers = range(cfg.n_layers)
         if progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]
 
             layers = tqdm(layers, desc="loading layers", unit="layer", leave=False)
         for layer in layers:

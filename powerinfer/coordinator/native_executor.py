@@ -5,7 +5,7 @@ Runs in: the coordinator process (the in-process executor's fast path; numpy and
 Where the in-process executor makes ~40 torch calls per layer and the engine adds norms and
 residuals between them in numpy, this one hands the whole step (embeddings in, final-normed
 hidden state out) to kernels/decoder.c, and the output head to the same dot products. With a
-predictor file its FFNs run sparsely inside the same call (cpu_workers/native_sparse.py). It has
+predictor file its FFNs run sparsely inside the same call (native/sparse_layers.py). It has
 no shards: several shards and the GPU stay on the torch executors, which remain the oracle the
 tests hold this one to.
 """
@@ -13,17 +13,16 @@ tests hold this one to.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
 
 import numpy as np
 
 from powerinfer.config import ModelConfig
 from powerinfer.coordinator.embedding import Embedding
-from powerinfer.coordinator.executor import Batch, Description, Want
+from powerinfer.coordinator.executor import Batch, Description, Ints, Want
 from powerinfer.coordinator.logits import REFINE, REFINE_MARGIN, answer
 from powerinfer.cpu_workers.kv_file import Holder, KvGeometry, load_caches, save_caches
-from powerinfer.cpu_workers.native_model import NativeDecoder
-from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
+from powerinfer.native.decoder import NativeDecoder
+from powerinfer.native.sparse_layers import NativeSparseFFNs
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
 from powerinfer.predictors.predictor_file import PredictorFile
@@ -117,7 +116,7 @@ class NativeExecutor:
         self._tokens += x.shape[0]
         return self.decoder.forward(x, positions, slots)
 
-    def native_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
+    def native_step(self, ids: Ints, positions: Ints, slots: Ints, each: bool, margin: float, k: int) -> np.ndarray:
         """Embedding, every layer and the decode logits (last row, or each row) in one call."""
         self._tokens += len(ids)
         return self.decoder.step(ids, positions, slots, each, margin, k)

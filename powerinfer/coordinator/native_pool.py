@@ -7,7 +7,7 @@ neurons, rows of the output and down projections and of the head) in the native 
 holds a replica of the residual stream; the ranks gather each other's slices through the
 shared-memory all-gather (native/kernels/comm.h) four times per layer, so every number equals the
 in-process decoder's bit for bit. A forward pass is one ring of the segment's doorbell
-(cpu_workers/shm_segment.py; a STEP message over ZeroMQ with step_channel "zmq"), answered by
+(native/comm.py; a STEP message over ZeroMQ with step_channel "zmq"), answered by
 every rank in the segment, where the outputs are too: rank 0's final hidden states and every
 rank's columns of the 8-bit logits. The coordinator then refines each row's
 best candidates in float32 from the file's head rows, the same rule and code as the in-process
@@ -29,13 +29,13 @@ from typing import Callable, Sequence
 import numpy as np
 
 from powerinfer.config import ModelConfig
-from powerinfer.coordinator.executor import Batch, Description, Want
+from powerinfer.coordinator.executor import Batch, Description, Ints, Want
 from powerinfer.coordinator.gpu_rank import GpuRankSpec
 from powerinfer.coordinator.logits import REFINE, REFINE_MARGIN, answer
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
 from powerinfer.coordinator.stats import PoolStats, layer_runs_text, mib
-from powerinfer.cpu_workers.native_model import weight
-from powerinfer.cpu_workers.shm_segment import comm_error, create_segment, merge_latencies_ns
+from powerinfer.native.decoder import weight
+from powerinfer.native.comm import comm_error, create_segment, merge_latencies_ns
 from powerinfer.cpu_workers.topology import Placement
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
@@ -156,7 +156,7 @@ class NativePoolExecutor:
     def logit_rows(self) -> int:
         return self._seg.layout.logit_rows
 
-    def native_step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
+    def native_step(self, ids: Ints, positions: Ints, slots: Ints, each: bool, margin: float, k: int) -> np.ndarray:
         """One forward pass of T tokens -> decode logits of the last row [1, V] or each row [T, V]
         (8-bit head, best candidates refined in float32), like NativeDecoder.step."""
         T = len(ids)
@@ -171,7 +171,7 @@ class NativePoolExecutor:
         self._refine_best(out, np.ascontiguousarray(hidden), margin, k)
         return out
 
-    def forward_ids(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> np.ndarray:
+    def forward_ids(self, ids: Ints, positions: Ints, slots: Ints) -> np.ndarray:
         """Tokens -> final-normed hidden states [T, d] (chunks of max_tokens)."""
         ids_a = np.ascontiguousarray(ids, dtype=np.int64)
         pos_a = np.ascontiguousarray(positions, dtype=np.int64)
@@ -363,8 +363,8 @@ def _name_the_dead(ex: NativePoolExecutor, grace_s: float = 0.5) -> None:
 
 def shm_blocker(f: GGUFFile, cfg: ModelConfig, n_workers: int, sparse: bool = False) -> str | None:
     """None when native ranks can run this model (dense or sparse) on n_workers, else why not."""
-    from powerinfer.cpu_workers.native_lib import decoder_lib
-    from powerinfer.cpu_workers.native_model import supports
+    from powerinfer.native.decoder_lib import decoder_lib
+    from powerinfer.native.decoder import supports
 
     if decoder_lib() is None:
         return "the native decoder is unavailable (POWERINFER_NATIVE=0, or no C compiler)"

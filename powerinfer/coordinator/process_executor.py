@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
+
 import numpy as np
 
 from powerinfer.config import ModelConfig
@@ -50,18 +52,23 @@ class ProcessExecutor(LayerwiseExecutor):
     def pids(self) -> list[int]:
         return self.pool.pids
 
-    def _call(self, workers: list[int], make: "type[AttnMsg] | type[FfnMsg] | type[LogitsMsg]", layer: int,
-              tensors: tuple[np.ndarray, ...], timings: LayerTimings) -> list[np.ndarray]:
-        """One request to each of workers; their result tensors in worker order."""
+    def _call(self, workers: list[int], make: Callable[[int], Message], layer: int, timings: LayerTimings) -> list[np.ndarray]:
+        """One request (made for its request id) to each of workers; their result tensors in worker order."""
         req = self.pool.next_req()
-        msgs: dict[int, Message] = {i: make(req=req, step=self.step, layer=layer, tensors=tensors) for i in workers}
+        msg = make(req)
+        msgs: dict[int, Message] = {i: msg for i in workers}
         t0 = time.perf_counter()
         replies = self.pool.call(msgs, req, f"computing layer {layer}")
         parts = [r for r in replies.values() if isinstance(r, PartialMsg)]
         timings.calls += 1
         timings.round_trip_us += (time.perf_counter() - t0) * 1e6
         timings.compute_us += max(r.compute_us for r in parts)
-        return [replies[i].tensors[0] for i in workers]  # type: ignore[union-attr]
+        out: list[np.ndarray] = []
+        for i in workers:
+            r = replies[i]
+            assert isinstance(r, PartialMsg) and isinstance(r.tensors[0], np.ndarray)  # decoded frames are numpy
+            out.append(r.tensors[0])
+        return out
 
     def _summed(self, parts: list[np.ndarray]) -> np.ndarray:
         out = np.array(parts[0], dtype=np.float32)  # owned copy: the frames are read-only
@@ -75,17 +82,22 @@ class ProcessExecutor(LayerwiseExecutor):
             self.step += 1
         pos = np.ascontiguousarray(positions, dtype=np.int64)
         sl = np.zeros_like(pos) if slots is None else np.ascontiguousarray(slots, dtype=np.int64)
-        tensors = (np.ascontiguousarray(x, dtype=np.float32), pos, sl)
-        return self._summed(self._call(self.attn_workers, AttnMsg, layer, tensors, self.stats.attention))
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        return self._summed(self._call(self.attn_workers, lambda req: AttnMsg(req=req, step=self.step, layer=layer, tensors=(xs, pos, sl)),
+                                       layer, self.stats.attention))
 
     def ffn(self, layer: int, x: np.ndarray, resid: np.ndarray | None = None) -> np.ndarray:
         """x [T, d] normed -> the workers' summed partials (resid unused: a predictor reading the
         residual is refused by the workers at load)."""
-        return self._summed(self._call(self.ffn_workers, FfnMsg, layer, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.ffn))
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        return self._summed(self._call(self.ffn_workers, lambda req: FfnMsg(req=req, step=self.step, layer=layer, tensors=(xs,)), layer,
+                                       self.stats.ffn))
 
     def head_logits(self, x: np.ndarray) -> np.ndarray:
         """x [T, d] final-normed -> logits [T, vocab]: each worker's vocabulary rows, concatenated."""
-        parts = self._call(self.head_workers, LogitsMsg, self.n_layers, (np.ascontiguousarray(x, dtype=np.float32),), self.stats.head)
+        xs = np.ascontiguousarray(x, dtype=np.float32)
+        parts = self._call(self.head_workers, lambda req: LogitsMsg(req=req, step=self.step, layer=self.n_layers, tensors=(xs,)),
+                           self.n_layers, self.stats.head)
         return np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
     def describe(self) -> Description:

@@ -26,10 +26,10 @@ import zmq
 
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.kv_file import KvGeometry, load_caches, save_caches
-from powerinfer.cpu_workers.native_lib import PiRankCtx, decoder_lib
-from powerinfer.cpu_workers.native_model import NativeDecoder, supports
-from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, NativeSparseFFNs
-from powerinfer.cpu_workers.shm_segment import SPIN_US, RankComm, comm_error
+from powerinfer.native.decoder_lib import PiRankCtx, decoder_lib
+from powerinfer.native.decoder import NativeDecoder, supports
+from powerinfer.native.sparse_layers import MAX_SPARSE_SHARE, NativeSparseFFNs
+from powerinfer.native.comm import SPIN_US, RankComm, comm_error
 from powerinfer.errors import UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.native.segment import Segment, SegmentLayout
@@ -94,7 +94,7 @@ class NativeRank:
         # the GPU rank's layers are not built here: the stream is handed over around them (kernels/handoff.h)
         only = frozenset(range(cfg.n_layers)) - gpu if gpu else None
         sparse = None
-        if load.predictor:  # this rank's neurons of every layer, computed sparsely (cpu_workers/native_sparse.py)
+        if load.predictor:  # this rank's neurons of every layer, computed sparsely (native/sparse_layers.py)
             # with a GPU rank every layer applies the predictor's rule, as the GPU's layers do (and the
             # hybrid executor): the "too dense to pay, run dense" cut would make the text depend on
             # where a layer lives

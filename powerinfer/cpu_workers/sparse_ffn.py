@@ -2,7 +2,7 @@
 
 Runs in: a CPU worker process (or the coordinator for the in-process executor).
 
-Where it can, the shard runs the native kernel (:mod:`powerinfer.cpu_workers.native`): gate, up
+Where it can, the shard runs the native kernel (:mod:`powerinfer.native.sparse_kernel`): gate, up
 and down all neuron-major in the file's own codes, each active neuron's bytes read in place, one
 call per layer, for any set of neurons (a set that is not one range of whole down groups is
 covered by whole groups, see :meth:`SparseFFNShard._load_native`). The torch path below is the
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native import NativeFFN, native_lib
-from powerinfer.cpu_workers.neuron_major import supported
+from powerinfer.native.sparse_kernel import NativeFFN, native_lib
+from powerinfer.native.neuron_major import supported
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.linears import load_linear
 from powerinfer.model.ops import activation, ffn_hidden, ffn_up_bias, up_value

@@ -2,7 +2,7 @@
 
 Runs in: the GPU worker process when it serves as a rank of the native pool (gpu_worker/rank.py).
 The CPU workers and the coordinator use the same functions from the decoder library
-(cpu_workers/native_lib.py compiles decoder.c with this directory's headers), so both sides of a
+(native/decoder_lib.py compiles decoder.c with this directory's headers), so both sides of a
 hand-off run one implementation.
 """
 
@@ -13,7 +13,7 @@ import functools
 import logging
 from pathlib import Path
 
-from powerinfer.native.cbuild import load_library
+from powerinfer.native.build import load_library
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Runs in: the coordinator (creates the segment, reads the outputs), every CPU worker of the native
 pool and the GPU worker serving as its rank (each maps it). numpy and mmap only; the formatting
-and the waits are native code (kernels/comm.h, kernels/handoff.h; cpu_workers/shm_segment.py and
+and the waits are native code (kernels/comm.h, kernels/handoff.h; native/comm.py and
 comm_lib.py load them).
 
 One file in /dev/shm (tmpfs), created mode 0600 with O_EXCL by the coordinator and unlinked as
@@ -134,7 +134,8 @@ class Segment:
 
     def close(self) -> None:
         self.unlink()
-        self.hidden = self.logits = self.handoff = self._buf = np.empty(0, dtype=np.float32)
+        self.hidden = self.logits = self.handoff = np.empty((0, 0), dtype=np.float32)
+        self._buf = np.empty(0, dtype=np.uint8)
         self.io = np.empty((3, 0), dtype=np.int64)
         self.lat = np.empty((0, LAT_RING), dtype=np.uint32)
         try:

@@ -5,7 +5,7 @@ Runs in: every process (a foundation: pure data, no numpy work, no torch).
 Every layer reads its facts about a type from here: the numpy decoders (quants/formats.py) which
 types they decode and how wide a float type's elements are; the torch packers
 (quants/from_tensor.py) which codes pack to int4 as they are and which split exactly into two
-int4 halves; the native decoder (cpu_workers/native_lib.py, native_model.py) which types have a
+int4 halves; the native decoder (native/decoder_lib.py, native/decoder.py) which types have a
 dot product, the row length their blocks need and the bytes of an eight-row group; the GPU worker
 (gpu_worker/kernels.py) its kernels' names; the GPU check (tools/gpu_check.py) where a block's
 float16 scales sit. Adding a type is one record here plus its kernels (a numpy decoder, the C

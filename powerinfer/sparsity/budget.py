@@ -45,7 +45,7 @@ import numpy as np
 from powerinfer.config import config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.inprocess import InProcessExecutor
-from powerinfer.cpu_workers.native_sparse import MAX_SPARSE_SHARE, layer_reads
+from powerinfer.native.sparse_layers import MAX_SPARSE_SHARE, layer_reads
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_tensor

@@ -176,8 +176,8 @@ def _writer(f: GGUFFile, cfg: ModelConfig, n_ctx: int) -> Engine | None:
     """An engine on the native decoder to write the corpus (one token at a time: the torch
     profiler would take minutes), or None where it cannot run (the profiler writes it then)."""
     from powerinfer.coordinator.native_executor import NativeExecutor
-    from powerinfer.cpu_workers.native_lib import decoder_lib
-    from powerinfer.cpu_workers.native_model import supports
+    from powerinfer.native.decoder_lib import decoder_lib
+    from powerinfer.native.decoder import supports
     from powerinfer.cpu_workers.topology import default_workers
 
     lib = decoder_lib()

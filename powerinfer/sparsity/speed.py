@@ -235,7 +235,7 @@ def memory_bandwidth_gbs(n_bytes: int = 256 << 20) -> float:
 
 def read_bandwidth(threads: int) -> float:
     """The machine's streaming read bandwidth (GB/s) with this many threads, by the decoder's own probe."""
-    from powerinfer.cpu_workers.native_lib import decoder_lib, read_bandwidth_gbs
+    from powerinfer.native.decoder_lib import decoder_lib, read_bandwidth_gbs
 
     lib = decoder_lib()
     return memory_bandwidth_gbs() / 2 if lib is None else read_bandwidth_gbs(lib, threads)  # a copy: half reads

@@ -14,7 +14,7 @@ CODE = """
 import sys
 from pathlib import Path
 from powerinfer.flags import configure_logging
-from powerinfer.native.cbuild import load_library
+from powerinfer.native.build import load_library
 configure_logging(sys.argv[2], False)
 src = Path(sys.argv[1])
 lib = load_library(src, (), ("-O1", "-shared", "-fPIC"), "phasetest")

@@ -134,7 +134,7 @@ def test_cached_prefix_gives_bit_identical_logits_natively(make_model: Callable[
     decoder (the default executors) the one-token pass that follows gives the very logits of the
     whole prompt evaluated at once, so a cached prefix never changes what a prompt generates."""
     from powerinfer.coordinator.native_executor import NativeExecutor
-    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.native.decoder_lib import decoder_lib
 
     lib = decoder_lib()
     if lib is None:

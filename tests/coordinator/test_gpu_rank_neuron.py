@@ -33,7 +33,7 @@ from powerinfer.coordinator.gpu_rank import GpuRankSpec
 from powerinfer.coordinator.hybrid_executor import GpuOptions, HybridExecutor
 from powerinfer.coordinator.native_pool import NativePoolExecutor
 from powerinfer.coordinator.placement import Placement
-from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.native.decoder_lib import decoder_lib
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuSetup, LocalGpuWorker
 from powerinfer.gpu_worker.layout import GpuPlan

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
-from powerinfer.cpu_workers import native_lib
-from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
+from powerinfer.native import decoder_lib as native_lib
+from powerinfer.native.decoder_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 
 pytestmark = pytest.mark.skipif(decoder_lib("scalar") is None, reason="no C compiler")
 ISAS = [isa for isa in ("scalar", "avx2", "vnni") if ISA_CPU_FLAGS[isa] <= cpu_flags()]

@@ -22,9 +22,9 @@ from powerinfer.api import LLM
 from powerinfer.config import ModelConfig, config_from_gguf
 from powerinfer.coordinator.native_pool import NativePoolExecutor
 from powerinfer.coordinator.process_executor import ProcessExecutor
-from powerinfer.cpu_workers.native_lib import decoder_lib
-from powerinfer.cpu_workers.native_model import NativeDecoder
-from powerinfer.cpu_workers.shm_segment import RankComm, create_segment
+from powerinfer.native.decoder_lib import decoder_lib
+from powerinfer.native.decoder import NativeDecoder
+from powerinfer.native.comm import RankComm, create_segment
 from powerinfer.native.segment import SegmentLayout
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile

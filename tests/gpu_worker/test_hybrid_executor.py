@@ -192,7 +192,7 @@ def test_cpu_only_layers_run_in_the_native_decoder(make_model: Callable[..., Pat
     # a budget below one layer: every layer is CPU-only, so the hybrid is the native decoder
     # (its layers here, the final norm and head in the engine): the in-process executor's numbers
     from powerinfer.coordinator.native_executor import NativeExecutor
-    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.native.decoder_lib import decoder_lib
 
     lib = decoder_lib()
     if lib is None:

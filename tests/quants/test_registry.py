@@ -12,7 +12,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 
-from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.native.decoder_lib import decoder_lib
 from powerinfer.quants.formats import FLOAT_TYPES, QUANT_TYPES
 from powerinfer.quants.registry import REGISTRY, types_where
 

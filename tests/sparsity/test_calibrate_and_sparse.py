@@ -35,7 +35,7 @@ def test_calibrate_writes_a_loadable_predictor(model: Path, tmp_path: Path, mode
     path = tmp_path / f"m.{mode}.predictor"
     write_predictor(path, pf)
     # the torch sparse shards (the native decoder runs layers this dense, 50% active, densely:
-    # tests/cpu_workers/test_native_sparse.py)
+    # tests/native/test_sparse_layers.py)
     llm = LLM(model, n_ctx=64, executor="inprocess", predictor=path, native=False)
     logits = llm.logits(IDS)
     assert np.isfinite(logits).all()

@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from powerinfer.cpu_workers.native_lib import decoder_lib
-from powerinfer.cpu_workers.shm_segment import RankComm, create_segment_with, merge_latencies_ns
+from powerinfer.native.decoder_lib import decoder_lib
+from powerinfer.native.comm import RankComm, create_segment_with, merge_latencies_ns
 from powerinfer.errors import PowerInferError
 from powerinfer.native.segment import Segment, SegmentLayout
 

@@ -49,7 +49,7 @@ def profile_decode(model: str, threads: int = 2, prompt_tokens: int = 64, gen_to
     """predictor: profile the sparse decoder (its predictor shows under gate+up, the sparse FFN under down)."""
     from powerinfer.api import LLM
     from powerinfer.coordinator.native_executor import NativeExecutor
-    from powerinfer.cpu_workers.native_lib import PHASES
+    from powerinfer.native.decoder_lib import PHASES
 
     llm = LLM(model, n_ctx=prompt_tokens + gen_tokens + 8, n_threads=threads, executor="inprocess", predictor=predictor)
     try:

@@ -101,7 +101,7 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
         llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_threads=top, executor="inprocess", **common)
         for name, llm in llms.items():
             ex = llm.engine.executor
-            results.append(ConfigResult(name, len(getattr(ex, "pids", [])) or top))
+            results.append(ConfigResult(name, len(ex.describe().pids) or top))
         first = next(iter(llms.values()))
         ids = first.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         for _ in range(rounds):

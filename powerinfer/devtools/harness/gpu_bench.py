@@ -158,7 +158,7 @@ def _neuron_rank_rows(path: Path, f: GGUFFile, cfg: ModelConfig, backend: str, b
     from powerinfer.coordinator.gpu_rank import gpu_rank_spec
     from powerinfer.coordinator.hybrid_executor import GpuOptions
     from powerinfer.coordinator.native_pool import NativePoolExecutor, shm_blocker
-    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.native.decoder_lib import decoder_lib
     from powerinfer.cpu_workers.topology import default_workers
 
     n = min(8, default_workers())
@@ -235,7 +235,7 @@ def _overhead_executor(way: str, path: Path, f: GGUFFile, cfg: ModelConfig, back
     from powerinfer.coordinator.gpu_rank import gpu_rank_spec
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
     from powerinfer.coordinator.native_pool import NativePoolExecutor
-    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.native.decoder_lib import decoder_lib
     from powerinfer.cpu_workers.topology import default_workers
 
     ngl = half if way.endswith("-half") else -1

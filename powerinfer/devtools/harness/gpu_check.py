@@ -232,7 +232,7 @@ def check_smollm2(model: Path, fixture: Path, n_ctx: int = 512, backend: str = "
     from powerinfer.coordinator.gpu_rank import gpu_rank_spec
     from powerinfer.coordinator.hybrid_executor import GpuOptions, build_hybrid_executor
     from powerinfer.coordinator.native_pool import NativePoolExecutor
-    from powerinfer.cpu_workers.native_lib import decoder_lib
+    from powerinfer.native.decoder_lib import decoder_lib
 
     run = json.loads(fixture.read_text())["models"]["smollm2"]["greedy"][0]
     f = GGUFFile(model)

@@ -1,5 +1,5 @@
 // Element-wise FFN steps and the active-neuron compaction of a sparse decode step.
-// Runs in: the GPU worker process. kind (config.py's ACT_CODES, cpu_workers/kernels/act.h): 0 = SiLU,
+// Runs in: the GPU worker process. kind (config.py's ACT_CODES, native/kernels/act.h): 0 = SiLU,
 // 1 = GELU (tanh approximation, as ggml), 2 = ReLU / FATReLU (g where g > athr, else 0), 3 = dReLU
 // (relu(g) * relu(u)); athr is FATReLU's threshold (0 for the others).
 //

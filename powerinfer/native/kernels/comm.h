@@ -3,7 +3,7 @@
  * Runs in: every CPU worker process of the native pool (included by decoder.c); the coordinator
  * maps the same segment to publish aborts and read the counters.
  *
- * The segment (created by the coordinator, powerinfer/cpu_workers/shm_segment.py) starts with a
+ * The segment (created by the coordinator, powerinfer/native/comm.py) starts with a
  * header: a cache line of pool-wide words (abort flag, rank count, capacity), the step doorbell,
  * one cache line per rank holding the generation that rank last published and how many of its
  * peers sleep on it, one per rank for its answer to a step, the ranks' pids; then the step's io
@@ -265,7 +265,7 @@ int64_t pi_comm_rank_stride(int64_t cap) { return (int64_t)pi_shm_rank_stride(ca
 int pi_comm_size(void) { return (int)sizeof(pi_comm); }
 
 /* The coordinator formats a fresh segment: the header, the io area, n_ranks * pi_shm_rank_stride(cap)
- * bytes of banks (+ its outputs; shm_segment.py's SegmentLayout mirrors these offsets). */
+ * bytes of banks (+ its outputs; native/comm.py's SegmentLayout mirrors these offsets). */
 int pi_comm_format(void *base, int n_ranks, int64_t cap, int64_t max_t) {
     if (n_ranks < 1 || n_ranks > PI_MAX_RANKS || cap < 1 || max_t < 1) return 1;
     pi_shm_hdr *h = (pi_shm_hdr *)base;

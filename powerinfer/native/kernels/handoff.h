@@ -21,7 +21,7 @@
  * barrier merge after the copy; FFN: the answer is added before the down projection's gather), and
  * a step's first post follows the coordinator seeing every rank finish the previous step.
  * The GPU's layers, attention weights and KV caches live on the GPU rank alone; the CPU ranks build
- * nothing for them (native_model.py's `only` and `gpu_attn`).
+ * nothing for them (native/decoder.py's `only` and `gpu_attn`).
  */
 #ifndef PI_HANDOFF_H
 #define PI_HANDOFF_H

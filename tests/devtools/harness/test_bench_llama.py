@@ -42,7 +42,7 @@ def test_profile_splits_a_decode_step(make_model) -> None:  # type: ignore[no-un
     from gguf import GGMLQuantizationType as QT
 
     from powerinfer.devtools.harness.bench_profile import profile_decode
-    from powerinfer.cpu_workers.native_lib import PHASES
+    from powerinfer.native.decoder_lib import PHASES
 
     prof = profile_decode(str(make_model(arch="llama", qtype=QT.Q4_0, n_layers=2)), threads=1, prompt_tokens=4, gen_tokens=8)
     assert set(prof.phases_us) == set(PHASES) and all(v >= 0 for v in prof.phases_us.values())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from powerinfer.devtools.harness.bench_merge import WARMUP, bench_handoff, bench_merge
-from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.native.decoder_lib import decoder_lib
 
 pytestmark = pytest.mark.skipif(decoder_lib() is None, reason="no C compiler: the native pool is unavailable")
 

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.api import LLM
 from powerinfer.devtools.harness.fake_topology import main, write_fake_sysfs
-from powerinfer.cpu_workers.native_lib import decoder_lib
+from powerinfer.native.decoder_lib import decoder_lib
 from powerinfer.cpu_workers.topology import SYSFS_ENV, plan_placement, read_topology
 from powerinfer.errors import InvalidArgumentError
 from tests.cpu_workers.test_topology import intel_2x4x2

@@ -1,6 +1,6 @@
 /* The native decoder's data: a matrix in place (pi_wt), a layer, the model, the profile phases,
  * and the scratch carved for up to max_t tokens. Mirrored by ctypes structures in
- * powerinfer/cpu_workers/native_model.py and native_lib.py (their sizes are checked at load).
+ * powerinfer/native/decoder.py and native/decoder_lib.py (their sizes are checked at load).
  *
  * Runs in: the process that loads decoder.c (included by it; one translation unit).
  */

@@ -2,7 +2,7 @@
  * head; weights are read in place from the memory-mapped GGUF file through qdot.h.
  *
  * Runs in: the process of the in-process executor (the coordinator), loaded with ctypes by
- * powerinfer/cpu_workers/native_model.py (native_lib.py compiles this file once per machine and ISA), and by each worker of the native pool.
+ * powerinfer/native/decoder.py (native/decoder_lib.py compiles this file once per machine and ISA), and by each worker of the native pool.
  *
  * One OpenMP parallel region per call; inside it each operation is a work-shared loop (rows of a
  * matrix, tokens, or (token, head) pairs) and the implicit barrier between loops is the only

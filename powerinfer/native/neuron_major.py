@@ -1,6 +1,6 @@
 """The sparse FFN kernel's weight layout: gate, up and down neuron-major in the file's own codes.
 
-Runs in: the processes of the torch executors' sparse FFN shards (cpu_workers/native.py's
+Runs in: the processes of the torch executors' sparse FFN shards (native/sparse_kernel.py's
 NativeFFN: the in-process torch executor, `--transport zmq` workers, the GPU hybrid's CPU side).
 numpy and ctypes only; the torch glue stays in native.py. The layouts and arithmetic are
 described in kernels/sparse_ffn.c; these structs mirror its pi_mat and pi_call. (The native

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from powerinfer.native.cbuild import load_library
+from powerinfer.native.build import load_library
 from powerinfer.native.comm_lib import COMM_HEADERS, COMM_KERNELS, declare_handoff
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.quants.registry import REGISTRY
@@ -52,7 +52,8 @@ class PiWt(ctypes.Structure):
 
 
 class PiLayer(ctypes.Structure):
-    _fields_ = [(n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
+    _fields_ = [  # type: ignore[assignment]  # comprehensions: mypy cannot see ctypes types in the concatenated list
+        (n, PiWt) for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [
         (n, ctypes.c_void_p) for n in ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "bq", "bk", "bv",
                                        "k_cache", "v_cache", "rope_cos", "rope_sin")
     ] + [("window", ctypes.c_int32), ("pad", ctypes.c_int32), ("sp", ctypes.c_void_p), ("pred", ctypes.c_void_p),
@@ -75,7 +76,8 @@ class PiPred(ctypes.Structure):
 
 
 class PiModel(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("n_layers", "d", "n_ff", "n_head", "n_kv", "D", "Dv", "rope_dim", "neox", "act", "n_ctx",
+    _fields_ = [  # type: ignore[assignment]  # as PiLayer's
+        (n, ctypes.c_int32) for n in ("n_layers", "d", "n_ff", "n_head", "n_kv", "D", "Dv", "rope_dim", "neox", "act", "n_ctx",
                                                "n_slots", "n_threads", "max_t")] + [
         ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float), ("act_thr", ctypes.c_float), ("out_norm", ctypes.c_void_p), ("head", PiWt),
         ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
@@ -96,7 +98,8 @@ class PiComm(ctypes.Structure):
 class PiRankCtx(ctypes.Structure):
     """step.h's pi_rank_ctx: what a serving rank's steps need besides the doorbell's inputs."""
 
-    _fields_ = [(n, ctypes.c_void_p) for n in ("m", "embd", "x", "logits", "hidden", "scratch")] + [
+    _fields_ = [  # type: ignore[assignment]  # as PiLayer's
+        (n, ctypes.c_void_p) for n in ("m", "embd", "x", "logits", "hidden", "scratch")] + [
         ("ld", ctypes.c_int64), ("logit_rows", ctypes.c_int64), ("embed_scale", ctypes.c_float), ("pad", ctypes.c_int32),
         ("last_gen", ctypes.c_uint32), ("last_control", ctypes.c_uint32)]
 
@@ -163,7 +166,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
     if (lib.pi_model_size(), lib.pi_layer_size(), lib.pi_sparse_size(), lib.pi_pred_size()) != (
             ctypes.sizeof(PiModel), ctypes.sizeof(PiLayer), ctypes.sizeof(PiSparse), ctypes.sizeof(PiPred)):
-        log.warning("native decoder struct layout differs from native_lib.py: not used")
+        log.warning("native decoder struct layout differs from native/decoder_lib.py: not used")
         return None
     ptr = ctypes.c_void_p
     lib.pi_scratch_bytes.argtypes = [ctypes.POINTER(PiModel), ctypes.c_int]
@@ -175,7 +178,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_isa.restype = ctypes.c_int
     lib.pi_phases.restype = ctypes.c_int
     if lib.pi_phases() != len(PHASES):
-        log.warning("native decoder phases differ from native_lib.py: not used")
+        log.warning("native decoder phases differ from native/decoder_lib.py: not used")
         return None
     lib.pi_rows.argtypes = [ctypes.POINTER(PiWt), ptr, ctypes.c_int, ptr]
     lib.pi_rows.restype = ctypes.c_int
@@ -227,7 +230,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_rank_ctx_size.restype = i32
     declare_handoff(lib)  # the GPU rank's hand-off (handoff.h), as the GPU rank's own library declares it
     if lib.pi_comm_size() != ctypes.sizeof(PiComm) or lib.pi_rank_ctx_size() != ctypes.sizeof(PiRankCtx):
-        log.warning("native decoder comm layout differs from native_lib.py: not used")
+        log.warning("native decoder comm layout differs from native/decoder_lib.py: not used")
         return None
     return lib
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from powerinfer.cpu_workers.native import NativeFFN, native_lib, reference_ffn
-from powerinfer.cpu_workers.neuron_major import supported, zero_multiple
+from powerinfer.native.sparse_kernel import NativeFFN, native_lib, reference_ffn
+from powerinfer.native.neuron_major import supported, zero_multiple
 from powerinfer.quants.grouped import Grouped
 
 pytestmark = pytest.mark.skipif(native_lib() is None, reason="no C compiler: the native kernel is not built")

@@ -1,7 +1,7 @@
 /* Quantized dot products on the GGUF file's own blocks, one per tensor type, against activations
  * quantized on the fly to 8-bit blocks of 32 (llama.cpp pairs q4_0 with q8_0 the same way).
  *
- * Runs in: the process that loads decoder.c (which includes this file); native_model.py compiles
+ * Runs in: the process that loads decoder.c (which includes this file); native/decoder.py compiles
  * it once per instruction set: PI_VNNI (AVX-512 VL + VNNI on 256-bit vectors), PI_AVX2 (AVX2 +
  * FMA + F16C) or neither (portable C), and picks the build from the CPU's features at run time.
  *

@@ -1,7 +1,7 @@
 /* Native sparse FFN kernel: one layer's FFN over T tokens, computing only the active neurons.
  *
  * Runs in: a CPU worker process (or the coordinator for the in-process executor), loaded with
- * ctypes by powerinfer/cpu_workers/native.py, which compiles this file on first use.
+ * ctypes by powerinfer/native/sparse_kernel.py, which compiles this file on first use.
  *
  * Why native: torch has no kernel that reads a *subset* of a quantized matrix's rows, so the
  * torch path either computes every neuron or first gathers the active rows into a copy. Here each

@@ -1,7 +1,7 @@
 """Sparse FFNs inside the native decoder: each layer's rule and its 8-bit neuron predictor.
 
 Runs in: the process of the in-process executor (the coordinator) and each rank of the native
-pool, next to :class:`powerinfer.cpu_workers.native_model.NativeDecoder`, which points each
+pool, next to :class:`powerinfer.native.decoder.NativeDecoder`, which points each
 layer's ``sp`` and ``pred`` at what this builds. numpy and ctypes only (ranks import no torch).
 
 The weights are the file's own (kernels/sparse_rows.h reads the chosen gate and up rows in place
@@ -23,8 +23,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native_lib import PiPred, PiSparse, PiWt
-from powerinfer.cpu_workers.native_lib import repack_x8
+from powerinfer.native.decoder_lib import PiPred, PiSparse, PiWt
+from powerinfer.native.decoder_lib import repack_x8
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants.formats import dequantize_rows

@@ -1,4 +1,4 @@
-"""Sparse FFNs inside the native decoder (cpu_workers/native_sparse.py, decoder.c's sparse_ffn).
+"""Sparse FFNs inside the native decoder (native/sparse_layers.py, decoder.c's sparse_ffn).
 
 Runs in: the pytest process, on tiny planted-sparsity llama files (Q4_0, Q4_1, Q8_0) and a
 synthetic float one; each test well under a few seconds.
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
-from powerinfer.cpu_workers.native_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
+from powerinfer.native.decoder_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.predictors.predictor_file import PredictorFile, write_predictor
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf

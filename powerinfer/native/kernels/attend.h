@@ -16,7 +16,7 @@ static void attend_group(const float *q, int g, const float *kc, const float *vc
         const float *kj = kc + (size_t)(lo + j) * D;
         for (int h = 0; h < g; h++) sc[(size_t)h * ld + j] = dotf(q + (size_t)h * D, kj, D) * scale;
     }
-    float inv[64]; /* g <= 64: native_model.supports() */
+    float inv[64]; /* g <= 64: native/decoder.py supports() */
     for (int h = 0; h < g; h++) {
         float *row = sc + (size_t)h * ld, mx = -INFINITY;
         for (int j = 0; j < n; j++) mx = row[j] > mx ? row[j] : mx;

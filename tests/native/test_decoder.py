@@ -13,14 +13,14 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
 from powerinfer.api import LLM
-from powerinfer.cpu_workers.native_lib import (
+from powerinfer.native.decoder_lib import (
     ISA_CPU_FLAGS,
     best_isa,
     cpu_flags,
     decoder_lib,
     requested_isa,
 )
-from powerinfer.cpu_workers.native_model import NativeMatmul
+from powerinfer.native.decoder import NativeMatmul
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 

@@ -3,7 +3,7 @@ to it in place, own its KV cache, rotary tables and scratch.
 
 Runs in: the process of the in-process executor, and each CPU worker of the native pool, which
 holds one rank's shard (:class:`powerinfer.model.sharding.RankShard`) of every layer (numpy and
-ctypes only: no torch needed). The library itself: native_lib.py.
+ctypes only: no torch needed). The library itself: native/decoder_lib.py.
 
 The weights are never copied: each matrix is a pointer into the memory-mapped GGUF file with its
 GGML type, and the C side reads the file's blocks directly (qdot.h); a rank's slice of a matrix
@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 from powerinfer.config import ACT_CODES, ModelConfig
-from powerinfer.cpu_workers.native_lib import PHASES, TYPES, PiLayer, PiModel, PiWt, repack_x8
+from powerinfer.native.decoder_lib import PHASES, TYPES, PiLayer, PiModel, PiWt, repack_x8
 from powerinfer.errors import InvalidArgumentError, UnsupportedModelError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import lazy_array
@@ -30,7 +30,7 @@ from powerinfer.model.sharding import RankShard
 from powerinfer.model.weights import layer_bias, layer_tensor, load_vector
 
 if TYPE_CHECKING:
-    from powerinfer.cpu_workers.native_sparse import NativeSparseFFNs
+    from powerinfer.native.sparse_layers import NativeSparseFFNs
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class NativeDecoder:
             L = layers[i]
             self._gpu_part(L, i, i in gpu_attn, np.asarray(hot[i]) if hot else None, f)
             # OPT's fc1 (ffn_up) sits where a gate would, and wu stays empty (pi_model.gateless)
-            mats = (("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down")) if cfg.gated_ffn else (("wg", "ffn_up"), ("wd", "ffn_down"))
+            mats: tuple[tuple[str, str], ...] = ((("wg", "ffn_gate"), ("wu", "ffn_up"), ("wd", "ffn_down")) if cfg.gated_ffn
+                                                 else (("wg", "ffn_up"), ("wd", "ffn_down")))
             if i not in gpu_attn:
                 mats = (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")) + mats
             for field, part in mats:
@@ -205,11 +206,11 @@ class NativeDecoder:
             return
         if hot.min() < 0 or hot.max() >= self.cfg.n_ff:
             raise InvalidArgumentError(f"layer {i}: hot neurons outside its {self.cfg.n_ff}")
-        cold = np.ones(sh.n1 - sh.n0, dtype=np.uint8)  # [this rank's neurons]: 1 computed here, 0 on the GPU rank
+        cold: np.ndarray = np.ones(sh.n1 - sh.n0, dtype=np.uint8)  # [this rank's neurons]: 1 computed here, 0 on the GPU rank
         mine = hot[(hot >= sh.n0) & (hot < sh.n1)]
         cold[mine - sh.n0] = 0
         pad = np.ones(-len(cold) % 16, dtype=np.uint8)
-        blocks = np.concatenate([cold, pad]).reshape(-1, 16).any(axis=1).astype(np.uint8)  # [blocks of 16]: 0 when all hot
+        blocks = np.asarray(np.concatenate([cold, pad]).reshape(-1, 16).any(axis=1), dtype=np.uint8)  # [blocks of 16]: 0 when all hot
         self._keep += [cold, blocks]
         L.cold, L.cold_blocks = cold.ctypes.data, blocks.ctypes.data
         L.gpu_part |= PART_FFN
@@ -229,8 +230,8 @@ class NativeDecoder:
     def weight_bytes(self) -> int:
         mats = [getattr(L, n) for L in self.layers for n in ("wq", "wk", "wv", "wo", "wg", "wu", "wd")] + [self.head]
         # the bytes a pass reads: a column slice (down_col0) reads part of each row of the file
-        return sum(m.rows * (m.cols // GGML_QUANT_SIZES[QT(m.type)][0] * GGML_QUANT_SIZES[QT(m.type)][1]) for m in mats if m.rows) + (
-            self.sparse.nbytes if self.sparse is not None else 0)
+        return int(sum(m.rows * (m.cols // GGML_QUANT_SIZES[QT(m.type)][0] * GGML_QUANT_SIZES[QT(m.type)][1]) for m in mats if m.rows) + (
+            self.sparse.nbytes if self.sparse is not None else 0))
 
     def profile(self, on: bool = True) -> np.ndarray:
         """Start (or stop) accumulating seconds per layer phase (PHASES) into the returned array."""
@@ -286,7 +287,8 @@ class NativeDecoder:
             raise InvalidArgumentError("the native head refused its input")
         return out
 
-    def step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int], each: bool, margin: float, k: int) -> np.ndarray:
+    def step(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray, each: bool,
+             margin: float, k: int) -> np.ndarray:
         """Embed ids [T] (T <= max_t), run every layer, return the decode logits of the last row
         [1, vocab] or of each row [T, vocab] (see decode_logits): one native call per step."""
         T = len(ids)

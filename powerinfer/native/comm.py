@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer.config import ModelConfig
-from powerinfer.cpu_workers.native_lib import COMM_ERRORS, PiComm
+from powerinfer.native.decoder_lib import COMM_ERRORS, PiComm
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.native.segment import LAT_RING, Segment, SegmentLayout
 
@@ -59,7 +59,7 @@ class RankComm:
     def latencies_ns(self) -> np.ndarray:
         """The latest (up to LAT_RING) merge latencies, ns."""
         n = int(self.comm.n_syncs)
-        return self.lat[: min(n, LAT_RING)].copy()
+        return np.array(self.lat[: min(n, LAT_RING)])
 
 
 def merge_latencies_ns(seg: Segment) -> np.ndarray:

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from powerinfer.config import ACT_CODES
-from powerinfer.cpu_workers.neuron_major import MODES, PiCall, pack_layer
+from powerinfer.native.neuron_major import MODES, PiCall, pack_layer
 from powerinfer.model.reference import activation as reference_activation, up_value
-from powerinfer.native.cbuild import load_library
+from powerinfer.native.build import load_library
 from powerinfer.quants.grouped import Grouped
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,8 @@ def reference_ffn(x: np.ndarray, gate: Grouped, up: Grouped, down: Grouped, acti
         per = np.einsum("ngk,tgk->tng", m.q.astype(np.float64).reshape(n, d // g, g), xq.reshape(T, d // g, g))
         xd_g = np.repeat(xd.astype(np.float64), 32 // g, axis=1)  # each group's x scale
         xs = x.reshape(T, d // g, g).astype(np.float64).sum(axis=2)
-        return np.einsum("tng,ng,tg->tn", per, s, xd_g) + np.einsum("ng,tg->tn", z, xs)
+        out: np.ndarray = np.einsum("tng,ng,tg->tn", per, s, xd_g) + np.einsum("ng,tg->tn", z, xs)
+        return out
 
     if given_a is not None:
         a = np.asarray(given_a, dtype=np.float64)
