@@ -10,7 +10,7 @@ CPU backend, in process or as a worker process joining the pool).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pytest

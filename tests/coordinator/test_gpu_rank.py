@@ -36,7 +36,7 @@ from powerinfer.gpu_worker.client import GpuSetup, LocalGpuWorker
 from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.predictors.predictor_file import read_predictor, write_predictor
 from powerinfer.protocol import WorkerDiedError, WorkerError
-from tests.coordinator.helpers import gone
+from tests.coordinator.helpers import gone, long_prompt_runs
 from tests.gpu_worker.helpers import make_predictor
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
@@ -149,13 +149,7 @@ def test_steps_as_zmq_messages_give_the_doorbells_numbers(make_model: Callable[.
 def test_a_prompt_longer_than_the_gpus_chunk(smollm2_path: Path) -> None:
     """A 200-odd token prompt: one hand-off of more tokens than the GPU computes at a time (128), chunked there."""
     gpu = GpuOptions(backend="cpu", split="layer", vram_budget_gib=1.0, n_gpu_layers=6)
-    prompt = " ".join(f"item {i} is {'red' if i % 3 else 'blue'}," for i in range(40))
-    out = {}
-    for executor in ("process", "inprocess"):
-        with LLM(smollm2_path, gpu=gpu, executor=executor, n_threads=2, n_ctx=512) as llm:
-            ids = llm.tokenize(prompt)
-            assert len(ids) > 200
-            out[executor] = (llm.complete(prompt, max_tokens=8, temperature=0)[0], llm.logits(ids))
+    out = long_prompt_runs(smollm2_path, gpu)
     assert out["process"][0] == out["inprocess"][0]
     assert (out["process"][1].argmax(-1) == out["inprocess"][1].argmax(-1)).mean() >= 0.99
 

@@ -39,7 +39,7 @@ from powerinfer.gpu_worker.client import GpuSetup, LocalGpuWorker
 from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.predictors.predictor_file import PredictorFile, write_predictor
 from powerinfer.protocol import WorkerDiedError, WorkerError
-from tests.coordinator.helpers import gone
+from tests.coordinator.helpers import gone, long_prompt_runs
 from tests.gpu_worker.helpers import make_predictor
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
@@ -196,14 +196,8 @@ def test_smollm2_neuron_split_through_llm_agrees_with_llama_cpp(smollm2_path: Pa
 def test_a_prompt_longer_than_the_gpus_chunk(smollm2_path: Path) -> None:
     """A 200-odd token prompt: hand-offs of more rows than the GPU computes at a time (128), chunked there."""
     gpu = GpuOptions(backend="cpu", split="neuron", vram_budget_gib=0.02, n_gpu_layers=10)
-    prompt = " ".join(f"item {i} is {'red' if i % 3 else 'blue'}," for i in range(40))
-    out = {}
-    for executor in ("process", "inprocess"):
-        with LLM(smollm2_path, gpu=gpu, executor=executor, n_threads=2, n_ctx=512) as llm:
-            ids = llm.tokenize(prompt)
-            assert len(ids) > 200
-            out[executor] = llm.logits(ids)
-    assert (out["process"].argmax(-1) == out["inprocess"].argmax(-1)).mean() >= 0.95
+    out = long_prompt_runs(smollm2_path, gpu)
+    assert (out["process"][1].argmax(-1) == out["inprocess"][1].argmax(-1)).mean() >= 0.95
 
 
 def _answers(ex: NativePoolExecutor) -> list[int]:
