@@ -11,6 +11,7 @@ import psutil
 
 if TYPE_CHECKING:
     from powerinfer.coordinator.hybrid_executor import GpuOptions
+    from powerinfer.coordinator.native_pool import NativePoolExecutor
 
 LONG_PROMPT = " ".join(f"item {i} is {'red' if i % 3 else 'blue'}," for i in range(40))  # 200-odd tokens
 
@@ -37,3 +38,26 @@ def gone(pids: list[int], timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def kill_the_gpu_rank_mid_step(ex: "NativePoolExecutor", ids: list[int]) -> tuple[list[int], np.ndarray]:
+    """Step ids[:6] on the pool, then stop its GPU rank and kill it half a second into the next
+    step, which must fail within 5 s naming it -> (the pool's pids before, the first step's logits)."""
+    import os
+    import signal
+    import threading
+
+    import pytest
+
+    from powerinfer.protocol import WorkerDiedError
+
+    pids = list(ex.pids)
+    before = ex.native_step(ids[:6], range(6), [0] * 6, False, 1.0, 8)
+    victim = pids[-1]
+    os.kill(victim, signal.SIGSTOP)
+    threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="the GPU worker .* killed by SIGKILL"):
+        ex.native_step([ids[6]], [6], [0], False, 1.0, 8)
+    assert time.monotonic() - t0 < 5.0
+    return pids, before

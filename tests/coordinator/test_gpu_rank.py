@@ -10,9 +10,6 @@ Runs in: the pytest process (coordinator), with CPU worker processes and a GPU w
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,7 +33,7 @@ from powerinfer.gpu_worker.client import GpuSetup, LocalGpuWorker
 from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.predictors.predictor_file import read_predictor, write_predictor
 from powerinfer.protocol import WorkerDiedError, WorkerError
-from tests.coordinator.helpers import gone, long_prompt_runs
+from tests.coordinator.helpers import gone, kill_the_gpu_rank_mid_step, long_prompt_runs
 from tests.gpu_worker.helpers import make_predictor
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
@@ -200,14 +197,7 @@ def test_a_gpu_rank_that_dies_while_the_cpu_ranks_wait_for_it(make_model: Callab
     ex = _pool(path, {0, 3})
     pids = list(ex.pids)
     try:
-        ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)
-        victim = pids[-1]
-        os.kill(victim, signal.SIGSTOP)
-        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
-        t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="the GPU worker .* killed by SIGKILL"):
-            ex.native_step([IDS[6]], [6], [0], False, 1.0, 8)
-        assert time.monotonic() - t0 < 5.0
+        pids, _ = kill_the_gpu_rank_mid_step(ex, IDS)
         ex.restart()
         ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)
         pids += ex.pids

@@ -13,9 +13,6 @@ Runs in: the pytest process (coordinator), with CPU worker processes and a GPU w
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,8 +35,8 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.gpu_worker.client import GpuSetup, LocalGpuWorker
 from powerinfer.gpu_worker.layout import GpuPlan
 from powerinfer.predictors.predictor_file import PredictorFile, write_predictor
-from powerinfer.protocol import WorkerDiedError, WorkerError
-from tests.coordinator.helpers import gone, long_prompt_runs
+from powerinfer.protocol import WorkerError
+from tests.coordinator.helpers import gone, kill_the_gpu_rank_mid_step, long_prompt_runs
 from tests.gpu_worker.helpers import make_predictor
 
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33]
@@ -220,14 +217,7 @@ def test_a_gpu_rank_that_dies_inside_a_layer(make_model: Callable[..., Path], sp
     ex = _pool(path, _setup(config_from_gguf(GGUFFile(path)).n_ff, SPLITS[split]))
     pids = list(ex.pids)
     try:
-        before = ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8)
-        victim = pids[-1]
-        os.kill(victim, signal.SIGSTOP)
-        threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
-        t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="the GPU worker .* killed by SIGKILL"):
-            ex.native_step([IDS[6]], [6], [0], False, 1.0, 8)
-        assert time.monotonic() - t0 < 5.0
+        pids, before = kill_the_gpu_rank_mid_step(ex, IDS)
         assert set(_answers(ex)) <= {10, 11} and all(psutil.pid_exists(p) for p in pids[:-1])  # aborted / peer dead
         ex.restart()
         np.testing.assert_array_equal(ex.native_step(IDS[:6], range(6), [0] * 6, False, 1.0, 8), before)

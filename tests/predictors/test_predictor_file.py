@@ -204,6 +204,16 @@ def _layout(pf: PredictorFile) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     return meta, tensors
 
 
+def _write_out(w: GGUFWriter, tensors: dict[str, np.ndarray]) -> None:
+    """Add tensors to w, then write the whole file and close it."""
+    for name, a in tensors.items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def _write_layout(path: Path, meta: dict[str, Any], tensors: dict[str, np.ndarray], arch: str = "powerinfer-predictor") -> None:
     w = GGUFWriter(path, arch)
     for key, v in meta.items():
@@ -217,12 +227,7 @@ def _write_layout(path: Path, meta: dict[str, Any], tensors: dict[str, np.ndarra
             w.add_float32(key, v)
         else:
             w.add_float64(key, v)
-    for name, a in tensors.items():
-        w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w, tensors)
 
 
 @pytest.mark.parametrize(("mutate", "needles"), [
@@ -324,12 +329,7 @@ def _powerinfer_model(path: Path, threshold: float | None, ranks: tuple[int, ...
         arrays[p + "fc2.weight"] = (rng.standard_normal((n_ff, r)) / 4).astype(np.float16)
         arrays[p + "ffn_norm.weight"] = (0.5 + rng.random(D)).astype(np.float32)
         arrays[p + "ffn_down_t.weight"] = rng.standard_normal((n_ff, D)).astype(np.float16)
-    for name, a in arrays.items():
-        w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_out(w, arrays)
     _patch_magic(path)
     return arrays
 

@@ -109,6 +109,16 @@ def _skip_value(r: _Reader, vtype: int, lay: Layout, depth: int = 0) -> None:
         raise ValueError("value runs past the end")
 
 
+def _marked_string(r: _Reader, lay: Layout, data: bytes) -> bytes:
+    """A GGUF string at r (u64 length, then its bytes), marking where its length and its end are."""
+    lay.fields.append(r.pos)
+    n = r.take("<Q")
+    text = data[r.pos : r.pos + n]
+    r.pos += n
+    lay.fields.append(r.pos)
+    return text
+
+
 def scan(data: bytes) -> Layout:
     """The layout of a well-formed GGUF (or PWRI) file; ValueError when it is not one."""
     r = _Reader(data)
@@ -120,11 +130,7 @@ def scan(data: bytes) -> Layout:
     n_tensors, n_kv = r.take("<Q"), r.take("<Q")
     for _ in range(n_kv):
         start = r.pos
-        lay.fields.append(r.pos)
-        n = r.take("<Q")
-        key = data[r.pos : r.pos + n]
-        r.pos += n
-        lay.fields.append(r.pos)
+        key = _marked_string(r, lay, data)
         vtype = r.take("<I")
         lay.fields.append(r.pos)
         value_start = r.pos
@@ -134,11 +140,7 @@ def scan(data: bytes) -> Layout:
             lay.alignment = struct.unpack_from(_SCALAR_FMT[vtype], data, value_start)[0]
     for _ in range(n_tensors):
         start = r.pos
-        lay.fields.append(r.pos)
-        n = r.take("<Q")
-        name = data[r.pos : r.pos + n]
-        r.pos += n
-        lay.fields.append(r.pos)
+        name = _marked_string(r, lay, data)
         n_dims = r.take("<I")
         dims = []
         for _ in range(n_dims):

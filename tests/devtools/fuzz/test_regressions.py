@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from gguf import GGUFValueType as VT
@@ -54,16 +55,22 @@ _U32 = (VT.UINT32, enc_scalar(VT.UINT32, 2**32 - 1))
 # -- config ---------------------------------------------------------------------------------
 
 
-def test_block_count_larger_than_the_file(bases: dict[str, Base], tmp_path: Path) -> None:
-    # was: a per-layer tuple with one entry per claimed layer (billions for a uint32 max)
-    f = GGUFFile(_variant(bases["synthetic-llama"], tmp_path / "b.gguf", llama__block_count=(VT.UINT32, enc_scalar(VT.UINT32, 3 * 10**7))))
+def _refused_with_peak(load: Callable[[], object]) -> tuple[pytest.ExceptionInfo[ModelFileError], int]:
+    """load() must raise ModelFileError: its exception info and the peak bytes Python allocated meanwhile."""
     tracemalloc.start()
     try:
         with pytest.raises(ModelFileError) as e:
-            config_from_gguf(f)
+            load()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+    return e, peak
+
+
+def test_block_count_larger_than_the_file(bases: dict[str, Base], tmp_path: Path) -> None:
+    # was: a per-layer tuple with one entry per claimed layer (billions for a uint32 max)
+    f = GGUFFile(_variant(bases["synthetic-llama"], tmp_path / "b.gguf", llama__block_count=(VT.UINT32, enc_scalar(VT.UINT32, 3 * 10**7))))
+    e, peak = _refused_with_peak(lambda: config_from_gguf(f))
     _one_line(e, "block_count is 30000000", "only")
     assert peak < 1 << 20
 
@@ -200,13 +207,7 @@ def test_predictor_architecture_array(bases: dict[str, Base], tmp_path: Path) ->
 def test_gate_predictor_with_absurd_n_ff_allocates_nothing(bases: dict[str, Base], tmp_path: Path) -> None:
     # was: np.zeros(n_ff) for each layer without predictor tensors before checking n_ff (16 GiB here)
     path = _variant(bases["predictor-gate"], tmp_path / "g.predictor", powerinfer__predictor__n_ff=_U32)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelFileError) as e:
-            read_predictor(path)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    e, peak = _refused_with_peak(lambda: read_predictor(path))
     _one_line(e, "act_freq", "expected [4294967295]")
     assert peak < 4 << 20
 
