@@ -129,7 +129,9 @@ class InProcessExecutor(LayerwiseExecutor):
 
     def describe(self) -> Description:
         base = super().describe()
-        return replace(base, computed_share=self.decode_share(), kv_layout="torch")  # torch: keys with the rotary rows permuted
+        sparse = any(isinstance(s, SparseFFNShard) for layer in self.ffns for s in layer)
+        # kv layout "torch": keys with the rotary rows permuted as the torch shards keep them
+        return replace(base, computed_share=self.decode_share() if sparse else None, kv_layout="torch")
 
     def close(self) -> None:
         self.attn.clear()

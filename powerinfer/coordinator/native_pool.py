@@ -33,7 +33,7 @@ from powerinfer.coordinator.executor import Batch, Description, Ints, Want
 from powerinfer.coordinator.gpu_rank import GpuRankSpec
 from powerinfer.coordinator.logits import REFINE, REFINE_MARGIN, answer
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
-from powerinfer.coordinator.stats import PoolStats, layer_runs_text, mib
+from powerinfer.coordinator.stats import PoolStats, layer_runs_text, mib, pinning_text
 from powerinfer.native.decoder import weight
 from powerinfer.native.comm import comm_error, create_segment, merge_latencies_ns
 from powerinfer.cpu_workers.topology import Placement
@@ -112,7 +112,7 @@ class NativePoolExecutor:
 
     def describe(self) -> Description:
         cfg, pids = self.cfg, self.pids
-        where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in self._config.placements) or "not pinned"
+        where = pinning_text(self._config.placements)
         lines = [f"placement  {len(self.ranks)} CPU worker processes ({where}), each a native rank of every layer, merging in shared "
                  "memory; coordinator: steps, refinement of the best logits, sampling",
                  "shards     " + ", ".join(f"w{i}: q heads {r.q0}-{r.q1 - 1}, neurons {r.n0}-{r.n1 - 1}, rows {r.d0}-{r.d1 - 1}"

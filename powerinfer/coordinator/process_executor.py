@@ -20,7 +20,7 @@ from powerinfer.config import ModelConfig
 from powerinfer.coordinator.executor import Description
 from powerinfer.coordinator.layerwise import LayerwiseExecutor
 from powerinfer.coordinator.pool import PoolConfig, WorkerPool
-from powerinfer.coordinator.stats import ExecutorStats, LayerTimings
+from powerinfer.coordinator.stats import ExecutorStats, LayerTimings, pinning_text
 from powerinfer.cpu_workers.topology import plan_placement, read_topology
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.sharding import ShardPlan, plan_shards
@@ -102,7 +102,7 @@ class ProcessExecutor(LayerwiseExecutor):
 
     def describe(self) -> Description:
         pids = self.pids
-        where = ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in self.placements) or "not pinned"
+        where = pinning_text(self.placements)
         heads = ", ".join(f"w{i}: kv {h.kv_start}-{h.kv_stop - 1}" if h else f"w{i}: -" for i, h in enumerate(self.plan.heads))
         return Description(kind="torch shards in worker processes over ZeroMQ", pids=tuple(pids),
                            placement=(f"placement  {len(pids)} CPU worker processes ({where}); coordinator: embeddings, norms, sampling",

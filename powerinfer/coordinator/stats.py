@@ -11,6 +11,8 @@ from typing import Sequence
 
 import numpy as np
 
+from powerinfer.cpu_workers.topology import Placement
+
 
 @dataclass
 class LayerTimings:
@@ -171,6 +173,11 @@ class PoolStats:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def pinning_text(placements: Sequence[Placement]) -> str:
+    """Where each worker is pinned: "w0: node 0 cpus 0,1, ..." (or "not pinned")."""
+    return ", ".join(f"w{p.worker}: node {p.node} cpus {','.join(map(str, p.cpus))}" for p in placements) or "not pinned"
 
 
 def layer_runs_text(layers: Sequence[int]) -> str:

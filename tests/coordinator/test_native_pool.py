@@ -318,7 +318,7 @@ def test_sparse_ranks_equal_the_sparse_decoder_in_process(tmp_path: Path, mode: 
 
 
 def test_pool_stats_tell_imbalance_from_jitter_and_time_outside_native_code() -> None:
-    from powerinfer.coordinator.native_pool import PoolStats
+    from powerinfer.coordinator.stats import PoolStats
 
     s = PoolStats()
     s.add(100.0, [90.0, 80.0], [18.0, 1.0], 120)  # rank 0 waits for rank 1 every time: imbalance
