@@ -25,12 +25,13 @@ import numpy as np
 from powerinfer.chat import ChatMessage, ChatTemplate
 from powerinfer.config import ModelConfig, check_context, config_from_gguf
 from powerinfer.coordinator.engine import Engine
-from powerinfer.coordinator.engine_core import EngineCore, Seq
+from powerinfer.coordinator import sequence
+from powerinfer.coordinator.engine_core import EngineCore
 from powerinfer.coordinator.factory import ExecutorOptions, Model, build_executor
 from powerinfer.errors import ChatTemplateError, InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.memory import release_freed_memory
-from powerinfer.generation import GenerationChunk, SequenceState, checked_request
+from powerinfer.generation import GenerationChunk, checked_request
 from powerinfer.sampling import SamplingParams
 from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.predictors.pwri_model import runnable_model
@@ -149,7 +150,7 @@ class LLM:
         self.n_ctx = n_ctx
         self.sparse = use is not None
         # one step loop and one failure path for generate() here and the server's scheduler
-        self.core = EngineCore(self.engine, restart=self._restart_pool)
+        self.core = EngineCore(self.engine)
         release_freed_memory()
         self.timings = Timings(load_s=time.perf_counter() - t0)
         log.info("loaded %s (%s) in %.2fs", self.config.name, self.config.arch, self.timings.load_s)
@@ -159,18 +160,6 @@ class LLM:
         this request at once and the pool is restarted at the start of the next one."""
         with self.core.guard():
             return self.engine.eval(ids, all_logits=all_logits)
-
-    def check_workers(self) -> None:
-        """Raise WorkerDiedError when a worker process is gone or silent (no-op in process)."""
-        self.engine.executor.check_health()
-
-    def restart_workers(self) -> None:
-        """Start fresh workers (their KV caches are empty, so every slot is forgotten)."""
-        self._check_open()
-        self.core.recover()
-
-    def _restart_pool(self) -> None:
-        self.engine.executor.restart()
 
     # -- tokens --------------------------------------------------------------------------------
 
@@ -228,7 +217,7 @@ class LLM:
             raise InvalidArgumentError("the prompt is empty")
         for old in list(self.core.active):
             self.core.remove(old)
-        seq = Seq(ids, SequenceState(self.tokenizer, ids, max_tokens, params, stop, logprobs, constraint))
+        seq = sequence.Sequence(self.tokenizer, ids, max_tokens, params, stop, logprobs, constraint)
         with self.core.guard():
             self.core.add(seq)
         t = self.timings
@@ -247,11 +236,11 @@ class LLM:
                     t.decode_evals += 1
                 for out in outs:
                     if out.seq is seq:
-                        t.generated_tokens = seq.state.generated
+                        t.generated_tokens = seq.generated
                         # kept current, so a generation stopped early (Ctrl+C, a closed iterator) reports its time too
                         t.generate_s = time.perf_counter() - t_start
                         yield from out.chunks
-                if seq.state.done:
+                if seq.done:
                     return
         finally:
             self.core.remove(seq)

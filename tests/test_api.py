@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from powerinfer.api import LLM
-from powerinfer.generation import _held_back
+from powerinfer.coordinator.sequence import _held_back
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError, ModelFileError
 
 

@@ -110,6 +110,31 @@ def test_no_executor_is_probed_outside_the_factory() -> None:
     assert not found, "\n".join(found)
 
 
+def test_protocol_is_the_wire_format_alone() -> None:
+    """powerinfer.protocol holds messages, their codec, the transport and its errors; starting,
+    watching and restarting processes is powerinfer.processes' and the engine core's. No protocol
+    module reaches for processes, threads or signals to act on them."""
+    import ast
+
+    acting = {"subprocess", "multiprocessing", "threading", "os", "ctypes"}
+    found = []
+    for p in sorted((PACKAGE / "protocol").glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{p.name}: {n}" for n in names if n.split(".")[0] in acting]
+    assert not found, found
+
+
+def test_one_sequence_object_from_the_request_to_the_step() -> None:
+    """The server's handlers, its scheduler, LLM.generate and the engine core all handle
+    coordinator.sequence.Sequence: no second class that wraps or shadows a sequence."""
+    import re
+
+    wrapper = re.compile(r"^class (Job|Seq|SequenceState|Request)\b", re.M)
+    found = [str(p.relative_to(PACKAGE.parent)) for p in sorted(PACKAGE.rglob("*.py")) if wrapper.search(p.read_text(encoding="utf-8"))]
+    assert not found, found
+
+
 def test_mypy_strict_on_the_coordinator_and_the_native_package(tmp_path: Path) -> None:
     """The Executor protocol and every executor type-check with mypy --strict, and so does the
     native package (C bindings whose ctypes signatures are easy to get wrong)."""

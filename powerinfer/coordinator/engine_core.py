@@ -10,18 +10,21 @@ same loop. A step:
    sampled from the chunk's last logits;
 2. every sequence in decode advances by one token in a single batched forward pass.
 
-An embedding sequence (``Seq.pooling``) only prefills: its chunks' final hidden states are pooled
+An embedding sequence (``Sequence.pooling``) only prefills: its chunks' final hidden states are pooled
 (mean or last) and it leaves with the vector when its prompt is done, never sampled.
 
 Sequences join between steps (:meth:`EngineCore.add` gives each a free KV slot: the one whose
 cached tokens share the longest prefix with its prompt, so a chat's next turn reuses its history)
 and leave when done or cancelled (:meth:`EngineCore.remove`).
 
-Failure: a worker that dies or errs during a step (or during any other engine call made through
-:meth:`EngineCore.guard`) fails every active sequence: the core forgets them and the cached tokens
-(the restarted workers hold no KV cache) and re-raises; the next step, or :meth:`recover`,
-restarts the pool first. The caller decides what the error means for its sequences (``LLM``
-raises it, the scheduler sends it to each job's client).
+Supervision is the core's, and only the core's: it checks its executor's health
+(:meth:`EngineCore.check_health`) and restarts it (:meth:`EngineCore.restart`). A worker that dies
+or errs during a step (or during any other engine call made through :meth:`EngineCore.guard`)
+fails every active sequence: the core forgets them and the cached tokens (the restarted workers
+hold no KV cache) and re-raises; the next step, or :meth:`restart`, restarts the executor first.
+The caller decides what the error means for its sequences (``LLM`` raises it, the scheduler sends
+it to each sequence's client). How worker processes are started and watched (heartbeats, exit
+codes) is ``powerinfer.processes``; the executor wraps it.
 """
 
 from __future__ import annotations
@@ -29,45 +32,26 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.lookup import NgramDrafter
 from powerinfer.errors import ContextOverflowError, InvalidArgumentError
-from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.coordinator.sequence import Sequence
+from powerinfer.generation import GenerationChunk
 from powerinfer.protocol import WorkerDiedError, WorkerError
 
 
 SCORE_CHUNK = 64  # prompt tokens a step computes for a prompt being scored (Gemma-3: 64 MiB of logits)
 
 
-@dataclass(eq=False)
-class Seq:
-    """One sequence: its prompt, sampling state, KV slot and how much of the prompt is cached."""
-
-    prompt: list[int]
-    state: SequenceState
-    tag: object = None  # the caller's own handle (the scheduler's job)
-    slot: int = -1
-    prefilled: int = 0
-    cached: int = 0  # prompt tokens found in the slot's cache at admission (not computed again)
-    pooling: str = ""  # "mean" or "last": an embedding (the pooled final hidden state), nothing generated
-    pooled: np.ndarray | None = None  # float32 [d]: the sum (mean) or last row of the hidden states so far
-    drafter: NgramDrafter | None = None  # prompt lookup decoding's n-gram index (made at the first lookup)
-    draft_len: int = 0  # the longest draft to try next: halved when one is wholly rejected, doubled when one is wholly taken
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.prefilled < len(self.prompt)
-
-
 @dataclass
 class StepOutput:
     """What one step did for one sequence: prompt tokens it cached, the chunks it produced."""
 
-    seq: Seq
+    seq: Sequence
     prompt_tokens: int = 0
     chunks: list[GenerationChunk] = field(default_factory=list)
     first: bool = False  # the sequence's first token was sampled in this step
@@ -76,14 +60,13 @@ class StepOutput:
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, restart: Callable[[], None], lookup: int = 0) -> None:
-        """restart: bring up a fresh worker pool (a no-op in process). lookup: prompt lookup
-        decoding's longest draft (0: off; coordinator/lookup.py), used while one sequence decodes."""
+    def __init__(self, engine: Engine, lookup: int = 0) -> None:
+        """lookup: prompt lookup decoding's longest draft (0: off; coordinator/lookup.py), used
+        while one sequence decodes."""
         self.engine = engine
         self.lookup = lookup
         self.drafted = self.accepted = 0  # lookup's drafted and accepted tokens, for its statistics
-        self._restart = restart
-        self.active: list[Seq] = []
+        self.active: list[Sequence] = []
         self.slot_used = [0.0] * engine.n_slots  # last use (monotonic), for the least-recently-used choice
         self.broken = False
         self.last_batch = 0  # sequences in the last decode pass
@@ -93,7 +76,7 @@ class EngineCore:
     def free_slots(self) -> int:
         return self.engine.n_slots - len(self.active)
 
-    def add(self, seq: Seq) -> None:
+    def add(self, seq: Sequence) -> None:
         """Give seq a free slot (longest cached common prefix, then least recently used) and keep
         what of its prompt is cached there."""
         if not seq.prompt:
@@ -106,20 +89,26 @@ class EngineCore:
         free = [s for s in range(self.engine.n_slots) if s not in busy]
         seq.slot = max(free, key=lambda s: (self.engine.common_prefix(seq.prompt, s), -self.slot_used[s]))
         # a prompt to score or embed is computed whole: the cached positions' logits and hidden states are gone
-        keep = 0 if seq.state.score_prompt or seq.pooling else self.engine.reusable_prefix(seq.prompt, seq.slot)
+        keep = 0 if seq.score_prompt or seq.pooling else self.engine.reusable_prefix(seq.prompt, seq.slot)
         self.engine.rewind(keep, seq.slot)
         seq.prefilled = seq.cached = keep
         self.active.append(seq)
 
-    def remove(self, seq: Seq) -> None:
+    def remove(self, seq: Sequence) -> None:
         """seq leaves (done, cancelled or abandoned); its slot keeps its tokens for a later prefix."""
         if seq in self.active:
             self.active.remove(seq)
             self.slot_used[seq.slot] = time.monotonic()
 
-    def recover(self) -> None:
-        """Restart the worker pool (every slot starts empty)."""
-        self._restart()
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a worker process is gone or silent (a no-op in process);
+        the active sequences then fail as in a step, and the next step restarts the executor."""
+        with self.guard():
+            self.engine.executor.check_health()
+
+    def restart(self) -> None:
+        """Start the executor afresh (its workers hold no KV cache: every slot starts empty)."""
+        self.engine.executor.restart()
         self.engine.rewind_all()
         self.broken = False
 
@@ -127,7 +116,7 @@ class EngineCore:
     def guard(self) -> Iterator[None]:
         """Engine calls inside: a worker failure fails every active sequence (see the module docstring)."""
         if self.broken:
-            self.recover()
+            self.restart()
         try:
             yield
         except (WorkerDiedError, WorkerError):
@@ -142,12 +131,12 @@ class EngineCore:
         self.prefill_s = self.decode_s = 0.0
         with self.guard():
             prefilling = [s for s in self.active if s.in_prefill]
-            decoding = [s for s in self.active if not s.in_prefill and s.state.next_token is not None]
+            decoding = [s for s in self.active if not s.in_prefill and s.next_token is not None]
             if prefilling and prefilling[0].pooling:
                 outs.append(self._embed_chunk(prefilling[0]))
             elif prefilling:
                 seq = prefilling[0]
-                score = seq.state.score_prompt
+                score = seq.score_prompt
                 # scored: every row's logits come back, [chunk, vocab], so the chunk is kept small
                 n = min(self.engine.n_batch, SCORE_CHUNK) if score else self.engine.n_batch
                 chunk = seq.prompt[seq.prefilled : seq.prefilled + n]
@@ -155,7 +144,7 @@ class EngineCore:
                 logits = self.engine.eval(chunk, all_logits=score, slot=seq.slot)
                 self.prefill_s = time.perf_counter() - t0
                 if score:
-                    seq.state.score(seq.prefilled, logits)
+                    seq.score(seq.prefilled, logits)
                 seq.prefilled += len(chunk)
                 out = StepOutput(seq, prompt_tokens=len(chunk))
                 if not seq.in_prefill:
@@ -168,35 +157,35 @@ class EngineCore:
                 outs.append(self._verify(decoding[0], draft))
                 self.decode_s = time.perf_counter() - t0
             elif decoding:
-                tokens = [int(s.state.next_token) for s in decoding]  # type: ignore[arg-type]
+                tokens = [int(s.next_token) for s in decoding]  # type: ignore[arg-type]
                 t0 = time.perf_counter()
                 logits = self.engine.decode(tokens, [s.slot for s in decoding])
                 self.decode_s = time.perf_counter() - t0
                 outs.extend(StepOutput(s, chunks=self._sample(s, row), sampled=1) for s, row in zip(decoding, logits))
         return outs
 
-    def _draft(self, seq: Seq) -> list[int]:
+    def _draft(self, seq: Sequence) -> list[int]:
         """Tokens to check after seq's next token: within the context, and no more than it may still generate."""
         room = self.engine.n_ctx - len(self.engine.slot_tokens[seq.slot]) - 1
-        if seq.state.max_tokens > 0:
-            room = min(room, seq.state.max_tokens - seq.state.generated - 1)
+        if seq.max_tokens > 0:
+            room = min(room, seq.max_tokens - seq.generated - 1)
         if room < 1:
             return []
         if seq.drafter is None:
             seq.drafter, seq.draft_len = NgramDrafter(), self.lookup
-        return seq.drafter.draft(seq.state.history, min(seq.draft_len, self.lookup, room))
+        return seq.drafter.draft(seq.history, min(seq.draft_len, self.lookup, room))
 
-    def _verify(self, seq: Seq, draft: list[int]) -> StepOutput:
+    def _verify(self, seq: Sequence, draft: list[int]) -> StepOutput:
         """seq's next token and a draft after it in one pass; each row is sampled in turn while the
         sampler picks the drafted token, and the cache keeps only the tokens that were accepted."""
-        tokens = [int(seq.state.next_token), *draft]  # type: ignore[arg-type]
+        tokens = [int(seq.next_token), *draft]  # type: ignore[arg-type]
         base = len(self.engine.slot_tokens[seq.slot])
         logits = self.engine.verify(tokens, seq.slot)  # [1 + len(draft), vocab]
         out = StepOutput(seq)
         for i, row in enumerate(logits):
             out.chunks.extend(self._sample(seq, row, cached=base + i + 1))
             out.sampled += 1
-            if seq.state.done or i == len(draft) or seq.state.next_token != draft[i]:
+            if seq.done or i == len(draft) or seq.next_token != draft[i]:
                 break
         self.drafted += len(draft)
         self.accepted += out.sampled - 1
@@ -208,7 +197,7 @@ class EngineCore:
         self.engine.rewind(base + out.sampled, seq.slot)  # the rejected draft's KV entries are overwritten later
         return out
 
-    def _embed_chunk(self, seq: Seq) -> StepOutput:
+    def _embed_chunk(self, seq: Sequence) -> StepOutput:
         """One chunk of an embedding's prompt; pooled when the prompt is done, and the sequence leaves."""
         chunk = seq.prompt[seq.prefilled : seq.prefilled + self.engine.n_batch]
         t0 = time.perf_counter()
@@ -224,11 +213,11 @@ class EngineCore:
             self.remove(seq)
         return out
 
-    def _sample(self, seq: Seq, logits: object, cached: int | None = None) -> list[GenerationChunk]:
+    def _sample(self, seq: Sequence, logits: object, cached: int | None = None) -> list[GenerationChunk]:
         """cached: the tokens in seq's cache up to the row of these logits (default: all of them)."""
         n = len(self.engine.slot_tokens[seq.slot]) if cached is None else cached
         full = n + 1 >= self.engine.n_ctx
-        chunks = seq.state.step(logits, context_full=full)  # type: ignore[arg-type]
-        if seq.state.done:
+        chunks = seq.step(logits, context_full=full)  # type: ignore[arg-type]
+        if seq.done:
             self.remove(seq)
         return chunks

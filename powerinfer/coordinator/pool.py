@@ -2,7 +2,7 @@
 
 Runs in: the coordinator process.
 
-The processes, sockets and heartbeats are protocol/supervisor.py's (the GPU worker's handle uses
+The processes, sockets and heartbeats are processes/supervisor.py's (the GPU worker's handle uses
 the same supervisor); this module adds the CPU workers' handshake (HELLO, then a LOAD per worker
 with its shard, placement and transport) and the request/reply call. A worker that exits, is
 killed, or stops beating is reported as :class:`WorkerDiedError` to the request in flight;
@@ -27,7 +27,7 @@ from powerinfer.protocol import (
     ReadyMsg,
     WorkerError,
 )
-from powerinfer.protocol.supervisor import Supervisor
+from powerinfer.processes.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

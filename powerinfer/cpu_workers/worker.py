@@ -9,7 +9,7 @@ transport "shm" (the default): one STEP per forward pass on the native kernels, 
 with the other ranks in shared memory (native_worker.py; no torch is imported);
 transport "zmq": ATTN/FFN/LOGITS per layer on torch shards, PARTIAL sums to the coordinator.
 The life cycle itself (sockets, heartbeat thread, HELLO/LOAD/READY, the per-layer loop) is
-protocol/worker_runtime.py's, shared with the GPU worker; this module says what a CPU worker
+processes/worker_runtime.py's, shared with the GPU worker; this module says what a CPU worker
 loads and computes.
 """
 
@@ -35,7 +35,7 @@ from powerinfer.protocol import (
     ProtocolError,
     as_torch,
 )
-from powerinfer.protocol.worker_runtime import Loaded, WorkerArgs, run_worker, serve_layers
+from powerinfer.processes.worker_runtime import Loaded, WorkerArgs, run_worker, serve_layers
 
 if TYPE_CHECKING:
     import torch
@@ -141,5 +141,5 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 if __name__ == "__main__":
-    # argv: index endpoint heartbeat-endpoint coordinator-pid log-level (protocol/supervisor.py writes it)
+    # argv: index endpoint heartbeat-endpoint coordinator-pid log-level (processes/supervisor.py writes it)
     worker_main(WorkerArgs.parse(sys.argv[1:]))

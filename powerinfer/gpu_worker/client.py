@@ -6,7 +6,7 @@ Both handles have one interface (:class:`GpuHandle`): ``attention_begin`` / ``ff
 layer's GPU work and return a pending result, so the hybrid executor computes the CPU shards
 before it waits. :class:`GpuWorkerProcess` speaks the existing protocol (docs/protocol.md):
 HELLO -> LOAD (model, context, predictor, KV slots) -> READY, then ATTN/FFN -> PARTIAL, started
-and watched by the CPU pool's own supervisor (protocol/supervisor.py: a dead or hung worker is a
+and watched by the CPU pool's own supervisor (processes/supervisor.py: a dead or hung worker is a
 WorkerDiedError). What LOAD cannot carry (backend, budget, the hot neurons of each layer) is the
 :class:`GpuSetup` JSON file the worker is started with, written in the private socket directory
 (mode 0700).
@@ -42,7 +42,7 @@ from powerinfer.protocol import (
     WorkerError,
 )
 from powerinfer.predictors.predictor_file import PredictorFile
-from powerinfer.protocol.supervisor import Supervisor
+from powerinfer.processes.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

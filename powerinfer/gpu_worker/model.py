@@ -321,7 +321,7 @@ class GpuModel:
     def _device_layers(self, first: int, stop: int, x: np.ndarray, pos: np.ndarray, sl: np.ndarray) -> np.ndarray:
         b, ws, d = self.b, self.ws, self.cfg.d_model
         out = np.empty_like(x)
-        layer = first  # the layer being computed, for an error's report (protocol/worker_runtime.py reads failed_layer)
+        layer = first  # the layer being computed, for an error's report (processes/worker_runtime.py reads failed_layer)
         try:
             for i, j in self._chunks(x):
                 t, layer = j - i, first

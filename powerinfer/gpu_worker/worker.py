@@ -9,7 +9,7 @@ neurons of each layer), upload -> READY (weight_bytes = device bytes in use) or 
 GpuMemoryError, whose message the coordinator shows as is) -> ATTN / FFN / LAYERS -> PARTIAL until
 SHUTDOWN; or, with LOAD transport "shm", a rank of the native pool's segment (rank.py) that takes
 its runs of layers there until SHUTDOWN. The life cycle (sockets, heartbeat thread, the per-layer loop) is
-protocol/worker_runtime.py's, shared with the CPU workers. No torch here: numpy, pyzmq and
+processes/worker_runtime.py's, shared with the CPU workers. No torch here: numpy, pyzmq and
 (for ``cuda``) pycuda.
 """
 
@@ -33,7 +33,7 @@ from powerinfer.protocol import (
     LoadMsg,
     Message,
 )
-from powerinfer.protocol.worker_runtime import Loaded, WorkerArgs, run_worker, serve_layers
+from powerinfer.processes.worker_runtime import Loaded, WorkerArgs, run_worker, serve_layers
 from powerinfer.predictors.predictor_file import read_predictor
 
 log = logging.getLogger(__name__)
@@ -95,5 +95,5 @@ def worker_main(args: WorkerArgs) -> None:
 
 
 if __name__ == "__main__":
-    # argv: index endpoint heartbeat-endpoint coordinator-pid log-level setup-file (protocol/supervisor.py writes it)
+    # argv: index endpoint heartbeat-endpoint coordinator-pid log-level setup-file (processes/supervisor.py writes it)
     worker_main(WorkerArgs.parse(sys.argv[1:]))

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
 from powerinfer.server.requests import bad
-from powerinfer.server.scheduler import Job
+from powerinfer.coordinator.sequence import Sequence
 
 if TYPE_CHECKING:
     from powerinfer.server.settings import ServerConfig
@@ -79,20 +79,20 @@ def timings(prompt_n: int, t_submit: float, t_first: float, predicted_n: int, t_
     }
 
 
-def cached_tokens(jobs: list[Job], n: int = 1) -> int:
+def cached_tokens(jobs: list[Sequence], n: int = 1) -> int:
     """Prompt tokens found in the slots' caches (``usage.prompt_tokens_details``), counted once per
     prompt as ``prompt_tokens`` is: by the first of its n choices."""
-    return sum(j.seq.cached for j in jobs if j.seq is not None and j.index % n == 0)
+    return sum(j.cached for j in jobs if j.index % n == 0)
 
 
-def job_timings(jobs: list[Job], predicted_n: int) -> dict[str, float]:
+def job_timings(jobs: list[Sequence], predicted_n: int) -> dict[str, float]:
     """llama.cpp's ``timings`` of a request: its prompts (less the cached tokens) up to the first
     token of any choice, its choices' predicted_n tokens (as counted from their chunks) from then
     to the last one."""
-    prompt_n = sum(len(j.prompt) - (j.seq.cached if j.seq is not None else 0) for j in jobs)
+    prompt_n = sum(len(j.prompt) - j.cached for j in jobs)
     firsts = [j.t_first for j in jobs if j.t_first]
     t_end = max([j.t_end for j in jobs if j.t_end] or [time.monotonic()])
-    cache_n = sum(j.seq.cached for j in jobs if j.seq is not None)
+    cache_n = sum(j.cached for j in jobs)
     return timings(prompt_n, min(j.t_submit for j in jobs), min(firsts) if firsts else 0.0, predicted_n, t_end, cache_n)
 
 

@@ -25,11 +25,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from powerinfer.api import LLM
+from powerinfer.coordinator.sequence import Embedded, Sequence
 from powerinfer.errors import PowerInferError
-from powerinfer.generation import SequenceState
 from powerinfer.sampling import SamplingParams
 from powerinfer.server.requests import APIError, bad
-from powerinfer.server.scheduler import Embedded, Job, Scheduler
+from powerinfer.server.scheduler import Scheduler
 from powerinfer.server.streaming import ClientGone, event_queue, failure, submit, watch_disconnect
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
@@ -108,7 +108,7 @@ async def respond(request: Request, req: EmbeddingRequest, llm: LLM, sched: Sche
     prompts = await run_in_threadpool(token_ids, llm, req)
     queue, sink = event_queue()
     greedy = SamplingParams(temperature=0)
-    jobs = [Job(ids, SequenceState(llm.tokenizer, ids, 0, greedy), sink, index=i, pooling=pooling) for i, ids in enumerate(prompts)]
+    jobs = [Sequence(llm.tokenizer, ids, 0, greedy, pooling=pooling, sink=sink, index=i) for i, ids in enumerate(prompts)]
     submit(sched, jobs)
     watcher = asyncio.ensure_future(watch_disconnect(request, sched, jobs, queue))
     vectors: dict[int, np.ndarray] = {}

@@ -15,13 +15,13 @@ from starlette.requests import Request
 from powerinfer.api import LLM
 from powerinfer.constrained import TokenConstraint
 from powerinfer.errors import InvalidArgumentError, PowerInferError
-from powerinfer.generation import SequenceState
 from powerinfer.sampling import SamplingParams
 from powerinfer.server import reasoning, tools
 from powerinfer.server.compat import cached_tokens, job_timings
 from powerinfer.server.requests import APIError, ChatRequest, CompletionRequest, GenerationRequest, bad, check_logit_bias
 from powerinfer.server.responses import Shapes
-from powerinfer.server.scheduler import Event, Job, Scheduler
+from powerinfer.coordinator.sequence import Event, Sequence
+from powerinfer.server.scheduler import Scheduler
 from powerinfer.server.settings import ServerConfig
 from powerinfer.server.streaming import collect, event_queue, stream, submit, watch_disconnect
 
@@ -59,7 +59,7 @@ def prompt_ids(llm: LLM, req: ChatRequest | CompletionRequest) -> list[list[int]
 
 def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: list[list[int]],
                 config: ServerConfig, score_prompt: bool = False,
-                spec: tools.ToolSpec | None = None) -> tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]:
+                spec: tools.ToolSpec | None = None) -> tuple[list[Sequence], "asyncio.Queue[tuple[int, Event]]"]:
     """Queue a request's sequences (choice i answers prompt i // n, sampled as choice i % n); their
     events arrive on the returned queue (on this event loop) as (choice index, chunk or error).
     score_prompt: the prompts' logprobs too (completions with echo and logprobs). spec: the chat's
@@ -77,9 +77,9 @@ def submit_jobs(llm: LLM, sched: Scheduler, common: GenerationRequest, prompts: 
         except InvalidArgumentError as e:  # e.g. it names tokens this vocabulary lacks
             raise bad(str(e), "grammar") from None
 
-    jobs = [Job(list(ids), SequenceState(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop,
-                                         common.logprobs, constraint(), score_prompt,
-                                         tools.RepeatGuard() if spec is not None and spec.parallel else None), sink, index=p * common.n + j)
+    jobs = [Sequence(llm.tokenizer, ids, max_tokens, choice_sampling(common.sampling, j), common.stop, common.logprobs,
+                     constraint(), score_prompt, tools.RepeatGuard() if spec is not None and spec.parallel else None,
+                     sink=sink, index=p * common.n + j)
             for p, ids in enumerate(prompts) for j in range(common.n)]
     submit(sched, jobs)
     return jobs, queue
@@ -119,7 +119,7 @@ async def run_jobs(request: Request, llm: LLM, sched: Scheduler, req: ChatReques
         watcher.cancel()
         sched.cancel([j for j in jobs if not j.finished])
     for job in jobs:
-        results[job.index].prompt_logprobs = job.state.prompt_logprobs
+        results[job.index].prompt_logprobs = job.prompt_logprobs
     body = shapes.final(results, n_prompt, common.logprobs is not None, echo, cached=cached_tokens(jobs, common.n))
     if think is not None:
         for choice in body["choices"]:

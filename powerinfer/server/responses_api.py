@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from powerinfer.server import reasoning
 from powerinfer.server.requests import APIError, ChatRequest, bad, parse_chat
-from powerinfer.server.scheduler import Event, Job, Scheduler
+from powerinfer.coordinator.sequence import Event, Sequence
+from powerinfer.server.scheduler import Scheduler
 from powerinfer.server.streaming import collect, failure, watch_disconnect
 
 REFUSED = ("previous_response_id", "tools", "conversation", "background", "prompt")
@@ -126,7 +127,7 @@ def _sse(event: str, data: dict[str, Any]) -> bytes:
 
 
 async def respond(request: Request, body: dict[str, Any], req: ChatRequest, prompt: list[int], sched: Scheduler, model: str,
-                  submit: Callable[..., tuple[list[Job], "asyncio.Queue[tuple[int, Event]]"]], think: bool | None = None) -> Response:
+                  submit: Callable[..., tuple[list[Sequence], "asyncio.Queue[tuple[int, Event]]"]], think: bool | None = None) -> Response:
     """think: whether the reply starts inside a thought (None: no reasoning split; generate.thinking)."""
     if req.common.n != 1:
         raise bad("'n' is not a Responses parameter", "n")
@@ -143,12 +144,12 @@ async def respond(request: Request, body: dict[str, Any], req: ChatRequest, prom
         sched.cancel([j for j in jobs if not j.finished])
     r = results[0]
     status, reason = ("incomplete", "max_output_tokens") if r.finish_reason == "length" else ("completed", None)
-    cached = jobs[0].seq.cached if jobs[0].seq is not None else 0
+    cached = jobs[0].cached
     thought, text = reasoning.split("".join(r.text), think) if think is not None else ("", "".join(r.text))
     return JSONResponse(shape.response(status, text, _usage(len(prompt), r.tokens, cached), reason, thought))
 
 
-async def _events(shape: Shape, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
+async def _events(shape: Shape, sched: Scheduler, jobs: list[Sequence], queue: "asyncio.Queue[tuple[int, Event]]",
                   n_prompt: int, think: bool | None = None) -> AsyncIterator[bytes]:
     """The Responses stream: a reasoning item first when the model thinks (its text as
     reasoning_text deltas), then the message; each item is added when its first text comes."""
@@ -229,7 +230,7 @@ async def _events(shape: Shape, sched: Scheduler, jobs: list[Job], queue: "async
         yield ev("response.content_part.done", **w, part={"type": "output_text", "text": full, "annotations": [], "logprobs": []})
         yield ev("response.output_item.done", output_index=w["output_index"],
                  item=shape.message(full, "completed" if status == "completed" else "incomplete"))
-        cached = jobs[0].seq.cached if jobs[0].seq is not None else 0
+        cached = jobs[0].cached
         yield ev(f"response.{status}", response=shape.response(status, full, _usage(n_prompt, tokens, cached), reason, "".join(thought)))
     finally:
         sched.cancel([j for j in jobs if not j.finished])

@@ -2,8 +2,9 @@
 
 Runs in: the server process (the coordinator), in one thread that alone touches the model.
 
-Each choice of each request is a :class:`Job`. Up to ``n_slots`` jobs are active, each in its own
-KV-cache slot; the rest wait in a bounded FIFO. Every loop iteration (a "step"):
+Each choice of each request is one :class:`~powerinfer.coordinator.sequence.Sequence` (the same
+object from the HTTP handler that makes it to the engine core that steps it; "job" below). Up to
+``n_slots`` jobs are active, each in its own KV-cache slot; the rest wait in a bounded FIFO. Every loop iteration (a "step"):
 
 1. cancelled jobs (client gone) leave, freeing their slot;
 2. waiting jobs take free slots (the slot whose cached tokens share the longest prefix with the
@@ -17,8 +18,9 @@ decoded alone (attention is per slot; norms, projections and the head refinement
 so temperature-0 output does not depend on who else is being served.
 
 Results go to each job's ``sink`` (called from this thread; the HTTP side makes it thread-safe).
-A worker failure fails the jobs in flight with the error, restarts the pool and carries on with
-the waiting jobs; ``healthy`` is False until the restart is done.
+A worker failure fails the jobs in flight with the error, has the engine core (which owns
+supervision) restart its executor and carries on with the waiting jobs; ``healthy`` is False until
+the restart is done.
 """
 
 from __future__ import annotations
@@ -28,15 +30,12 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, TypeVar, Union
-
-import numpy as np
+from typing import Callable, TypeVar
 
 from powerinfer.api import LLM
-from powerinfer.coordinator.engine_core import Seq
+from powerinfer.coordinator.sequence import Embedded, Sequence
 from powerinfer.errors import PowerInferError
-from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.generation import GenerationChunk
 from powerinfer.protocol import WorkerDiedError, WorkerError
 from powerinfer.server.metrics import ServerMetrics
 
@@ -54,37 +53,6 @@ class ShuttingDownError(PowerInferError):
     """The server is stopping and takes no new work."""
 
 
-@dataclass(frozen=True)
-class Embedded:
-    """An embedding job's one event: its pooled final hidden state, float32 [d], not normalized."""
-
-    vector: np.ndarray
-
-
-Event = Union[GenerationChunk, Embedded, BaseException]  # an exception is the job's last event
-
-
-@dataclass(eq=False)
-class Job:
-    """One sequence to generate: a prompt, its sampling state, and where its chunks go."""
-
-    prompt: list[int]
-    state: SequenceState
-    sink: Callable[["Job", Event], None]
-    index: int = 0  # choice index within its request
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    t_submit: float = field(default_factory=time.monotonic)
-    t_first: float = 0.0  # first token emitted (monotonic), 0 before
-    t_end: float = 0.0  # the last token emitted (monotonic), set before its chunks reach the sink
-    finished: bool = False
-    seq: Seq | None = None  # the engine core's view (slot, prompt tokens cached), made at admission
-    pooling: str = ""  # "mean" or "last": an embedding job (one Embedded event), nothing generated
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.state.history) - self.state.n_prompt
-
-
 class Scheduler:
     def __init__(self, llm: LLM, metrics: ServerMetrics, max_queue: int) -> None:
         self.llm = llm
@@ -92,8 +60,8 @@ class Scheduler:
         self.metrics = metrics
         self.max_queue = max_queue
         self.n_slots = llm.engine.n_slots
-        self.waiting: collections.deque[Job] = collections.deque()
-        self.active: list[Job] = []
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.active: list[Sequence] = []
         self.cond = threading.Condition()
         self.stopping = False
         self.draining = False  # shutting down: no new jobs; those running may finish
@@ -109,7 +77,7 @@ class Scheduler:
         self.thread = threading.Thread(target=self.run, name="powerinfer-scheduler", daemon=True)
         self.thread.start()
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, jobs: list[Sequence]) -> None:
         """Queue all jobs of one request, or none (QueueFullError / ShuttingDownError)."""
         with self.cond:
             if self.stopping or self.draining:
@@ -150,7 +118,7 @@ class Scheduler:
                     self._fail_active(e)
                     self._restart()
 
-    def cancel(self, jobs: list[Job]) -> None:
+    def cancel(self, jobs: list[Sequence]) -> None:
         for job in jobs:
             job.cancelled.set()
         with self.cond:
@@ -210,8 +178,7 @@ class Scheduler:
         for _, fut in calls:
             fut.set_exception(err)
         for job in jobs:
-            if job.seq is not None:
-                self.core.remove(job.seq)
+            self.core.remove(job)
             self._end(job, err)
 
     def _step(self) -> None:
@@ -225,8 +192,7 @@ class Scheduler:
         if self.core.last_batch:
             self.metrics.batch_size.observe(self.core.last_batch)
         for out in outs:
-            job = out.seq.tag
-            assert isinstance(job, Job)
+            job = out.seq
             if out.prompt_tokens:
                 self.metrics.prompt_tokens.inc(out.prompt_tokens)
             if out.embedding is not None:
@@ -234,7 +200,7 @@ class Scheduler:
                 self.metrics.requests.labels("ok").inc()
                 job.finished = True
                 self._release(job)
-                job.sink(job, Embedded(out.embedding))
+                job.send(Embedded(out.embedding))
             elif out.chunks or out.first or not out.prompt_tokens:
                 self._emit(job, out.chunks, max(1, out.sampled))
 
@@ -255,15 +221,14 @@ class Scheduler:
         with self.cond:
             while self.waiting and len(self.active) < self.n_slots:
                 job = self.waiting.popleft()
-                job.seq = Seq(job.prompt, job.state, tag=job, pooling=job.pooling)
-                self.core.add(job.seq)
-                if job.seq.cached:
-                    self.metrics.prompt_tokens_cache.inc(job.seq.cached)
+                self.core.add(job)
+                if job.cached:
+                    self.metrics.prompt_tokens_cache.inc(job.cached)
                 self.active.append(job)
             self.metrics.waiting.set(len(self.waiting))
             self.metrics.running.set(len(self.active))
 
-    def _emit(self, job: Job, chunks: list[GenerationChunk], sampled: int = 1) -> None:
+    def _emit(self, job: Sequence, chunks: list[GenerationChunk], sampled: int = 1) -> None:
         """sampled tokens (one, or more from a lookup draft) were sampled for job: their chunks,
         possibly none while a stop string may start."""
         now = time.monotonic()
@@ -271,11 +236,11 @@ class Scheduler:
             job.t_first = now
             self.metrics.ttft.observe(now - job.t_submit)
         self.metrics.generation_tokens.inc(sampled)
-        if job.state.done:
+        if job.done:
             job.t_end = now
         for c in chunks:
-            job.sink(job, c)
-        if job.state.done:
+            job.send(c)
+        if job.done:
             n = job.completion_tokens
             if n > 1:
                 self.metrics.tpot.observe((now - job.t_first) / (n - 1))
@@ -283,41 +248,40 @@ class Scheduler:
             job.finished = True
             self._release(job)
 
-    def _release(self, job: Job) -> None:
-        if job.seq is not None:
-            self.core.remove(job.seq)
+    def _release(self, job: Sequence) -> None:
+        self.core.remove(job)
         if job in self.active:
             self.active.remove(job)
         self.metrics.running.set(len(self.active))
 
-    def _end(self, job: Job, error: BaseException) -> None:
+    def _end(self, job: Sequence, error: BaseException) -> None:
         if not job.finished:
             job.finished = True
             self.metrics.requests.labels("error").inc()
-            job.sink(job, error)
+            job.send(error)
 
     def _fail_active(self, error: BaseException) -> None:
         jobs, self.active = self.active, []
         for job in jobs:
-            if job.seq is not None:
-                self.core.remove(job.seq)
+            self.core.remove(job)
         self.metrics.running.set(0)
         for job in jobs:
             self._end(job, error)
 
     def _check_workers(self) -> None:
         try:
-            self.llm.check_workers()
+            self.core.check_health()
         except (WorkerDiedError, WorkerError) as e:
             log.error("worker check failed: %s", e)
+            self._fail_active(e)
             self._restart()
 
     def _restart(self) -> None:
-        """Restart the worker pool (new processes hold no KV cache: every slot starts empty)."""
+        """The engine core restarts its executor (new workers hold no KV cache: every slot starts empty)."""
         self.healthy = False
         self.metrics.healthy.set(0)
         try:
-            self.llm.restart_workers()
+            self.core.restart()
         except Exception:  # noqa: BLE001 - stay unhealthy; the next health check tries again
             log.exception("restarting the workers failed")
             return

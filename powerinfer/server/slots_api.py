@@ -41,7 +41,7 @@ def check_filename(name: Any) -> str:
 
 
 def _slot_busy(sched: Scheduler, slot: int) -> bool:
-    return any(j.seq is not None and j.seq.slot == slot for j in sched.active)
+    return any(j.slot == slot for j in sched.active)
 
 
 def add_slot_routes(app: FastAPI, use: Any, folder: str | None, check_key: Any, read_body: Any) -> None:
@@ -53,7 +53,7 @@ def add_slot_routes(app: FastAPI, use: Any, folder: str | None, check_key: Any, 
         async with use(request.query_params.get("model")) as host:
             llm, sched = host.ready()
         eng = llm.engine
-        busy = {j.seq.slot for j in list(sched.active) if j.seq is not None}
+        busy = {j.slot for j in list(sched.active)}
         return JSONResponse([{"id": i, "n_ctx": eng.n_ctx, "is_processing": i in busy, "n_cached": len(eng.slot_tokens[i])}
                              for i in range(eng.n_slots)])
 

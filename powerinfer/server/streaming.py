@@ -18,7 +18,8 @@ from powerinfer.server import reasoning, tools
 from powerinfer.server.compat import cached_tokens, job_timings
 from powerinfer.server.requests import APIError, GenerationRequest
 from powerinfer.server.responses import ChoiceResult, Shapes, sse
-from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+from powerinfer.coordinator.sequence import Event, Sequence
+from powerinfer.server.scheduler import QueueFullError, Scheduler, ShuttingDownError
 
 
 def failure(e: BaseException) -> APIError:
@@ -30,20 +31,20 @@ def failure(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}", type="server_error", code="internal_error")
 
 
-def event_queue() -> tuple["asyncio.Queue[tuple[int, Event]]", Callable[[Job, Event], None]]:
+def event_queue() -> tuple["asyncio.Queue[tuple[int, Event]]", Callable[[Sequence, Event], None]]:
     """A request's queue on this event loop, and the sink the scheduler thread feeds it through:
     (choice index, chunk or error) per event."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
-    def sink(job: Job, ev: Event) -> None:  # scheduler thread -> event loop
+    def sink(job: Sequence, ev: Event) -> None:  # scheduler thread -> event loop
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
             loop.call_soon_threadsafe(queue.put_nowait, (job.index, ev))
 
     return queue, sink
 
 
-def submit(sched: Scheduler, jobs: list[Job]) -> None:
+def submit(sched: Scheduler, jobs: list[Sequence]) -> None:
     """Queue a request's jobs, or answer 429 (queue full) / 503 (shutting down)."""
     try:
         sched.submit(jobs)
@@ -57,7 +58,7 @@ class ClientGone(Exception):
     """Queued by the disconnect watcher: the client of a non-streaming request hung up."""
 
 
-async def watch_disconnect(request: Request, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]") -> None:
+async def watch_disconnect(request: Request, sched: Scheduler, jobs: list[Sequence], queue: "asyncio.Queue[tuple[int, Event]]") -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     sched.cancel([j for j in jobs if not j.finished])
@@ -84,7 +85,7 @@ async def collect(queue: "asyncio.Queue[tuple[int, Event]]", n: int) -> list[Cho
     return results
 
 
-async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyncio.Queue[tuple[int, Event]]",
+async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Sequence], queue: "asyncio.Queue[tuple[int, Event]]",
                  common: GenerationRequest, prompt_tokens: int, echo: list[str], spec: tools.ToolSpec | None = None,
                  think: list[bool] | None = None) -> AsyncIterator[bytes]:
     """SSE events until every choice finished; leaving early (client gone) cancels the jobs. With
@@ -101,7 +102,7 @@ async def stream(shapes: Shapes, sched: Scheduler, jobs: list[Job], queue: "asyn
         offset = {j.index: 0 if shapes.chat else len(echo[j.index]) for j in jobs}
         # echo with logprobs: the prompt's logprobs, known once its prefill is done (before the
         # choice's first event), go out as one event of their own
-        scored = {j.index: j.state for j in jobs if j.state.score_prompt}
+        scored = {j.index: j for j in jobs if j.score_prompt}
         while open_:
             idx, ev = await queue.get()
             if isinstance(ev, BaseException):

@@ -177,7 +177,7 @@ def _key(name: str, args: Any) -> str:
 
 
 class RepeatGuard:
-    """A sequence's watch (SequenceState): True once the reply repeats a call it already made. A
+    """A sequence's watch (coordinator/sequence.py): True once the reply repeats a call it already made. A
     small model allowed several calls writes the same one again and again until max_tokens (or
     the grammar's MAX_PARALLEL_CALLS); a repeat is never a new call, so the reply ends there."""
 

@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from tests.processes import worker_children
+from tests.processes.children import worker_children
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.hybrid_executor import GpuOptions
 from powerinfer.protocol import WorkerDiedError
-from tests.processes import worker_children
+from tests.processes.children import worker_children
 from tests.server.conftest import start_server
 
 OPTS = GpuOptions(backend="cpu", vram_budget_gib=0.002, n_gpu_layers=1)

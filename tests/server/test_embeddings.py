@@ -17,8 +17,7 @@ import openai
 import pytest
 
 from powerinfer.api import LLM
-from powerinfer.coordinator.engine_core import Seq
-from powerinfer.generation import SequenceState
+from powerinfer.coordinator.sequence import Sequence
 from powerinfer.sampling import SamplingParams
 from tests.server.conftest import RunningServer, serving
 
@@ -27,7 +26,7 @@ pytestmark = pytest.mark.real_model
 
 def _embed(llm: LLM, text: str, pooling: str) -> np.ndarray:
     ids = llm.tokenize(text)
-    seq = Seq(ids, SequenceState(llm.tokenizer, ids, 0, SamplingParams(temperature=0)), pooling=pooling)
+    seq = Sequence(llm.tokenizer, ids, 0, SamplingParams(temperature=0), pooling=pooling)
     llm.core.add(seq)
     for _ in range(len(ids)):  # one chunk a step: a prompt within n_batch takes one
         for out in llm.core.step():

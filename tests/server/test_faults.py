@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.processes import worker_children
+from tests.processes.children import worker_children
 from tests.server.conftest import RunningServer, start_server
 
 pytestmark = pytest.mark.real_model

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.processes import worker_children
+from tests.processes.children import worker_children
 from tests.server.conftest import N_PREDICT, RunningServer, start_server
 
 pytestmark = pytest.mark.real_model

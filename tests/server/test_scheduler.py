@@ -12,11 +12,12 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.api import LLM
-from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.coordinator.sequence import Event, Sequence
+from powerinfer.generation import GenerationChunk
 from powerinfer.protocol import WorkerDiedError
 from powerinfer.sampling import SamplingParams
 from powerinfer.server.metrics import ServerMetrics
-from powerinfer.server.scheduler import Event, Job, QueueFullError, Scheduler, ShuttingDownError
+from powerinfer.server.scheduler import QueueFullError, Scheduler, ShuttingDownError
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = [[256, 72, 101, 108], [256, 119, 111, 114, 108, 100, 33], [256, 65, 66], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9], [256, 10]]
@@ -31,25 +32,25 @@ def llm(make_model: Callable[..., Path]) -> Iterator[LLM]:
 
 class Collector:
     def __init__(self) -> None:
-        self.events: dict[int, list[Event]] = {}
+        self.events: dict[Sequence, list[Event]] = {}  # by the sequence itself: an id() is reused once one is freed
         self.done = threading.Event()
         self.expected = 0
         self.lock = threading.Lock()
 
-    def sink(self, job: Job, ev: Event) -> None:
+    def sink(self, job: Sequence, ev: Event) -> None:
         with self.lock:
-            self.events.setdefault(id(job), []).append(ev)
+            self.events.setdefault(job, []).append(ev)
             if isinstance(ev, BaseException) or (isinstance(ev, GenerationChunk) and ev.finish_reason is not None):
                 self.expected -= 1
                 if self.expected == 0:
                     self.done.set()
 
-    def jobs(self, llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Job]:
+    def jobs(self, llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Sequence]:
         self.expected += len(prompts)
-        return [Job(p, SequenceState(llm.tokenizer, p, max_tokens, GREEDY), self.sink, index=i) for i, p in enumerate(prompts)]
+        return [Sequence(llm.tokenizer, p, max_tokens, GREEDY, sink=self.sink, index=i) for i, p in enumerate(prompts)]
 
-    def tokens(self, job: Job) -> list[int]:
-        return [e.token for e in self.events[id(job)] if isinstance(e, GenerationChunk) and e.token >= 0]
+    def tokens(self, job: Sequence) -> list[int]:
+        return [e.token for e in self.events[job] if isinstance(e, GenerationChunk) and e.token >= 0]
 
 
 def run(llm: LLM, max_queue: int = 16) -> Scheduler:
@@ -86,16 +87,16 @@ def test_scored_prompts_match_the_full_logits(llm: LLM) -> None:
     try:
         for max_tokens in (0, 2, 0):  # the second and third find the prompt cached: it is computed again
             col.expected += 1
-            job = Job(prompt, SequenceState(llm.tokenizer, prompt, max_tokens, GREEDY, logprobs=2, score_prompt=True), col.sink)
+            job = Sequence(llm.tokenizer, prompt, max_tokens, GREEDY, logprobs=2, score_prompt=True, sink=col.sink)
             sched.submit([job])
             assert col.done.wait(60)
             col.done.clear()
-            lps = job.state.prompt_logprobs
+            lps = job.prompt_logprobs
             assert [lp.token for lp in lps] == prompt and lps[0].logprob is None
             got = np.array([lp.logprob for lp in lps[1:]])
             assert np.abs(got - want[np.arange(len(prompt) - 1), prompt[1:]]).max() < 1e-4
             assert all(len(lp.top) == 2 and lp.top[0][2] >= lp.top[1][2] for lp in lps[1:])
-            assert len(col.tokens(job)) == max_tokens and job.state.finish_reason == "length"
+            assert len(col.tokens(job)) == max_tokens and job.finish_reason == "length"
     finally:
         sched.stop()
 
@@ -108,7 +109,7 @@ def test_cancel_frees_the_slot_within_one_step_and_queue_is_bounded(llm: LLM) ->
         seen: dict[int, int] = {}
         plain = col.sink
 
-        def cancelling(job: Job, ev: Event) -> None:  # the client "disconnects" after its 2nd token
+        def cancelling(job: Sequence, ev: Event) -> None:  # the client "disconnects" after its 2nd token
             plain(job, ev)
             seen[job.index] = seen.get(job.index, 0) + 1
             if seen[job.index] == 2:
@@ -152,19 +153,18 @@ def test_worker_failure_fails_jobs_in_flight_and_recovers(llm: LLM, monkeypatch:
             raise WorkerDiedError("worker 0 (pid 1) killed by SIGKILL while computing layer 1")
         return real(ids, slots)
 
-    def restart() -> None:
+    def restart() -> None:  # the engine core restarts its executor (and forgets every slot's tokens)
         calls["restarts"] += 1
-        llm.engine.rewind_all()
 
     monkeypatch.setattr(llm.engine, "decode", flaky)
-    monkeypatch.setattr(llm, "restart_workers", restart)
+    monkeypatch.setattr(llm.engine.executor, "restart", restart)
     col = Collector()
     sched = run(llm)
     try:
         first = col.jobs(llm, PROMPTS[:2], 8)
         sched.submit(first)
         assert col.done.wait(60)
-        assert all(isinstance(col.events[id(j)][-1], WorkerDiedError) for j in first)
+        assert all(isinstance(col.events[j][-1], WorkerDiedError) for j in first)
         assert calls["restarts"] == 1 and sched.healthy
         col.done.clear()
         after = col.jobs(llm, PROMPTS[2:3], 4)
@@ -202,9 +202,8 @@ def test_random_overlapping_sequences_equal_lone_generation(make_model: Callable
         order = sorted(range(1, len(specs)), key=lambda i: arrivals[i - 1])
 
         col = Collector()
-        jobs = col.jobs(llm, prompts, 0)
-        for job, (_, m) in zip(jobs, specs):
-            job.state = SequenceState(llm.tokenizer, job.prompt, m, GREEDY)
+        col.expected += len(prompts)
+        jobs = [Sequence(llm.tokenizer, p, m, GREEDY, sink=col.sink, index=i) for i, (p, (_, m)) in enumerate(zip(prompts, specs))]
         crossed: set[int] = set()
         real = llm.engine.decode
 
@@ -218,7 +217,7 @@ def test_random_overlapping_sequences_equal_lone_generation(make_model: Callable
         plain = col.sink
         pending = [(arrivals[i - 1], jobs[i]) for i in order]
 
-        def arriving(job: Job, ev: Event) -> None:  # later jobs arrive as job 0 reaches its arrival points
+        def arriving(job: Sequence, ev: Event) -> None:  # later jobs arrive as job 0 reaches its arrival points
             plain(job, ev)
             if isinstance(ev, BaseException):  # a failed step: the jobs not yet arrived never will
                 col.done.set()
@@ -233,7 +232,7 @@ def test_random_overlapping_sequences_equal_lone_generation(make_model: Callable
         finally:
             sched.stop()
             llm.engine.decode = real  # type: ignore[method-assign]
-        errors = [e for j in jobs for e in col.events.get(id(j), []) if isinstance(e, BaseException)]
+        errors = [e for j in jobs for e in col.events.get(j, []) if isinstance(e, BaseException)]
         assert not errors
         assert [col.tokens(j) for j in jobs] == alone
         assert crossed == {256, 512, 1024}
@@ -283,8 +282,8 @@ def test_cached_tokens_follow_llama_servers_rule(make_model: Callable[..., Path]
             sched.submit(jobs)
             assert col.done.wait(60)
             col.done.clear()
-            assert [j.seq.cached for j in jobs if j.seq is not None] == want, (group, want)
-            assert [j.seq.slot for j in jobs if j.seq is not None] == chosen
+            assert [j.cached for j in jobs] == want, (group, want)
+            assert [j.slot for j in jobs] == chosen
             for c, p, s, j in zip(group, prompts, chosen, jobs):
                 gen = col.tokens(j)
                 history[c[0]] = p + gen

@@ -19,7 +19,7 @@ def mask_time_us(model: str, schema: dict[str, Any] | None = None, steps: int = 
     import time
 
     from powerinfer.api import LLM
-    from powerinfer.generation import SequenceState
+    from powerinfer.coordinator.sequence import Sequence
     from powerinfer.sampling import SamplingParams
 
     llm = LLM(model, executor="inprocess")
@@ -30,7 +30,7 @@ def mask_time_us(model: str, schema: dict[str, Any] | None = None, steps: int = 
         grammar_tokenizer(llm.tokenizer, vocab)  # built once per model, not per token
         c = TokenConstraint(llm.tokenizer, vocab, grammar)
         ids = llm.chat_ids([{"role": "user", "content": "Describe a person as JSON."}])
-        st = SequenceState(llm.tokenizer, ids, steps, SamplingParams(temperature=0), constraint=c)
+        st = Sequence(llm.tokenizer, ids, steps, SamplingParams(temperature=0), constraint=c)
         llm.engine.rewind(0)
         logits = llm.engine.eval(ids)[-1]
         times = []

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from powerinfer.protocol import HelloMsg, ShutdownMsg, WorkerDiedError
-from powerinfer.protocol.supervisor import Supervisor, describe_exit, sweep_stale_dirs
-from powerinfer.protocol.worker_runtime import WorkerArgs
+from powerinfer.processes.supervisor import Supervisor, describe_exit, sweep_stale_dirs
+from powerinfer.processes.worker_runtime import WorkerArgs
 
 
 def test_worker_args_round_trip_and_usage() -> None:
@@ -88,7 +88,7 @@ def test_a_killed_worker_is_noticed_between_requests() -> None:
 def test_an_unclosed_pool_leaves_no_socket_directory() -> None:
     # An owner that never calls close(): the directory goes when the interpreter exits (it used to
     # stay in /tmp, one per pool); the worker, its coordinator gone, exits by itself.
-    code = ("import sys\nfrom powerinfer.protocol.supervisor import Supervisor\n"
+    code = ("import sys\nfrom powerinfer.processes.supervisor import Supervisor\n"
             "s = Supervisor('powerinfer.cpu_workers.worker', 1, 'WARNING', lambda i: 'worker')\n"
             "s.gather({0}, 60.0, 'starting')\nprint(s.dir, s.pids[0])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout.split()
@@ -135,7 +135,7 @@ def test_the_next_coordinator_removes_a_dead_ones_socket_directory(tmp_path: Pat
 def test_a_sigkilled_coordinator_leaves_no_socket_directory() -> None:
     """SIGKILL (the OOM killer, kill -9 of a server) runs no cleanup in the coordinator: its reaper
     shell removes the directory within a second or two; the worker dies with the coordinator."""
-    code = ("import sys, time\nfrom powerinfer.protocol.supervisor import Supervisor\n"
+    code = ("import sys, time\nfrom powerinfer.processes.supervisor import Supervisor\n"
             "s = Supervisor('powerinfer.cpu_workers.worker', 1, 'WARNING', lambda i: 'worker')\n"
             "s.gather({0}, 60.0, 'starting')\nprint(s.dir, s.pids[0], flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -1,7 +1,7 @@
 """The life cycle every worker process shares, CPU or GPU: connect, HELLO, LOAD, READY, serve, stop.
 
 Runs in: worker processes (cpu_workers/worker.py and gpu_worker/worker.py call run_worker; the
-coordinator side of the same life cycle is protocol/supervisor.py).
+coordinator side of the same life cycle is processes/supervisor.py).
 
 A worker is started as ``python -m MODULE INDEX CTL HB COORDINATOR_PID LOG_LEVEL [EXTRA...]``
 (WorkerArgs). run_worker asks the kernel to kill it with its parent, ignores the terminal's
@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 from powerinfer.protocol.errors import ProtocolError
-from powerinfer.protocol.lifecycle import die_with_parent, heartbeat
+from powerinfer.processes.lifecycle import die_with_parent, heartbeat
 from powerinfer.protocol.messages import PROTOCOL_VERSION, ErrorMsg, HelloMsg, LoadMsg, Message, PartialMsg, ReadyMsg, ShutdownMsg
 from powerinfer.protocol.transport import recv, send, socket_limits, worker_identity
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class WorkerArgs:
-    """A worker's command line (written by protocol/supervisor.py)."""
+    """A worker's command line (written by processes/supervisor.py)."""
 
     index: int
     endpoint: str

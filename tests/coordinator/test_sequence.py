@@ -1,4 +1,4 @@
-"""SequenceState on forced tokens: the text it emits, and the logprobs of the tokens that wrote it
+"""Sequence (coordinator/sequence.py) on forced tokens: the text it emits, and the logprobs of the tokens that wrote it
 (held back with a possible stop string, dropped where a stop cuts, offsets of split characters).
 
 Runs in: the test process (no model: a byte-level vocabulary and one-hot logits).
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from powerinfer.generation import GenerationChunk, SequenceState
+from powerinfer.coordinator.sequence import Sequence
+from powerinfer.generation import GenerationChunk
 from powerinfer.sampling import SamplingParams
 from powerinfer.tokenizer import GGUFTokenizer
 from tests.test_tokenizer import bpe_meta
@@ -25,7 +26,7 @@ def tokenizer() -> GGUFTokenizer:
 def run(tokens: list[int], stop: tuple[str, ...] = (), max_tokens: int = 50) -> list[GenerationChunk]:
     """Forces tokens one by one (then the end token) through a fresh sequence with logprobs on."""
     tok = tokenizer()
-    state = SequenceState(tok, [0], max_tokens, GREEDY, stop, logprobs=1)
+    state = Sequence(tok, [0], max_tokens, GREEDY, stop, logprobs=1)
     out: list[GenerationChunk] = []
     for t in [*tokens, 257]:
         logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
@@ -77,7 +78,7 @@ def test_pieces_of_a_split_character_start_where_it_does() -> None:
 
 def test_without_logprobs_nothing_is_held() -> None:
     tok = tokenizer()
-    state = SequenceState(tok, [0], 5, GREEDY, ("\n\n",))
+    state = Sequence(tok, [0], 5, GREEDY, ("\n\n",))
     logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
     logits[ord("q")] = 5.0
     assert state.step(logits, context_full=False) == [GenerationChunk(ord("q"), "q")]
@@ -85,7 +86,7 @@ def test_without_logprobs_nothing_is_held() -> None:
 
 def test_top_logprobs_are_the_largest_in_order_and_normalised() -> None:
     tok = tokenizer()
-    state = SequenceState(tok, [0], 5, GREEDY, logprobs=3)
+    state = Sequence(tok, [0], 5, GREEDY, logprobs=3)
     logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
     logits[[7, 3, 9]] = [2.0, 2.0, 1.0]  # a tie: the lower id first, as a stable sort gives
     chunk = state.step(logits, context_full=False)[0]
