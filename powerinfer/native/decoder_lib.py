@@ -189,6 +189,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.pi_step.argtypes = [ctypes.POINTER(PiModel), ctypes.POINTER(PiWt), ctypes.c_float, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr,
                             ctypes.c_float, ctypes.c_int, ptr, ptr, ptr]
     lib.pi_step.restype = ctypes.c_int
+    lib.pi_qtype_facts.argtypes = [ctypes.c_int, ptr]
+    lib.pi_qtype_facts.restype = ctypes.c_int
     lib.pi_x8_supported.argtypes = [ctypes.c_int]
     lib.pi_x8_supported.restype = ctypes.c_int
     lib.pi_x8_repack.argtypes = [ptr, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr]

@@ -90,6 +90,28 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> tuple[GGUFFile, list[t
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_the_c_type_table_agrees_with_the_python_registry(isa: str) -> None:
+    """qtypes.h's one table of type facts says what gguf-py and powerinfer/quants/registry.py say:
+    values and bytes per block, the native alignment, an eight-row group's block bytes (which the
+    bindings allocate from the Python side), the split layout; types it lacks are refused."""
+    from powerinfer.quants.registry import REGISTRY
+
+    lib = decoder_lib(isa)
+    assert lib is not None
+    for qt in (*FLOATS, *QUANTS):
+        out = np.zeros(4, dtype=np.int32)
+        assert lib.pi_qtype_facts(int(qt), out.ctypes.data) == 0, qt.name
+        block, size = GGML_QUANT_SIZES[qt]
+        t = REGISTRY[qt]
+        assert (out[0], out[1]) == (block, size) and out[0] == t.native_align, qt.name
+        assert out[2] == (t.x8_group_bytes or 0), qt.name
+        assert bool(out[3]) == (qt in (QT.Q4_0, QT.Q4_1)), qt.name
+        assert bool(lib.pi_x8_supported(int(qt))) == (isa != "scalar" and t.x8_group_bytes is not None), qt.name
+    for qt in (QT.Q2_K, QT.Q3_K, QT.IQ4_NL, QT.Q8_1):
+        assert lib.pi_qtype_facts(int(qt), np.zeros(4, dtype=np.int32).ctypes.data) == 1, qt.name
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_every_type_against_numpy(isa: str, matrices: tuple[GGUFFile, list[tuple[QT, str]]]) -> None:
     f, names = matrices
     lib = decoder_lib(isa)

@@ -20,7 +20,7 @@
  * token's numbers never depend on the others in the call (per-row arithmetic throughout).
  */
 #include "model.h"
-#include "qdot_k.h"
+#include "qtraits.h" /* every type's kernels (qdot.h, qdot_k.h, qtile.h) in one table */
 #include "vecmath.h"
 #include "norms.h"
 #include "attend.h"

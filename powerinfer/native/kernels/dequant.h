@@ -17,22 +17,21 @@ static int dequant_row(int type, const uint8_t *w, int K, float *out) {
         case T_BF16: for (int i = 0; i < K; i++) { uint16_t h; memcpy(&h, w + 2 * i, 2); out[i] = bf2f(h); } return 0;
         default: break;
     }
-    for (int b = 0; b < K / 32 && type != T_Q4_K && type != T_Q5_K && type != T_Q6_K; b++) {
+    const pi_qtype *t = pi_qtype_of(type);
+    if (!t) return 1;
+    for (int b = 0; b < K / 32 && t->qk == 32; b++) {
         float *o = out + 32 * b;
-        if (type == T_Q8_0) {
-            const uint8_t *blk = w + 34 * b;
-            const float d = ld_h(blk);
-            for (int i = 0; i < 32; i++) o[i] = d * (float)(int8_t)blk[2 + i];
+        const uint8_t *blk = w + (size_t)t->bytes * b;
+        const float d = ld_h(blk);
+        if (type == T_Q8_0) { /* int8 codes */
+            for (int i = 0; i < 32; i++) o[i] = d * (float)(int8_t)blk[t->qs + i];
             continue;
         }
-        const int bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 24;
-        const uint8_t *blk = w + (size_t)bs * b;
-        const float d = ld_h(blk), m = (type == T_Q4_1 || type == T_Q5_1) ? ld_h(blk + 2) : 0.0f;
+        const float m = t->min >= 0 ? ld_h(blk + t->min) : 0.0f;
         uint32_t qh = 0;
-        if (type == T_Q5_0) memcpy(&qh, blk + 2, 4);
-        if (type == T_Q5_1) memcpy(&qh, blk + 4, 4);
-        const uint8_t *qs = blk + (type == T_Q4_0 ? 2 : type == T_Q4_1 ? 4 : type == T_Q5_0 ? 6 : 8);
-        const int five = type == T_Q5_0 || type == T_Q5_1, centre = type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0;
+        if (t->qh >= 0) memcpy(&qh, blk + t->qh, 4);
+        const uint8_t *qs = blk + t->qs;
+        const int five = t->qh >= 0, centre = t->centre;
         for (int i = 0; i < 16; i++) {
             int lo = qs[i] & 0xF, hi = qs[i] >> 4;
             if (five) { lo |= ((qh >> i) & 1) << 4; hi |= ((qh >> (i + 16)) & 1) << 4; }
@@ -40,11 +39,11 @@ static int dequant_row(int type, const uint8_t *w, int K, float *out) {
             o[i + 16] = d * (float)(hi - centre) + m;
         }
     }
-    if (type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q8_0) return 0;
+    if (t->qk == 32) return 0;
     for (int sb = 0; sb < K / 256; sb++) {
         float *o = out + 256 * sb;
         if (type == T_Q6_K) {
-            const uint8_t *blk = w + 210 * sb, *ql = blk, *qh = blk + 128;
+            const uint8_t *blk = w + (size_t)t->bytes * sb, *ql = blk, *qh = blk + 128;
             const int8_t *sc = (const int8_t *)(blk + 192);
             const float d = ld_h(blk + 208);
             for (int e = 0; e < 256; e++) {
@@ -56,7 +55,7 @@ static int dequant_row(int type, const uint8_t *w, int K, float *out) {
             continue;
         }
         const int five = type == T_Q5_K;
-        const uint8_t *blk = w + (five ? 176 : 144) * sb, *qh = blk + 16, *qs = blk + (five ? 48 : 16);
+        const uint8_t *blk = w + (size_t)t->bytes * sb, *qh = blk + 16, *qs = blk + (five ? 48 : 16);
         const float d = ld_h(blk), dmin = ld_h(blk + 2);
         for (int j = 0; j < 8; j++) {
             int sc, m;
@@ -68,7 +67,7 @@ static int dequant_row(int type, const uint8_t *w, int K, float *out) {
             }
         }
     }
-    return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K ? 0 : 1;
+    return 0;
 }
 
 #endif

@@ -1,5 +1,5 @@
-/* K-quant (super-blocks of 256) and float-weight dot products, and the registry of every type's
- * one-token dot product (the 32-element block types are in qdot.h).
+/* K-quant (super-blocks of 256) and float-weight dot products (the 32-element block types are in
+ * qdot.h; every type's kernels are looked up through qtraits.h).
  *
  * Runs in: the process that loads decoder.c (included by it).
  */
@@ -116,23 +116,5 @@ static float dot_bf16(const uint8_t *w, const pi_act *x, int K) {
 }
 
 typedef float (*dot_fn)(const uint8_t *, const pi_act *, int);
-
-/* The registry: a type's dot product and the row length its blocks need (0: unsupported). */
-static dot_fn dot_for(int type, int *align) {
-    switch (type) {
-        case T_F32: *align = 1; return dot_f32;
-        case T_F16: *align = 1; return dot_f16;
-        case T_BF16: *align = 1; return dot_bf16;
-        case T_Q4_0: *align = 32; return dot_q4_0;
-        case T_Q4_1: *align = 32; return dot_q4_1;
-        case T_Q5_0: *align = 32; return dot_q5_0;
-        case T_Q5_1: *align = 32; return dot_q5_1;
-        case T_Q8_0: *align = 32; return dot_q8_0;
-        case T_Q4_K: *align = 256; return dot_q4_k;
-        case T_Q5_K: *align = 256; return dot_q5_k;
-        case T_Q6_K: *align = 256; return dot_q6_k;
-        default: *align = 0; return 0;
-    }
-}
 
 #endif

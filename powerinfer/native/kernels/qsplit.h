@@ -17,7 +17,8 @@
 
 int pi_split_supported(int type) {
 #ifdef PI_VNNI
-    return type == T_Q4_0 || type == T_Q4_1;
+    const pi_qtype *t = pi_qtype_of(type);
+    return t && t->split;
 #else
     (void)type;
     return 0;
@@ -26,14 +27,15 @@ int pi_split_supported(int type) {
 
 /* rows [0, rows) of src (the file's layout, row_bytes apart) into dst in the split layout. */
 int pi_split_repack(const uint8_t *src, int64_t row_bytes, int type, int cols, int rows, uint8_t *dst) {
-    if (!(type == T_Q4_0 || type == T_Q4_1) || cols % 32 || cols > PI_SPLIT_MAX_COLS) return 1; /* split_dot's scales live on its stack */
-    const int nb = cols / 32, bb = type == T_Q4_1 ? 20 : 18, hdr = bb - 16;
+    const pi_qtype *t = pi_qtype_of(type);
+    if (!t || !t->split || cols % 32 || cols > PI_SPLIT_MAX_COLS) return 1; /* split_dot's scales live on its stack */
+    const int nb = cols / 32, bb = t->bytes, hdr = t->qs;
     for (int r = 0; r < rows; r++) {
         const uint8_t *s = src + (size_t)r * row_bytes;
         uint8_t *o = dst + (size_t)r * row_bytes;
         for (int b = 0; b < nb; b++) {
             memcpy(o + 2 * b, s + bb * b, 2);                              /* scale */
-            if (hdr == 4) memcpy(o + 2 * nb + 2 * b, s + bb * b + 2, 2);   /* min */
+            if (t->min >= 0) memcpy(o + 2 * nb + 2 * b, s + bb * b + t->min, 2); /* min */
             memcpy(o + (size_t)hdr * nb + 16 * b, s + bb * b + hdr, 16);   /* codes */
         }
     }

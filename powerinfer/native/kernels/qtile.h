@@ -143,11 +143,16 @@ static inline void un_q6_k(const uint8_t *row, int b, pi_blk *o) {
     }
 
 /* Four tokens fit AVX2's 16 vector registers; AVX-512 VL's 32 take eight (fewer unpacks per token).
- * One token: the decode path's dot_TYPE of qdot_k.h's registry, for rows that are not repacked. */
+ * One token: the decode path's dot_TYPE (qtraits.h's table), for rows that are not repacked. */
+#ifdef PI_VNNI
+#define PI_TILE8(T, SIGNED, SUBSCALES) PI_DOTN(dot8_##T, 8, un_##T, SIGNED, SUBSCALES)
+#else
+#define PI_TILE8(T, SIGNED, SUBSCALES) /* AVX2's 16 registers hold four tokens' accumulators, not eight */
+#endif
 #define PI_TILES(T, SIGNED, SUBSCALES)                                              \
     PI_DOTN(dot1v_##T, 1, un_##T, SIGNED, SUBSCALES)                                \
     PI_DOTN(dot4_##T, 4, un_##T, SIGNED, SUBSCALES)                                 \
-    PI_DOTN(dot8_##T, 8, un_##T, SIGNED, SUBSCALES)                                 \
+    PI_TILE8(T, SIGNED, SUBSCALES)                                                   \
     PI_DOTR(dotr4_##T, 4, un_##T, SIGNED, SUBSCALES)                                \
     static float dot_##T(const uint8_t *w, const pi_act *x, int K) {                \
         float o;                                                                    \
@@ -170,40 +175,5 @@ typedef void (*dotr_fn)(const uint8_t *const *, const pi_act *, int, float *);
 /* The block types with several-token and four-row kernels, as X(type id, suffix). */
 #define PI_TILED_TYPES(X) X(T_Q4_0, q4_0) X(T_Q4_1, q4_1) X(T_Q5_0, q5_0) X(T_Q5_1, q5_1) X(T_Q8_0, q8_0) \
     X(T_Q4_K, q4_k) X(T_Q5_K, q5_k) X(T_Q6_K, q6_k)
-
-/* The four-row kernel of a type (one token), or NULL (float types, portable build): one row at a time. */
-static dotr_fn dotr4_for(int type) {
-#ifdef PI_SIMD
-#define PI_CASE(ID, T) case ID: return dotr4_##T;
-    switch (type) {
-        PI_TILED_TYPES(PI_CASE)
-        default: return 0;
-    }
-#undef PI_CASE
-#else
-    (void)type;
-    return 0;
-#endif
-}
-
-/* The n-token kernel (n = 4 or 8) of a type, or NULL (float types, portable build, eight
- * tokens without AVX-512 VL's registers): then fewer tokens at a time. */
-static dotn_fn dotn_for(int type, int n) {
-#ifdef PI_SIMD
-#ifndef PI_VNNI
-    if (n == 8) return 0;
-#endif
-#define PI_CASE(ID, T) case ID: return n == 4 ? dot4_##T : dot8_##T;
-    switch (type) {
-        PI_TILED_TYPES(PI_CASE)
-        default: return 0;
-    }
-#undef PI_CASE
-#else
-    (void)type;
-    (void)n;
-    return 0;
-#endif
-}
 
 #endif

@@ -30,9 +30,9 @@
 
 #include "qdot.h"
 
-/* scales, and Q4_1's mins, Q5_0's fifth bits or Q6_K's sub-scales */
-#define PI_X8_HDR(type) ((type) == T_Q4_0 || (type) == T_Q8_0 ? 16 : (type) == T_Q4_1 || (type) == T_Q6_K ? 32 : 48)
-#define PI_X8_BYTES(type) (PI_X8_HDR(type) + ((type) == T_Q8_0 || (type) == T_Q6_K ? 256 : 128))
+/* per block of a group: scales, and Q4_1's mins, Q5_0's fifth bits or Q6_K's sub-scales (qtypes.h's x8_hdr), then the codes */
+#define PI_X8_HDR(type) (pi_qtype_of(type)->x8_hdr)
+#define PI_X8_BYTES(type) (pi_qtype_of(type)->x8_hdr + pi_qtype_of(type)->x8_codes)
 
 static const int PI_X8_LANE[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* lane i holds row PI_X8_LANE[i] */
 
@@ -65,8 +65,8 @@ void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0
         x8_repack_q6k(src, row_bytes, K, g0, g1, dst);
         return;
     }
-    const int nb = K / 32, bs = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q5_0 ? 22 : 34;
-    const int hdr = type == T_Q4_0 || type == T_Q8_0 ? 2 : type == T_Q4_1 ? 4 : 6;
+    const pi_qtype *t = pi_qtype_of(type);
+    const int nb = K / 32, bs = t->bytes, hdr = t->qs;
     const int xb = PI_X8_BYTES(type);
     for (int g = g0; g < g1; g++) {
         for (int b = 0; b < nb; b++) {
@@ -74,12 +74,12 @@ void pi_x8_repack(const uint8_t *src, int64_t row_bytes, int type, int K, int g0
             for (int i = 0; i < 8; i++) {
                 const uint8_t *blk = src + (size_t)(8 * g + PI_X8_LANE[i]) * row_bytes + (size_t)b * bs;
                 memcpy(o + 2 * i, blk, 2);                           /* d */
-                if (type == T_Q4_1) memcpy(o + 16 + 2 * i, blk + 2, 2); /* m */
+                if (t->min >= 0) memcpy(o + 16 + 2 * i, blk + t->min, 2); /* m */
             }
-            if (type == T_Q5_0)
+            if (t->qh >= 0)
                 for (int k = 0; k < 4; k++) /* V(h, g), h = k / 2, g = k % 2 */
                     for (int i = 0; i < 4; i++) {
-                        const uint8_t *qh = src + (size_t)(8 * g + 4 * (k % 2) + i) * row_bytes + (size_t)b * bs + 2;
+                        const uint8_t *qh = src + (size_t)(8 * g + 4 * (k % 2) + i) * row_bytes + (size_t)b * bs + t->qh;
                         o[16 + 8 * k + i] = qh[k / 2];
                         o[16 + 8 * k + 4 + i] = qh[2 + k / 2];
                     }
@@ -133,7 +133,9 @@ static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K,
         x8_dot_q8(grp, x, nt, K, out, ldo, type == T_Q6_K);
         return;
     }
-    const int xb = PI_X8_BYTES(type), q4_1 = type == T_Q4_1, q5_0 = type == T_Q5_0;
+    const pi_qtype *lt = pi_qtype_of(type); /* the layout's facts, read once: the block loop is the hot one */
+    const int hdr = lt->x8_hdr, xb = lt->x8_hdr + lt->x8_codes, q4_1 = lt->min >= 0, q5_0 = lt->qh >= 0;
+    const float zero = -(float)lt->centre; /* Q4_0: -8, Q5_0: -16 (Q4_1 carries its min) */
     const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
     __m256 acc[PI_X8_TOKENS], corr[PI_X8_TOKENS];
     for (int t = 0; t < nt; t++) acc[t] = corr[t] = _mm256_setzero_ps();
@@ -141,8 +143,8 @@ static void x8_dot(const uint8_t *grp, int type, const pi_act *x, int nt, int K,
         const uint8_t *o = grp + (size_t)b * xb;
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o));
         const __m256 off8 = q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(o + 16)))
-                                 : _mm256_mul_ps(d8, _mm256_set1_ps(q5_0 ? -16.0f : -8.0f));
-        const uint8_t *q = o + PI_X8_HDR(type);
+                                 : _mm256_mul_ps(d8, _mm256_set1_ps(zero));
+        const uint8_t *q = o + hdr;
         __m256i w[2][4];
         for (int g = 0; g < 2; g++) {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q + 32 * g)), v1 = _mm256_loadu_si256((const __m256i *)(q + 64 + 32 * g));

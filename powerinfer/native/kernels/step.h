@@ -205,10 +205,24 @@ int pi_refine_best(const pi_wt *w, const float *hidden, int T, float *out, float
     return 0;
 }
 
+/* A type's row of qtypes.h, for the bindings to hold against powerinfer/quants/registry.py: out =
+ * {values per block, bytes per block, bytes of one block of a repacked eight-row group (0: never
+ * repacked), rows may take the split layout}. 1 for a type this library does not compute. */
+int pi_qtype_facts(int type, int32_t *out) {
+    const pi_qtype *t = pi_qtype_of(type);
+    if (!t) return 1;
+    out[0] = t->qk;
+    out[1] = t->bytes;
+    out[2] = t->x8_hdr + t->x8_codes;
+    out[3] = t->split;
+    return 0;
+}
+
 /* 1 when this build computes repacked groups of eight rows of type (SIMD builds, Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q6_K). */
 int pi_x8_supported(int type) {
 #ifdef PI_SIMD
-    return type == T_Q4_0 || type == T_Q4_1 || type == T_Q5_0 || type == T_Q8_0 || type == T_Q6_K;
+    const pi_qtype *t = pi_qtype_of(type);
+    return t && t->x8_hdr > 0;
 #else
     (void)type;
     return 0;
