@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from powerinfer.native.build import load_library
-from powerinfer.native.comm_lib import COMM_HEADERS, COMM_KERNELS, declare_handoff
+from powerinfer.native.comm_lib import COMM_KERNELS, declare_handoff
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.quants.registry import REGISTRY
 
@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "decoder.c"
-HEADERS = tuple(KERNELS / h for h in ("half.h", "exp8.h", "act.h", "qdot.h", "qdot_k.h", "vecmath.h", "qtile.h", "qx8.h", "dequant.h", "model.h", "step.h",
-                                      "sparse_rows.h", "norms.h", "attend.h")) + COMM_HEADERS  # the segment's merge and hand-off: powerinfer/native/kernels
+# every header of the folder goes into the build's cache key: a list by hand missed qsplit.h (an edit
+# to it kept the old library), and the comm headers (the segment's merge and hand-off) live there too
+HEADERS = tuple(sorted(KERNELS.glob("*.h")))
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-I{COMM_KERNELS}")
 ISA_FLAGS = {
     "vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-DPI_AVX2", "-DPI_VNNI"),

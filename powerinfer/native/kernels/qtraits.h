@@ -23,25 +23,23 @@ typedef struct {
 #else
 #define PI_DOT8(T) 0
 #endif
-#define PI_TILED(ID, T) {ID, dot_##T, dotr4_##T, dot4_##T, PI_DOT8(T)},
+#define PI_TILED(ID, T) [ID] = {ID, dot_##T, dotr4_##T, dot4_##T, PI_DOT8(T)},
 #else
-#define PI_TILED(ID, T) {ID, dot_##T, 0, 0, 0},
+#define PI_TILED(ID, T) [ID] = {ID, dot_##T, 0, 0, 0},
 #endif
 
-static const pi_qkernels PI_QKERNELS[] = {
-    {T_F32, dot_f32, 0, 0, 0},
-    {T_F16, dot_f16, 0, 0, 0},
-    {T_BF16, dot_bf16, 0, 0, 0},
+static const pi_qkernels PI_QKERNELS[PI_QTYPE_IDS] = { /* indexed by GGML id, as qtypes.h's table */
+    [T_F32] = {T_F32, dot_f32, 0, 0, 0},
+    [T_F16] = {T_F16, dot_f16, 0, 0, 0},
+    [T_BF16] = {T_BF16, dot_bf16, 0, 0, 0},
     PI_TILED_TYPES(PI_TILED)
 };
 #undef PI_TILED
 #undef PI_DOT8
 
-/* The kernels of type, or NULL for a type this library does not compute. */
+/* The kernels of type, or NULL for a type this library does not compute (an empty row: no dot). */
 static inline const pi_qkernels *pi_kernels_of(int type) {
-    for (unsigned i = 0; i < sizeof(PI_QKERNELS) / sizeof(PI_QKERNELS[0]); i++)
-        if (PI_QKERNELS[i].type == type) return &PI_QKERNELS[i];
-    return 0;
+    return (unsigned)type < PI_QTYPE_IDS && PI_QKERNELS[type].dot ? &PI_QKERNELS[type] : 0;
 }
 
 /* A type's one-token dot product and the row length its blocks need (0 and NULL: unsupported). */

@@ -21,26 +21,26 @@ typedef struct {
     int split;    /* rows may take qsplit.h's split layout (VNNI builds) */
 } pi_qtype;
 
-static const pi_qtype PI_QTYPES[] = {
-    /* type   qk   bytes min  qh  qs centre x8_hdr x8_codes split */
-    {T_F32,    1,   4,  -1,  -1,  0,  0,     0,     0,      0},
-    {T_F16,    1,   2,  -1,  -1,  0,  0,     0,     0,      0},
-    {T_BF16,   1,   2,  -1,  -1,  0,  0,     0,     0,      0},
-    {T_Q4_0,  32,  18,  -1,  -1,  2,  8,    16,   128,      1},
-    {T_Q4_1,  32,  20,   2,  -1,  4,  0,    32,   128,      1},
-    {T_Q5_0,  32,  22,  -1,   2,  6, 16,    48,   128,      0},
-    {T_Q5_1,  32,  24,   2,   4,  8,  0,     0,     0,      0},
-    {T_Q8_0,  32,  34,  -1,  -1,  2,  0,    16,   256,      0},
-    {T_Q4_K, 256, 144,  -1,  -1,  0,  0,     0,     0,      0},
-    {T_Q5_K, 256, 176,  -1,  -1,  0,  0,     0,     0,      0},
-    {T_Q6_K, 256, 210,  -1,  -1,  0,  0,    32,   256,      0},
+#define PI_QTYPE_IDS 31 /* GGML ids 0..30: the table is indexed by id (kernels look a type up per call) */
+
+static const pi_qtype PI_QTYPES[PI_QTYPE_IDS] = {
+    /*          type   qk   bytes min  qh  qs centre x8_hdr x8_codes split */
+    [T_F32]  = {T_F32,    1,   4,  -1,  -1,  0,  0,     0,     0,      0},
+    [T_F16]  = {T_F16,    1,   2,  -1,  -1,  0,  0,     0,     0,      0},
+    [T_BF16] = {T_BF16,   1,   2,  -1,  -1,  0,  0,     0,     0,      0},
+    [T_Q4_0] = {T_Q4_0,  32,  18,  -1,  -1,  2,  8,    16,   128,      1},
+    [T_Q4_1] = {T_Q4_1,  32,  20,   2,  -1,  4,  0,    32,   128,      1},
+    [T_Q5_0] = {T_Q5_0,  32,  22,  -1,   2,  6, 16,    48,   128,      0},
+    [T_Q5_1] = {T_Q5_1,  32,  24,   2,   4,  8,  0,     0,     0,      0},
+    [T_Q8_0] = {T_Q8_0,  32,  34,  -1,  -1,  2,  0,    16,   256,      0},
+    [T_Q4_K] = {T_Q4_K, 256, 144,  -1,  -1,  0,  0,     0,     0,      0},
+    [T_Q5_K] = {T_Q5_K, 256, 176,  -1,  -1,  0,  0,     0,     0,      0},
+    [T_Q6_K] = {T_Q6_K, 256, 210,  -1,  -1,  0,  0,    32,   256,      0},
 };
 
-/* The row of type, or NULL for a type this library does not compute. */
+/* The row of type, or NULL for a type this library does not compute (an empty row: qk 0). */
 static inline const pi_qtype *pi_qtype_of(int type) {
-    for (unsigned i = 0; i < sizeof(PI_QTYPES) / sizeof(PI_QTYPES[0]); i++)
-        if (PI_QTYPES[i].type == type) return &PI_QTYPES[i];
-    return 0;
+    return (unsigned)type < PI_QTYPE_IDS && PI_QTYPES[type].qk ? &PI_QTYPES[type] : 0;
 }
 
 #endif
