@@ -139,7 +139,14 @@ def test_the_gpu_worker_runs_opt(trained: Path, split: str, mode: str | None) ->
         ex.close()
     bound = 0.03 if mode is None else 0.1  # sparse: int8 CPU weights flip a few neurons across the threshold
     assert rel(a, b) < bound and rel(*steps) < bound
-    assert np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.9 and np.mean(steps[0].argmax(-1) == steps[1].argmax(-1)) >= 0.75
+    for ours_rows, oracle_rows in ((a, b), steps):
+        # top-1 agrees wherever the oracle's lead is more than twice the row's error (no flip is possible
+        # there); nearer ties may flip: on a Zen 4 the trained model's gate-layer prefill had two positions
+        # with leads of 0.018 and 0.004 under a row error of 0.031 (top-1 agreement 14/16)
+        top2 = np.sort(oracle_rows, -1)[:, -2:]
+        decided = top2[:, 1] - top2[:, 0] > 2 * np.abs(ours_rows - oracle_rows).max(-1)
+        assert decided.mean() >= 0.5, "too few decided positions for top-1 to say anything"
+        assert (ours_rows.argmax(-1) == oracle_rows.argmax(-1))[decided].all()
 
 
 def test_the_gpu_rank_joins_the_native_pool_on_opt(trained: Path) -> None:
