@@ -39,6 +39,7 @@ from powerinfer.tokenizer import GGUFTokenizer
 
 if TYPE_CHECKING:
     from powerinfer.constrained import TokenConstraint
+    from powerinfer.coordinator.cluster.options import ClusterOptions
     from powerinfer.coordinator.hybrid_executor import GpuOptions
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class LLM:
         gpu: "GpuOptions | None" = None,
         native: bool | None = None,
         transport: str = "auto",
+        cluster: "ClusterOptions | None" = None,
     ) -> None:
         t0 = time.perf_counter()
         self._closed = False
@@ -140,7 +142,8 @@ class LLM:
         # A predictor is validated against this model even when --no-sparse ignores it.
         self.predictor = read_predictor(predictor, model=self.file) if predictor is not None else None
         use = self.predictor if sparse else None
-        opts = ExecutorOptions(executor, n_ctx, n_batch, n_threads, worker_threads, n_shards, pin, progress, n_slots, gpu, native, transport)
+        opts = ExecutorOptions(executor, n_ctx, n_batch, n_threads, worker_threads, n_shards, pin, progress, n_slots, gpu, native, transport,
+                               cluster)
         ex = build_executor(Model(self.path, self.file, self.config, self.predictor, predictor, sparse), opts)
         try:
             self.engine = Engine(self.file, self.config, ex, n_ctx=n_ctx, n_batch=n_batch, n_slots=n_slots)

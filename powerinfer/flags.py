@@ -21,6 +21,7 @@ from powerinfer.phase import PHASE_LOGGER
 
 if TYPE_CHECKING:  # imported when used: `fetch` and `--help` stay light
     from powerinfer.api import LLM
+    from powerinfer.coordinator.cluster.options import ClusterOptions
     from powerinfer.coordinator.hybrid_executor import GpuOptions
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,16 @@ def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096, many: bo
     p.add_argument("--transport", choices=["auto", "shm", "zmq"], default="auto",
                    help="worker processes: shm = native ranks, one step per forward pass, merged in shared memory; zmq = torch "
                         "shards, one message per layer (the oracle); auto (default): shm when the native decoder runs the model")
+    ray = p.add_argument_group("a Ray cluster (pip install 'powerinfer[ray]'; docs/distributed.md)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="run the model's layers as pipeline stages on the Ray cluster at ADDR ('auto': the one this host joined)")
+    ray.add_argument("--pipeline-stages", type=positive_int, default=None, metavar="N",
+                     help="pipeline stages, one per Ray node (default with --ray-address: 2)")
+    ray.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                     help="N full copies of the model (each with --pipeline-stages stages) behind the one endpoint; the KV slots "
+                          "(--parallel) alternate over them, so a conversation stays on the replica holding its prefix")
+    ray.add_argument("--ray-placement", choices=["spread", "pack"], default="spread",
+                     help="spread: one stage per node (default); pack: as few nodes as fit (a one-host test)")
     p.add_argument("-c", "--ctx-size", type=int, default=None,
                    help=f"context size in tokens; 0 = the model's trained context (default: {default_ctx}, or less if the model was "
                         "trained on less)")
@@ -164,6 +175,7 @@ def check_gpu_flags(args: argparse.Namespace) -> None:
 def gpu_options(args: argparse.Namespace) -> "GpuOptions | None":
     if args.n_gpu_layers == 0 and args.vram_budget is None:
         return None
+    from powerinfer.coordinator.cluster.options import ClusterOptions
     from powerinfer.coordinator.hybrid_executor import GpuOptions
 
     ngl = -1 if args.n_gpu_layers in (0, -1) else args.n_gpu_layers  # only --vram-budget given: every layer may take part
@@ -178,6 +190,17 @@ def configure_logging(level: str, verbose: bool) -> None:
     # (NOTSET otherwise: a second call in one process, as in tests, must not keep the first one's level)
     promote = logging.getLevelName(level) == logging.WARNING or verbose
     logging.getLogger(PHASE_LOGGER).setLevel(logging.INFO if promote else logging.NOTSET)
+
+
+def cluster_options(args: argparse.Namespace) -> "ClusterOptions | None":
+    """The Ray pipeline the flags ask for, or None (then Ray is never imported)."""
+    if args.ray_address is None and args.pipeline_stages is None and args.replicas is None:
+        return None
+    from powerinfer.coordinator.cluster.options import ClusterOptions
+
+    stages = args.pipeline_stages or (1 if args.replicas else 2)  # replicas alone: each a whole model on one node
+    return ClusterOptions(address=args.ray_address or "auto", stages=stages, replicas=args.replicas or 1, placement=args.ray_placement,
+                          threads=args.threads)
 
 
 def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
@@ -200,7 +223,7 @@ def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:
     llm = LLM(path, n_ctx=args.ctx_size, default_ctx=getattr(args, "default_ctx", 4096), n_batch=args.batch_size, n_threads=args.threads, executor=args.executor,
               worker_threads=args.worker_threads, predictor=getattr(args, "predictor", None), sparse=not getattr(args, "no_sparse", False),
               progress=progress and sys.stderr.isatty(), n_slots=getattr(args, "n_slots", 1),
-              gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport)
+              gpu=gpu_options(args) if hasattr(args, "n_gpu_layers") else None, transport=args.transport, cluster=cluster_options(args))
     set_lookup(llm, getattr(args, "lookup", 0))
     if template is not None:  # the file's own template is replaced (llama-server's --chat-template-file)
         from powerinfer.chat import ChatTemplate

@@ -29,6 +29,7 @@ from powerinfer.gguf_file import GGUFFile
 from powerinfer.predictors.predictor_types import refuse_residual_input
 
 if TYPE_CHECKING:
+    from powerinfer.coordinator.cluster.options import ClusterOptions
     from powerinfer.coordinator.hybrid_executor import GpuOptions
     from powerinfer.predictors.predictor_file import PredictorFile
 
@@ -54,6 +55,7 @@ class ExecutorOptions:
     gpu: Optional["GpuOptions"] = None
     native: Optional[bool] = None  # inprocess: True requires the native decoder, False refuses it, None where it can
     transport: str = "auto"  # process: "shm" native ranks, "zmq" torch shards over ZeroMQ, "auto" the first that runs
+    cluster: Optional["ClusterOptions"] = None  # a pipeline of stages on Ray nodes (--ray-address, --pipeline-stages)
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -62,6 +64,8 @@ class ExecutorOptions:
             raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'zmq', got {self.transport!r}")
         if self.n_threads is not None and self.n_threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {self.n_threads}")
+        if self.cluster is not None:
+            self.cluster.check()
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class Model:
 
 def build_executor(m: Model, o: ExecutorOptions) -> Executor:
     o.check()
+    if o.cluster is not None:
+        return _pipeline(m, o, o.cluster)
     gpu = o.gpu
     if gpu is not None and (not gpu.process or o.kind != "process" or o.transport == "zmq"):
         log.info("executor: hybrid (a GPU worker %s; its cold neurons in this process)",
@@ -102,6 +108,17 @@ def build_executor(m: Model, o: ExecutorOptions) -> Executor:
         log.info("executor: torch shards in this process (--executor inprocess, the native decoder not used)")
         return InProcessExecutor(m.file, m.config, o.n_ctx, n_shards=o.n_shards, progress=o.progress, predictor=use, n_slots=o.n_slots)
     return _worker_processes(m, o)
+
+
+def _pipeline(m: Model, o: ExecutorOptions, c: "ClusterOptions") -> Executor:
+    """The layers in stages on Ray nodes (Ray is imported only here, and only with the flags)."""
+    from powerinfer.coordinator.cluster.pipeline import PipelineExecutor, pipeline_refusal
+
+    why = pipeline_refusal(m.sparse and m.predictor is not None, o.gpu is not None)
+    if why is not None:
+        raise InvalidArgumentError(why)
+    log.info("executor: a pipeline of %d stages on the Ray cluster at %s (%s)", c.stages, c.address, c.placement)
+    return PipelineExecutor(str(m.path), m.file, m.config, o.n_ctx, o.n_slots, o.n_batch, c)
 
 
 def _hybrid(m: Model, o: ExecutorOptions) -> Executor:

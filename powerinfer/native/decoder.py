@@ -81,13 +81,14 @@ class NativeDecoder:
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_threads: int, max_t: int,
                  shard: RankShard | None = None, sparse: NativeSparseFFNs | None = None, only: frozenset[int] | None = None,
-                 gpu_attn: frozenset[int] = frozenset(), hot: Sequence[np.ndarray] = ()) -> None:
+                 gpu_attn: frozenset[int] = frozenset(), hot: Sequence[np.ndarray] = (), with_head: bool = True) -> None:
         """shard: this process is one rank of the native pool and holds that part of every layer.
         sparse: every layer's FFN runs through it instead of wg/wu/wd (a rank's: its neuron range).
         only: build just these layers (the GPU hybrid's CPU-only layers), run by :meth:`forward_range`.
         gpu_attn, hot (a rank of a pool with a GPU rank in neuron split, kernels/handoff.h): these
         layers' attention, and per layer these neurons (global indices), live on the GPU rank; the
-        attention is not built here and the hot neurons are never computed here."""
+        attention is not built here and the hot neurons are never computed here. with_head False:
+        the output head is never run here (a pipeline stage before the last), so it is not repacked."""
         if hot and len(hot) != cfg.n_layers:
             raise InvalidArgumentError(f"hot neurons for {len(hot)} layers, the model has {cfg.n_layers}")
         self.lib, self.cfg, self.f = lib, cfg, f
@@ -166,7 +167,7 @@ class NativeDecoder:
         self.layers = layers
         head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
         self.head = weight(f, head, (sh.v0, sh.v1))
-        packed = repack_x8(lib, self.head)
+        packed = repack_x8(lib, self.head) if with_head else None
         if packed is not None:
             self._keep.append(packed)
         self.embeddings = weight(f, "token_embd.weight")  # the head's own rows when tied (its file layout)
@@ -249,12 +250,16 @@ class NativeDecoder:
         A C-ordered float32 x is updated in place and returned (the engine hands over its own)."""
         return self._run(0, self.cfg.n_layers, True, x, positions, slots)
 
-    def forward_range(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    def forward_range(self, first: int, stop: int, x: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                      final_norm: bool = False) -> np.ndarray:
         """x [T, d] float32, the residual stream entering layer `first` -> leaving layer stop - 1 (not
-        normed), in place as :meth:`forward`; every layer of the range must be built (``only``)."""
+        normed, unless final_norm: the model's last layers, then its final norm), in place as
+        :meth:`forward`; every layer of the range must be built (``only``)."""
         if self.only is not None and not all(i in self.only for i in range(first, stop)):
             raise InvalidArgumentError(f"layers {first}..{stop - 1} are not all built in this native decoder")
-        return self._run(first, stop, False, x, positions, slots)
+        if final_norm and stop != self.cfg.n_layers:
+            raise InvalidArgumentError(f"the final norm follows the last layer ({self.cfg.n_layers - 1}), not layer {stop - 1}")
+        return self._run(first, stop, final_norm, x, positions, slots)
 
     def _run(self, first: int, stop: int, out_norm: bool, x: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Layers [first, stop) (then the final norm when out_norm) over x [T, d], max_t tokens a call."""

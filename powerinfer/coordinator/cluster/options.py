@@ -1,0 +1,32 @@
+"""What the user asked of a cluster (``--ray-address``, ``--pipeline-stages``, ``--replicas``, ``--ray-placement``).
+
+Runs in: the coordinator (no Ray needed to hold or check these).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from powerinfer.errors import InvalidArgumentError
+
+PLACEMENTS = {"spread": "STRICT_SPREAD", "pack": "PACK"}  # one stage per node; or as few nodes as fit (one host's test)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    address: str = "auto"  # Ray's address: "auto" (a cluster this host joined with `ray start`), "host:port", "ray://..."
+    stages: int = 2  # pipeline stages, one per node
+    replicas: int = 1  # full copies of the model, each with its own stages; the engine's slots alternate over them
+    placement: str = "spread"  # "spread" (Ray's STRICT_SPREAD) or "pack" (PACK)
+    threads: int | None = None  # native decoder threads per stage (default: the stage node's cores)
+    place_timeout_s: float = 60.0  # how long placing the stages may wait for nodes (a restart after a node is lost included)
+
+    def check(self) -> None:
+        if self.stages < 1:
+            raise InvalidArgumentError(f"--pipeline-stages must be >= 1, got {self.stages}")
+        if self.replicas < 1:
+            raise InvalidArgumentError(f"--replicas must be >= 1, got {self.replicas}")
+        if self.placement not in PLACEMENTS:
+            raise InvalidArgumentError(f"--ray-placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidArgumentError(f"threads per stage must be >= 1, got {self.threads}")
