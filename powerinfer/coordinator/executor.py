@@ -15,7 +15,9 @@ by coordinator/factory.py. The executors:
 * ``InProcessExecutor`` (inprocess.py): torch shards here, the test oracle; ``ProfilingExecutor``
   (sparsity/profile.py) records its FFNs;
 * ``ProcessExecutor`` (process_executor.py): torch shards in worker processes over ZeroMQ;
-* ``HybridExecutor`` (hybrid_executor.py): a GPU worker's hot neurons and layers, the rest here.
+* ``HybridExecutor`` (hybrid_executor.py): a GPU worker's hot neurons and layers, the rest here;
+* ``PipelineExecutor`` (cluster/pipeline.py): the layers in stages on Ray nodes, micro-batches
+  hopping stage to stage (docs/distributed.md).
 
 The last three share the per-layer recipe in layerwise.py.
 """
