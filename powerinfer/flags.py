@@ -175,7 +175,6 @@ def check_gpu_flags(args: argparse.Namespace) -> None:
 def gpu_options(args: argparse.Namespace) -> "GpuOptions | None":
     if args.n_gpu_layers == 0 and args.vram_budget is None:
         return None
-    from powerinfer.coordinator.cluster.options import ClusterOptions
     from powerinfer.coordinator.hybrid_executor import GpuOptions
 
     ngl = -1 if args.n_gpu_layers in (0, -1) else args.n_gpu_layers  # only --vram-budget given: every layer may take part

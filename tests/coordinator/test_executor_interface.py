@@ -40,6 +40,7 @@ CASES: dict[str, tuple[dict[str, object], int, float]] = {
     "hybrid, GPU in process": (dict(kind="inprocess", gpu=GpuOptions(process=False, **GPU)), 0, 0.05),  # type: ignore[arg-type]
     "pool with a GPU rank": (dict(kind="process", n_threads=2, pin=False, gpu=GpuOptions(process=True, **GPU)), 3, 0.05),  # type: ignore[arg-type]
     "profiling": ({}, 0, 0.0),
+    "Ray pipeline": ({}, 0, 0.05),  # two stages packed on a local Ray node (skipped without Ray)
 }
 
 
@@ -48,6 +49,14 @@ def _build(path: Path, case: str) -> Executor:
     cfg = config_from_gguf(f)
     if case == "profiling":
         return ProfilingExecutor(f, cfg, CTX)
+    if case == "Ray pipeline":
+        from powerinfer.coordinator.cluster.options import ClusterOptions
+
+        ray = pytest.importorskip("ray", reason="Ray is the [ray] extra")
+        if not ray.is_initialized():  # one local node for the module's cases; ended with the session
+            ray.init(num_cpus=2, object_store_memory=80 << 20, log_to_driver=False, configure_logging=False, include_dashboard=False)
+        opts = ClusterOptions(address="local", stages=2, placement="pack", threads=1)
+        return build_executor(Model(path, f, cfg, None, None, True), ExecutorOptions(n_ctx=CTX, n_batch=16, cluster=opts))
     fields, _, _ = CASES[case]
     return build_executor(Model(path, f, cfg, None, None, True), ExecutorOptions(n_ctx=CTX, n_batch=16, **fields))  # type: ignore[arg-type]
 
@@ -71,6 +80,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from powerinfer.synthetic import SyntheticSpec, write_synthetic_gguf
 
     return write_synthetic_gguf(tmp_path_factory.mktemp("iface") / "llama.gguf", SyntheticSpec(arch="llama", qtype=QT.Q8_0))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _local_ray() -> Iterator[None]:
+    """The Ray pipeline case's local node, shut down with the module (other modules start their own clusters)."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(params=list(CASES))

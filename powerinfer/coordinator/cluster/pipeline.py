@@ -69,6 +69,7 @@ class PipelineExecutor:
         self.actors: list[Any] = []
         self.nodes: list[str] = []
         self.node_ids: list[str] = []
+        self.held = 0  # bytes the stages hold
         self.serving: list[Any] = []
         self.pg: Any = None
         self.ctx = zmq.Context()
@@ -144,6 +145,7 @@ class PipelineExecutor:
         self._get([a.connect.remote(nxt, hb_at) for a, nxt in zip(self.actors, onward)], "connecting")
         self.nodes = [e.split("//", 1)[1].rsplit(":", 1)[0] for e in endpoints]
         self.node_ids = self._get([a.node_id.remote() for a in self.actors], "starting")  # Ray's node ids, for tools and tests
+        self.held = sum(self._get([a.weight_bytes.remote() for a in self.actors], "starting"))
         self.serving = [a.serve.remote() for a in self.actors]
         self.last_beat = [time.monotonic()] * len(self.actors)
         self.sent = [0] * R
@@ -293,7 +295,8 @@ class PipelineExecutor:
 
     @property
     def weight_bytes(self) -> int:
-        return 0  # every weight lives on the stages' nodes, none in this process
+        """Packed weights and KV caches of every stage (on the stages' nodes; none in this process)."""
+        return self.held
 
     def _stop_stages(self) -> None:
         for a in self.actors:

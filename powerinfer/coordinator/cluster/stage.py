@@ -102,7 +102,8 @@ class Stage:
             return ""
 
     def weight_bytes(self) -> int:
-        return self.decoder.weight_bytes
+        """Packed weights and KV cache this stage holds."""
+        return self.decoder.weight_bytes + self.decoder.cache_bytes
 
     def connect(self, next_endpoint: str, heartbeat_endpoint: str) -> None:
         """Send onward to next_endpoint (the next stage's, or the coordinator's for the last), beat to heartbeat_endpoint."""

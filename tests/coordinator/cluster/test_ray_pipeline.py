@@ -36,6 +36,8 @@ def cluster() -> Iterator[Any]:
     for _ in range(3):
         c.add_node(**NODE)
     c.wait_for_nodes()
+    if ray.is_initialized():  # another module's local node
+        ray.shutdown()
     ray.init(address=c.address, log_to_driver=False, configure_logging=False)
     yield c
     ray.shutdown()
