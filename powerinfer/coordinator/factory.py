@@ -114,11 +114,14 @@ def _pipeline(m: Model, o: ExecutorOptions, c: "ClusterOptions") -> Executor:
     """The layers in stages on Ray nodes (Ray is imported only here, and only with the flags)."""
     from powerinfer.coordinator.cluster.pipeline import PipelineExecutor, pipeline_refusal
 
-    why = pipeline_refusal(m.sparse and m.predictor is not None, o.gpu is not None)
+    why = pipeline_refusal(o.gpu is not None)
     if why is not None:
         raise InvalidArgumentError(why)
-    log.info("executor: a pipeline of %d stages on the Ray cluster at %s (%s)", c.stages, c.address, c.placement)
-    return PipelineExecutor(str(m.path), m.file, m.config, o.n_ctx, o.n_slots, o.n_batch, c)
+    sparse = m.sparse and m.predictor is not None
+    log.info("executor: a pipeline of %d stages on the Ray cluster at %s (%s)%s", c.stages, c.address, c.placement,
+             ", sparse FFNs" if sparse else "")
+    return PipelineExecutor(str(m.path), m.file, m.config, o.n_ctx, o.n_slots, o.n_batch, c,
+                            predictor=str(Path(m.predictor_path).resolve()) if sparse and m.predictor_path is not None else "")
 
 
 def _hybrid(m: Model, o: ExecutorOptions) -> Executor:

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 STAGE_SILENT_S = 5.0  # a stage that has not beaten for this long is lost
 POLL_MS = 50
 HEALTH_EVERY_S = 0.25  # how often a waiting step asks Ray whether a stage's call has ended
+SPARSE_ROWS_T = 4  # kernels/sparse_rows.h's PI_SPARSE_T: up to this many tokens a sparse FFN reads rows, above it masks a dense pass
 STEP_TIMEOUT_S = 600.0  # a step that has not come back in this long fails (no stage reported lost: a hang)
 
 
@@ -55,8 +56,11 @@ def _ray() -> Any:
 class PipelineExecutor:
     """The layers in stages on Ray nodes (see the module docstring)."""
 
-    def __init__(self, path: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_batch: int, opts: ClusterOptions) -> None:
+    def __init__(self, path: str, f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, n_batch: int, opts: ClusterOptions,
+                 predictor: str = "") -> None:
+        """predictor: a .predictor file (at the same path on every node): the stages' FFNs run sparsely."""
         opts.check()
+        self.predictor = predictor
         self.ray = _ray()
         self.path, self.cfg, self.opts = path, cfg, opts
         self.n_ctx, self.n_slots, self.n_batch = n_ctx, n_slots, n_batch
@@ -126,7 +130,7 @@ class PipelineExecutor:
         for k in range(S * R):
             r = self.ranges[k % S]
             spec = StageSpec(r.index, S, self.path, r.first, r.stop, self.n_ctx, slots, self.n_batch,
-                             self.opts.threads or 0, replica=k // S)  # threads 0: the stage takes its own node's cores
+                             self.opts.threads or 0, replica=k // S, predictor=self.predictor)  # threads 0: the node's cores
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=k)
             self.actors.append(actor.options(num_cpus=1, max_concurrency=4, scheduling_strategy=strategy, max_restarts=0).remote(spec))
         endpoints = self._get([a.endpoint.remote() for a in self.actors], "starting")
@@ -186,7 +190,12 @@ class PipelineExecutor:
         for rep in range(R):
             rows = np.flatnonzero(slots % R == rep)
             cut = len(rows) > 1 and S > 1 and batch.want is not Want.ALL
-            plan += [(rep, part) for part in (np.array_split(rows, min(S, len(rows))) if cut else [rows]) if len(part)]
+            n_parts = min(S, len(rows))
+            if self.predictor and len(rows) > SPARSE_ROWS_T:
+                # a sparse FFN computes up to SPARSE_ROWS_T tokens by rows, more by a masked dense pass whose
+                # numbers depend on the pass's tokens: such a batch goes whole, as one process computes it
+                n_parts = 1
+            plan += [(rep, part) for part in (np.array_split(rows, n_parts) if cut and n_parts > 1 else [rows]) if len(part)]
         for i, (rep, part) in enumerate(plan):
             want = batch.want if batch.want is not Want.LAST or part[-1] == T - 1 else Want.CACHE
             msg = StageMsg(self.step, i, len(plan), want.value, "ids", pos[part], slots[part] // R, ids[part])
@@ -279,13 +288,28 @@ class PipelineExecutor:
         kind = f"a pipeline of {len(self.ranges)} stages on Ray" + (f", {R} replicas" if R > 1 else "")
         return Description(kind=kind, placement=tuple(f"placement  {x}" for x in self._placement_lines()),
                            figures=("pipeline: micro-batches sent since the stats were reset, per replica: " + ", ".join(map(str, self.sent)),),
-                           numbers={"micro_batches": [float(n) for n in self.sent]}, steps_match_decode=True)
+                           numbers={"micro_batches": [float(n) for n in self.sent]}, steps_match_decode=True,
+                           computed_share=self._share() if self.predictor else None)
+
+    def _share(self) -> float:
+        """Share of FFN neurons computed per token since the last reset, over every layer (dense layers: all)."""
+        per_layer: dict[int, list[float]] = {}
+        for k, (active, sparse, tokens) in enumerate(self._get([a.sparse_counts.remote() for a in self.actors], "counting")):
+            first = self.ranges[k % len(self.ranges)].first
+            for i, (act, sp) in enumerate(zip(active, sparse)):
+                if tokens:
+                    per_layer.setdefault(first + i, []).append(act / (tokens * self.cfg.n_ff) if sp else 1.0)
+        return float(np.mean([np.mean(v) for v in per_layer.values()])) if per_layer else 1.0
 
     def reset_stats(self) -> None:
         self.sent = [0] * self.opts.replicas
+        if self.predictor and self.actors:
+            self._get([a.reset_counts.remote() for a in self.actors], "resetting the counters")
 
     def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
-        """The stages run dense (no predictor in a pipeline yet): nothing to switch."""
+        """Every stage's sparse FFNs: every neuron (dense=True), the true active set (oracle=True), or the file's rule."""
+        if self.predictor and self.actors:
+            self._get([a.set_sparse.remote(dense, oracle) for a in self.actors], "switching the sparse rule")
 
     def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
         no_kv("a Ray pipeline")
@@ -331,10 +355,8 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[-1].strip() if text else ''}"[:300]
 
 
-def pipeline_refusal(sparse: bool, gpu: bool) -> str | None:
+def pipeline_refusal(gpu: bool) -> str | None:
     """Why a pipeline cannot run these options, or None."""
-    if sparse:
-        return "a Ray pipeline runs dense for now: give --no-sparse (or no predictor)"
     if gpu:
         return "a Ray pipeline runs on the nodes' CPUs: leave out -ngl/--vram-budget"
     return None

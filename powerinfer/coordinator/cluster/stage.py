@@ -31,6 +31,8 @@ from powerinfer.errors import PowerInferError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.native.decoder import NativeDecoder, supports
 from powerinfer.native.decoder_lib import decoder_lib
+from powerinfer.native.sparse_layers import NativeSparseFFNs
+from powerinfer.predictors.predictor_file import read_predictor
 from powerinfer.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ class StageSpec:
     n_batch: int
     n_threads: int  # 0: the node's physical cores
     replica: int = 0  # which full copy of the model this stage belongs to (--replicas)
+    predictor: str = ""  # a .predictor file at the same path on every node: this stage's FFNs run sparsely
 
     @property
     def beat_id(self) -> int:
@@ -78,8 +81,13 @@ class Stage:
         if not 0 <= spec.first < spec.stop <= self.cfg.n_layers:
             raise PowerInferError(f"pipeline stage {spec.index}: layers {spec.first}..{spec.stop - 1} of a {self.cfg.n_layers}-layer model")
         threads = spec.n_threads or default_workers()  # 0: this node's physical cores
-        self.decoder = NativeDecoder(lib, self.f, self.cfg, spec.n_ctx, spec.n_slots, threads, spec.n_batch,
-                                     only=frozenset(range(spec.first, spec.stop)), with_head=spec.last)
+        layers = frozenset(range(spec.first, spec.stop))
+        # the predictor's rule on this stage's layers, as the in-process native executor applies it
+        self.sparse = (NativeSparseFFNs(lib, self.f, self.cfg, read_predictor(spec.predictor, model=self.f), only=layers)
+                       if spec.predictor else None)
+        self.decoder = NativeDecoder(lib, self.f, self.cfg, spec.n_ctx, spec.n_slots, threads, spec.n_batch, sparse=self.sparse,
+                                     only=layers, with_head=spec.last)
+        self.tokens = 0  # tokens through this stage's layers since the counters were reset
         self.embedding = Embedding(self.f, self.cfg, self.decoder.embed) if spec.index == 0 else None
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -93,6 +101,23 @@ class Stage:
     def endpoint(self) -> str:
         """Where the previous hop sends (this stage's PULL socket)."""
         return self.endpoint_
+
+    def sparse_counts(self) -> tuple[list[int], list[bool], int]:
+        """For this stage's layers: neurons computed (summed over tokens), whether the layer is
+        sparse, and the tokens since the last reset_counts() (no predictor: none counted, all dense)."""
+        layers = range(self.spec.first, self.spec.stop)
+        if self.sparse is None:
+            return [0 for _ in layers], [False for _ in layers], self.tokens
+        return [int(self.sparse.active[i]) for i in layers], [bool(self.sparse.sparse_layers[i]) for i in layers], self.tokens
+
+    def reset_counts(self) -> None:
+        if self.sparse is not None:
+            self.sparse.active[:] = 0
+        self.tokens = 0
+
+    def set_sparse(self, dense: bool | None, oracle: bool | None) -> None:
+        if self.sparse is not None:
+            self.sparse.set_flags(dense, oracle)
 
     def node_id(self) -> str:
         """Ray's id of this stage's node ("" without Ray)."""
@@ -144,6 +169,7 @@ class Stage:
                 raise ProtocolError(f"stage {self.spec.index} takes the residual stream, got {msg.kind!r}")
             x = np.ascontiguousarray(msg.payload, dtype=np.float32)
         x = self.decoder.forward_range(self.spec.first, self.spec.stop, x, pos, slots, final_norm=self.spec.last)
+        self.tokens += len(pos)
         if not self.spec.last:
             return msg.reply("hidden", x)
         want = Want(msg.want)

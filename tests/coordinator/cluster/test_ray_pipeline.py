@@ -150,3 +150,33 @@ def test_replicas_serve_concurrent_requests_and_the_server_outlives_a_lost_node(
         assert complete(prompts[1]) == want[1]
     finally:
         server.stop()
+
+
+def test_sparse_stages_generate_what_the_sparse_native_executor_generates(cluster: Any, make_model: Any, tmp_path: Any) -> None:
+    """A ReGLU model with a predictor file: the pipeline's stages apply its rule to their layers and
+    the tokens equal the in-process sparse executor's; the computed share is counted over the stages."""
+    from dataclasses import replace
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    from powerinfer.config import config_from_gguf
+    from powerinfer.gguf_file import GGUFFile
+    from powerinfer.predictors.predictor_file import write_predictor
+    from tests.gpu_worker.helpers import make_predictor
+
+    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=4, activation="relu")
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    pf = make_predictor(f, cfg, "predictor")
+    pf = replace(pf, layers=tuple(replace(lp, fc2_b=np.full(cfg.n_ff, -2.5, np.float32), act_freq=np.full(cfg.n_ff, 0.1, np.float32))
+                                  for lp in pf.layers))
+    write_predictor(tmp_path / "m.predictor", pf)
+    prompt = [1, 5, 9, 13, 17, 21]
+    with LLM(path, executor="inprocess", n_ctx=64, n_threads=1, predictor=tmp_path / "m.predictor") as one:
+        want = [c.token for c in one.generate(prompt, 12, temperature=0) if c.token >= 0]
+    opts = ClusterOptions(address=cluster.address, stages=2, threads=1)
+    with LLM(path, n_ctx=64, predictor=tmp_path / "m.predictor", cluster=opts) as llm:
+        assert [c.token for c in llm.generate(prompt, 12, temperature=0) if c.token >= 0] == want
+        share = llm.engine.executor.describe().computed_share
+        assert share is not None and 0 < share < 0.5

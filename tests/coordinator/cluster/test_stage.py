@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,10 @@ pytestmark = pytest.mark.skipif(decoder_lib() is None, reason="no C compiler")
 class Wired:
     """Stages in threads, and the coordinator's two sockets."""
 
-    def __init__(self, path: Path, cuts: list[int], n_layers: int) -> None:
+    def __init__(self, path: Path, cuts: list[int], n_layers: int, predictor: str = "") -> None:
         bounds = [0, *cuts, n_layers]
-        self.stages = [Stage(StageSpec(i, len(bounds) - 1, str(path), a, b, 64, 2, 8, 1)) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        self.stages = [Stage(StageSpec(i, len(bounds) - 1, str(path), a, b, 64, 2, 8, 1, predictor=predictor))
+                       for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         self.ctx = zmq.Context()
         self.results, self.beats = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PULL)
         rp, hp = self.results.bind_to_random_port("tcp://127.0.0.1"), self.beats.bind_to_random_port("tcp://127.0.0.1")
@@ -106,3 +108,36 @@ def test_a_refused_input_comes_back_as_an_error_and_serving_goes_on(wired: tuple
     with pytest.raises(ValueError, match="pipeline stage 0: .*refused"):
         w.run(Batch([1, 2], [70, 71], [0, 0], Want.LAST), 1)  # beyond the context of 64
     assert w.run(Batch([1, 2], [0, 1], [0, 0], Want.LAST), 1).shape[0] == 1
+
+
+def test_sparse_stages_answer_what_the_sparse_native_executor_answers(make_model: Callable[..., Path], tmp_path: Path) -> None:
+    """A ReGLU model with a predictor file: two stages, each applying the rule to its own layers,
+    give the in-process sparse executor's logits, and count the neurons they computed."""
+    from powerinfer.predictors.predictor_file import write_predictor
+    from tests.gpu_worker.helpers import make_predictor
+
+    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=3, activation="relu")
+    f = GGUFFile(path)
+    cfg = config_from_gguf(f)
+    pf = make_predictor(f, cfg, "predictor")
+    # fewer neurons active than the native rule's cut for running a layer dense (a quarter), as calibrated and as predicted
+    pf = replace(pf, layers=tuple(replace(lp, fc2_b=np.full(cfg.n_ff, -2.5, np.float32), act_freq=np.full(cfg.n_ff, 0.1, np.float32))
+                                  for lp in pf.layers))
+    write_predictor(tmp_path / "m.predictor", pf)
+    lib = decoder_lib()
+    assert lib is not None
+    oracle = NativeExecutor(lib, f, cfg, 64, 1, n_slots=2, max_tokens=8, predictor=pf)
+    w = Wired(path, [2], cfg.n_layers, predictor=str(tmp_path / "m.predictor"))
+    try:
+        ids = np.random.default_rng(2).integers(3, 200, 10).tolist()
+        # a prompt of 10 whole (a sparse FFN's pass over more than 4 tokens depends on its tokens: the
+        # pipeline does not cut it), then two sequences' decode in two micro-batches (by rows either way)
+        for batch, parts in ((Batch(ids, list(range(10)), [0] * 10, Want.LAST), 1), (Batch([5, 6], [10, 0], [0, 1], Want.EACH), 2)):
+            np.testing.assert_allclose(w.run(batch, parts), oracle.execute(batch), rtol=1e-5, atol=1e-5)
+        counts = [s.sparse_counts() for s in w.stages]
+        assert [len(c[0]) for c in counts] == [2, 1] and all(c[2] == 12 for c in counts)
+        share = np.mean([a / (c[2] * cfg.n_ff) if sp else 1.0 for c in counts for a, sp in zip(c[0], c[1])])
+        assert 0 < share < 1 and abs(share - oracle.decode_share()) < 1e-9
+    finally:
+        w.close()
+        oracle.close()
