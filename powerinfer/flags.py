@@ -199,7 +199,7 @@ def cluster_options(args: argparse.Namespace) -> "ClusterOptions | None":
 
     stages = args.pipeline_stages or (1 if args.replicas else 2)  # replicas alone: each a whole model on one node
     return ClusterOptions(address=args.ray_address or "auto", stages=stages, replicas=args.replicas or 1, placement=args.ray_placement,
-                          threads=args.threads)
+                          threads=args.threads, inprocess=args.executor == "inprocess")
 
 
 def load_llm(args: argparse.Namespace, progress: bool = True) -> LLM:

@@ -55,12 +55,15 @@ class NativePoolExecutor:
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, model: str, cfg: ModelConfig, n_ctx: int, n_workers: int, threads_per_worker: int = 1,
                  placements: tuple[Placement, ...] = (), log_level: str = "WARNING", n_slots: int = 1, max_tokens: int = 512,
-                 step_channel: str = "shm", predictor: str = "", gpu: GpuRankSpec | None = None) -> None:
+                 step_channel: str = "shm", predictor: str = "", gpu: GpuRankSpec | None = None,
+                 layers: tuple[int, int] | None = None) -> None:
         """step_channel "shm": steps through the segment's doorbell (the default); "zmq": a STEP
         message per pass (the protocol's portable form; measured slower, see docs/protocol.md).
         predictor: a .predictor file; each rank then computes its neurons' gate and up rows
         sparsely (kernels/sparse_rows.h); the merge is the dense one.
-        gpu: the GPU worker joins as a rank that computes that share of the layers (coordinator/gpu_rank.py)."""
+        gpu: the GPU worker joins as a rank that computes that share of the layers (coordinator/gpu_rank.py).
+        layers (first, stop): a pipeline stage's pool (coordinator/cluster/stage_pool.py): the ranks
+        build and run only these layers, a step's stream entering them through the segment."""
         if max_tokens < 1:
             raise InvalidArgumentError(f"batch size must be positive, got {max_tokens}")
         self.lib, self.cfg = lib, cfg
@@ -72,7 +75,10 @@ class NativePoolExecutor:
         self._cand = np.empty(self.head.rows, dtype=np.int32)
         self._config = PoolConfig(model, n_workers, n_ctx, threads_per_worker, placements, log_level, predictor, n_slots, "shm", "", max_tokens,
                                   gpu.layers if gpu is not None else (), gpu.attn_layers if gpu is not None else (),
-                                  gpu.hot_json() if gpu is not None else "")
+                                  gpu.hot_json() if gpu is not None else "", tuple(layers) if layers is not None else ())
+        if layers is not None and (gpu is not None or not 0 <= layers[0] < layers[1] <= cfg.n_layers):
+            raise InvalidArgumentError(f"a stage's layers {layers} must be a range of the model's {cfg.n_layers}, without a GPU rank")
+        self.layers = layers
         self.gpu_spec = gpu
         self.gpu: GpuWorkerProcess | None = None
         self.max_tokens = max_tokens
@@ -165,6 +171,10 @@ class NativePoolExecutor:
         if each and T > self.logit_rows:
             return self.decode_logits(self.forward_ids(ids, positions, slots), margin, k)
         self._step(ids, positions, slots, 2 if each else 1)
+        return self._refined(T, each, margin, k)
+
+    def _refined(self, T: int, each: bool, margin: float, k: int) -> np.ndarray:
+        """The last step's logits (each row's, or the last row's) from the segment, the best refined in float32."""
         n = T if each else 1
         out = np.array(self._seg.logits[:n])
         hidden = self._seg.hidden[:T] if each else self._seg.hidden[T - 1 : T]

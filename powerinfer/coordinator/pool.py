@@ -51,6 +51,7 @@ class PoolConfig:
     gpu_layers: tuple[int, ...] = ()  # transport "shm": layers of the pool's GPU rank (the CPU ranks skip them)
     gpu_attn: tuple[int, ...] = ()  # transport "shm": layers whose attention the GPU rank computes (neuron split)
     gpu_hot: str = ""  # transport "shm": JSON list of each layer's hot neurons on the GPU rank (neuron split; "" none)
+    layers: tuple[int, ...] = ()  # transport "shm": a pipeline stage's layers (first, stop); () the whole model
 
 
 class WorkerPool:
@@ -89,7 +90,8 @@ class WorkerPool:
             sup.send(i, LoadMsg(model=cfg.model, worker=i, n_workers=cfg.n_workers, n_ctx=cfg.n_ctx, threads=cfg.threads_per_worker,
                                 cpus=tuple(pl.cpus) if pl else (), node=pl.node if pl else -1, predictor=cfg.predictor,
                                 n_slots=cfg.n_slots, transport=cfg.transport, shm=cfg.shm, max_t=cfg.max_t, gpu_layers=cfg.gpu_layers,
-                                gpu_attn=cfg.gpu_attn, gpu_hot=os.path.join(sup.dir, HOT_FILE) if cfg.gpu_hot else ""))
+                                gpu_attn=cfg.gpu_attn, gpu_hot=os.path.join(sup.dir, HOT_FILE) if cfg.gpu_hot else "",
+                                layers=cfg.layers))
         replies = sup.gather(set(range(cfg.n_workers)), START_TIMEOUT_S, "loading")
         self.ready = []
         for i in range(cfg.n_workers):

@@ -26,7 +26,7 @@ import zmq
 
 from powerinfer.config import config_from_gguf
 from powerinfer.cpu_workers.kv_file import KvGeometry, load_caches, save_caches
-from powerinfer.native.decoder_lib import PiRankCtx, decoder_lib
+from powerinfer.native.decoder_lib import STEP_STREAM, PiRankCtx, decoder_lib
 from powerinfer.native.decoder import NativeDecoder, supports
 from powerinfer.native.sparse_layers import MAX_SPARSE_SHARE, NativeSparseFFNs
 from powerinfer.native.comm import SPIN_US, RankComm, comm_error
@@ -93,6 +93,11 @@ class NativeRank:
         has_gpu = bool(gpu or gpu_attn or any(len(h) for h in hot))
         # the GPU rank's layers are not built here: the stream is handed over around them (kernels/handoff.h)
         only = frozenset(range(cfg.n_layers)) - gpu if gpu else None
+        first, stop = load.layers if load.layers else (0, cfg.n_layers)  # a pipeline stage's pool: its layers only
+        if load.layers:
+            if len(load.layers) != 2 or not 0 <= first < stop <= cfg.n_layers or has_gpu:
+                raise ValueError(f"LOAD's layers {list(load.layers)}: a range [first, stop) of the model's {cfg.n_layers}, without a GPU rank")
+            only = frozenset(range(first, stop))
         sparse = None
         if load.predictor:  # this rank's neurons of every layer, computed sparsely (native/sparse_layers.py)
             # with a GPU rank every layer applies the predictor's rule, as the GPU's layers do (and the
@@ -102,7 +107,7 @@ class NativeRank:
                                       (self.shard.d0, self.shard.d1), only=only, max_share=1.0 if has_gpu else MAX_SPARSE_SHARE)
         self.sparse = sparse
         self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse, only,
-                                 gpu_attn, hot)
+                                 gpu_attn, hot, with_head=stop == cfg.n_layers)
         if gpu:
             self.on_gpu = np.array([i in gpu for i in range(cfg.n_layers)], dtype=np.int8)
             self.dec.model.on_gpu = self.on_gpu.ctypes.data
@@ -122,15 +127,17 @@ class NativeRank:
         self.x = np.empty((load.max_t, cfg.d_model), dtype=np.float32)  # the residual stream replica
         self.weight_bytes = self.dec.weight_bytes
         L = self.seg.layout
+        if load.layers:  # the stream enters through the segment's hidden area, which rank 0 then overwrites with its answer
+            self.dec.model.first, self.dec.model.stop, self.dec.model.stream_in = first, stop, self.seg.base + L.hidden_off
         # logits: this rank's first column of the segment's [rows, vocab]; hidden: rank 0 writes it
         self.ctx = PiRankCtx(ctypes.addressof(self.dec.model), ctypes.addressof(self.dec.embeddings), self.x.ctypes.data,
                              self.seg.base + L.logits_off + self.shard.v0 * 4, self.seg.base + L.hidden_off if rank == 0 else None,
                              self.dec.scratch.ctypes.data, L.vocab, L.logit_rows, float(cfg.embed_scale))
 
     def run(self, mode: int, T: int) -> int:
-        """The native call for a STEP message (mode 0-2, ids etc. in self.io) or a head pass (mode 3,
-        self.x), with the same outputs as a doorbell step (self.ctx)."""
-        if mode in (2, 3) and T > self.ctx.logit_rows:
+        """The native call for a STEP message (mode 0-2, + STEP_STREAM for a pipeline stage's stream;
+        ids etc. in self.io) or a head pass (mode 3, self.x), with the same outputs as a doorbell step (self.ctx)."""
+        if (mode & ~STEP_STREAM) in (2, 3) and T > self.ctx.logit_rows or mode == 3 | STEP_STREAM:
             return 1
         io, c = self.io, self.ctx
         return int(self.lib.pi_rank_step(ctypes.byref(self.dec.model), ctypes.byref(self.dec.embeddings), c.embed_scale,
@@ -178,6 +185,8 @@ def _serve_message(sock: zmq.Socket, rank: NativeRank, index: int, busy: threadi
             T = int(ids.shape[0])
             if not 1 <= T <= rank.max_t or msg.tensors[1].shape[0] != T or msg.tensors[2].shape[0] != T:
                 raise ValueError(f"a STEP takes 1..{rank.max_t} tokens with one position and slot each")
+            if msg.mode & ~STEP_STREAM not in (0, 1, 2):  # 3 is LOGITS' head pass, not a step
+                raise ValueError(f"STEP mode {msg.mode}: 0-2, plus {STEP_STREAM} for a pipeline stage's stream")
             for i in range(3):
                 rank.io[i, :T] = msg.tensors[i]
             rc = rank.run(msg.mode, T)

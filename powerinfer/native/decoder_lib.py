@@ -84,7 +84,7 @@ class PiModel(ctypes.Structure):
         ("layers", ctypes.POINTER(PiLayer)), ("profile", ctypes.c_void_p),
         *[(n, ctypes.c_int32) for n in ("q0", "kv0", "grp", "n_head_all", "n_ff_all", "n0", "d0", "sparse")], ("comm", ctypes.c_void_p),
         ("ffn_active", ctypes.c_void_p), ("on_gpu", ctypes.c_void_p), ("out_norm_b", ctypes.c_void_p), ("pos_embd", ctypes.c_void_p),
-        *[(n, ctypes.c_int32) for n in ("layernorm", "gateless", "pos_rows", "pos_offset")]]
+        *[(n, ctypes.c_int32) for n in ("layernorm", "gateless", "pos_rows", "pos_offset", "first", "stop")], ("stream_in", ctypes.c_void_p)]
 
 
 class PiComm(ctypes.Structure):
@@ -94,6 +94,9 @@ class PiComm(ctypes.Structure):
                 ("slice_ms", ctypes.c_int32), ("deadline_ms", ctypes.c_int32), ("gen", ctypes.c_uint32), ("err", ctypes.c_int32),
                 ("n_syncs", ctypes.c_uint64), ("wait_ns", ctypes.c_uint64), ("handoffs", ctypes.c_uint32), ("pad", ctypes.c_uint32),
                 ("gpu_ns", ctypes.c_uint64), ("lat", ctypes.c_void_p)]
+
+
+STEP_STREAM = 4  # step.h's PI_STEP_STREAM: a step's mode flag, the residual stream comes in through the segment (a pipeline stage)
 
 
 class PiRankCtx(ctypes.Structure):

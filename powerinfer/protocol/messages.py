@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     Tensor = Union[np.ndarray, torch.Tensor]
 
-PROTOCOL_VERSION: int = 9  # 9: KV (a slot's KV cache saved to or restored from a file); 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
+PROTOCOL_VERSION: int = 10  # 10: LOAD layers, STEP's stream flag (a pipeline stage's pool); 9: KV (a slot's KV cache saved to or restored from a file); 2: LOGITS (the head sharded); 3: ATTN slots, LOAD n_slots; 4: STEP/RESULT, LOAD transport/shm/max_t;
 # 5: LAYERS (a run of whole layers in one request); 6: the shm segment's banks per rank; 7: LOAD gpu_layers, the GPU worker
 # as a rank of the segment (its hand-off around runs of GPU layers); 8: LOAD gpu_attn/gpu_hot, the GPU rank in neuron split
 # (hand-offs of a layer's attention and hot neurons)
@@ -119,6 +119,7 @@ class LoadMsg:
     gpu_layers: tuple[int, ...] = ()  # transport "shm": layers the pool's GPU rank computes (the CPU ranks hand the stream over)
     gpu_attn: tuple[int, ...] = ()  # transport "shm": layers whose attention the GPU rank computes (neuron split)
     gpu_hot: str = ""  # transport "shm": a JSON file of the GPU rank's hot neurons per layer (neuron split; "" none)
+    layers: tuple[int, ...] = ()  # transport "shm": a pipeline stage's layers (first, stop); () the whole model
     TYPE: ClassVar[MsgType] = MsgType.LOAD
 
 
@@ -235,7 +236,9 @@ class StepMsg:
     """tensors = (ids [T] i64, positions [T] i64, slots [T] i64): one forward pass on every rank.
 
     mode 0: hidden states only (rank 0 writes them to the segment); 1: plus the last row's
-    logits; 2: plus every row's logits (each rank writes its vocabulary columns)."""
+    logits; 2: plus every row's logits (each rank writes its vocabulary columns); + 4
+    (STEP_STREAM): the residual stream comes in through the segment's hidden area instead of the
+    ids (a pipeline stage's pool)."""
 
     req: int
     step: int

@@ -73,6 +73,7 @@ def samples() -> list[Message]:
         PartialMsg(7, 3, 11, 1, 250, (X * 2,)),
         LoadMsg("/models/smollm2.gguf", 0, 2, 512, 1, (), -1, "", 4, "shm", "/dev/shm/powerinfer-1-x", 512),
         LoadMsg("/models/smollm2.gguf", 1, 2, 512, 1, (), -1, "", 1, "shm", "/dev/shm/powerinfer-1-x", 512, (0, 1), (2, 3), "/tmp/d/gpu_hot.json"),
+        LoadMsg("/models/smollm2.gguf", 0, 2, 512, 1, (), -1, "", 1, "shm", "/dev/shm/powerinfer-1-x", 16, layers=(10, 20)),
         StepMsg(7, 3, 2, (POS, POS, np.zeros_like(POS))),
         ResultMsg(7, 3, 1, 4200, 150, 60),
         ErrorMsg(7, 3, 11, 1, "RuntimeError", "boom"),
@@ -359,12 +360,13 @@ BAD: dict[str, tuple[list[Any], str]] = {
     "float step": (raw(5, step_body([["f32", [1, 1]]], step=1.0), bytes(4)), "field 'step' must be an int in"),
     "NaN float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("nan")}), "field 'load_s' must be a finite float"),
     "inf float": (raw(3, {"worker": 0, "weight_bytes": 1, "load_s": float("inf")}), "field 'load_s' must be a finite float"),
-    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": ""}), "field 'cpus'"),
-    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": ""}), "field 'n_ctx'"),
-    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": ""}), "field 'n_slots'"),
-    "bad gpu layers": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [3, -1], "gpu_attn": [], "gpu_hot": ""}), "field 'gpu_layers'"),
-    "bad gpu attn": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [-1], "gpu_hot": ""}), "field 'gpu_attn'"),
-    "bad step mode": (raw(11, {"req": 1, "step": 1, "mode": 3, "t": [["i64", [1]], ["i64", [1]], ["i64", [1]]]}, bytes(8), bytes(8), bytes(8)), "field 'mode'"),
+    "bad cpus": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [0, -2], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": "", "layers": []}), "field 'cpus'"),
+    "zero n_ctx": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 0, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": "", "layers": []}), "field 'n_ctx'"),
+    "zero n_slots": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 0, "transport": "zmq", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": "", "layers": []}), "field 'n_slots'"),
+    "bad gpu layers": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [3, -1], "gpu_attn": [], "gpu_hot": "", "layers": []}), "field 'gpu_layers'"),
+    "bad gpu attn": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [-1], "gpu_hot": "", "layers": []}), "field 'gpu_attn'"),
+    "bad stage layers": (raw(2, {"model": "m", "worker": 0, "n_workers": 1, "n_ctx": 8, "threads": 1, "cpus": [], "node": -1, "predictor": "", "n_slots": 1, "transport": "shm", "shm": "", "max_t": 1, "gpu_layers": [], "gpu_attn": [], "gpu_hot": "", "layers": [2, -1]}), "field 'layers'"),
+    "bad step mode": (raw(11, {"req": 1, "step": 1, "mode": 7, "t": [["i64", [1]], ["i64", [1]], ["i64", [1]]]}, bytes(8), bytes(8), bytes(8)), "field 'mode'"),
     "long str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": "k", "message": "m" * (MAX_STR + 1)}), "field 'message'"),
     "bin for str": (raw(7, {"req": 1, "step": 1, "layer": 1, "worker": 0, "kind": b"k", "message": "m"}), "not valid msgpack"),
     "unknown dtype": (raw(5, step_body([["f64", [1, 2]]]), bytes(16)), "unknown dtype 'f64'"),
@@ -408,9 +410,9 @@ def test_huge_declared_shape_allocates_nothing() -> None:
 
 
 def test_version_mismatch_names_both_versions() -> None:
-    with pytest.raises(ProtocolVersionError, match=f"peer speaks version 10, this side speaks version {PROTOCOL_VERSION}") as info:
-        decode(raw(1, {"version": 10, "worker": 0, "pid": 1, "features": ["x"]}))  # a v10 HELLO may differ
-    assert (info.value.peer_version, info.value.local_version) == (10, PROTOCOL_VERSION)
+    with pytest.raises(ProtocolVersionError, match=f"peer speaks version 11, this side speaks version {PROTOCOL_VERSION}") as info:
+        decode(raw(1, {"version": 11, "worker": 0, "pid": 1, "features": ["x"]}))  # a v11 HELLO may differ
+    assert (info.value.peer_version, info.value.local_version) == (11, PROTOCOL_VERSION)
 
 
 def test_encode_rejects_what_decode_would() -> None:

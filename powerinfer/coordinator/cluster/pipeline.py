@@ -130,7 +130,8 @@ class PipelineExecutor:
         for k in range(S * R):
             r = self.ranges[k % S]
             spec = StageSpec(r.index, S, self.path, r.first, r.stop, self.n_ctx, slots, self.n_batch,
-                             self.opts.threads or 0, replica=k // S, predictor=self.predictor)  # threads 0: the node's cores
+                             self.opts.threads or 0, replica=k // S, predictor=self.predictor,  # threads 0: the node's cores
+                             pool=not self.opts.inprocess, pin=self.opts.pin)
             strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=k)
             self.actors.append(actor.options(num_cpus=1, max_concurrency=4, scheduling_strategy=strategy, max_restarts=0).remote(spec))
         endpoints = self._get([a.endpoint.remote() for a in self.actors], "starting")
@@ -203,15 +204,17 @@ class PipelineExecutor:
             self.sent[rep] += 1
         parts = [part for _, part in plan]
         outs: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(parts)
-        errors = []
+        errors: list[StageMsg] = []
         for _ in parts:
             m = self._receive()
             if m.kind == "error":
-                errors.append(m.error)
+                errors.append(m)
             else:
                 outs[m.mb] = m.payload
+        if any(e.fatal for e in errors):  # a stage's pool broke: every stage restarts (their KV caches with them)
+            self._lost(next(e.error for e in errors if e.fatal))
         if errors:  # a stage refused its input (the pipeline itself is fine)
-            raise InvalidArgumentError(errors[0])
+            raise InvalidArgumentError(errors[0].error)
         if batch.want is Want.CACHE:
             return outs[0][:0]
         if batch.want is Want.LAST:
@@ -291,15 +294,16 @@ class PipelineExecutor:
                            numbers={"micro_batches": [float(n) for n in self.sent]}, steps_match_decode=True,
                            computed_share=self._share() if self.predictor else None)
 
-    def _share(self) -> float:
-        """Share of FFN neurons computed per token since the last reset, over every layer (dense layers: all)."""
+    def _share(self) -> float | None:
+        """Share of FFN neurons computed per token since the last reset, over every layer (dense
+        layers: all); None where the stages' pools count in their ranks (not gathered)."""
         per_layer: dict[int, list[float]] = {}
         for k, (active, sparse, tokens) in enumerate(self._get([a.sparse_counts.remote() for a in self.actors], "counting")):
             first = self.ranges[k % len(self.ranges)].first
             for i, (act, sp) in enumerate(zip(active, sparse)):
                 if tokens:
                     per_layer.setdefault(first + i, []).append(act / (tokens * self.cfg.n_ff) if sp else 1.0)
-        return float(np.mean([np.mean(v) for v in per_layer.values()])) if per_layer else 1.0
+        return float(np.mean([np.mean(v) for v in per_layer.values()])) if per_layer else None
 
     def reset_stats(self) -> None:
         self.sent = [0] * self.opts.replicas

@@ -24,16 +24,17 @@ import zmq
 from powerinfer.config import config_from_gguf
 from powerinfer.coordinator.cluster.wire import StageMsg, decode, heartbeat
 from powerinfer.coordinator.embedding import Embedding
-from powerinfer.coordinator.executor import Want
+from powerinfer.coordinator.cluster.stage_pool import StagePool
+from powerinfer.coordinator.executor import Batch, Want
 from powerinfer.coordinator.logits import answer
-from powerinfer.cpu_workers.topology import default_workers
-from powerinfer.errors import PowerInferError
+from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
+from powerinfer.errors import InvalidArgumentError, PowerInferError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.native.decoder import NativeDecoder, supports
 from powerinfer.native.decoder_lib import decoder_lib
 from powerinfer.native.sparse_layers import NativeSparseFFNs
 from powerinfer.predictors.predictor_file import read_predictor
-from powerinfer.protocol import ProtocolError
+from powerinfer.protocol import ProtocolError, WorkerDiedError, WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class StageSpec:
     n_threads: int  # 0: the node's physical cores
     replica: int = 0  # which full copy of the model this stage belongs to (--replicas)
     predictor: str = ""  # a .predictor file at the same path on every node: this stage's FFNs run sparsely
+    pool: bool = True  # a native pool of n_threads ranks (processes) on the node; False: the decoder in the actor's process
+    pin: bool = True  # the pool's ranks pinned to cores and NUMA nodes (cpu_workers/topology.py)
 
     @property
     def beat_id(self) -> int:
@@ -80,15 +83,24 @@ class Stage:
             raise PowerInferError(f"pipeline stage {spec.index} cannot run here: {why}")
         if not 0 <= spec.first < spec.stop <= self.cfg.n_layers:
             raise PowerInferError(f"pipeline stage {spec.index}: layers {spec.first}..{spec.stop - 1} of a {self.cfg.n_layers}-layer model")
-        threads = spec.n_threads or default_workers()  # 0: this node's physical cores
+        threads = spec.n_threads or default_workers()  # 0: this node's physical cores (ranks of the pool, or threads)
         layers = frozenset(range(spec.first, spec.stop))
-        # the predictor's rule on this stage's layers, as the in-process native executor applies it
-        self.sparse = (NativeSparseFFNs(lib, self.f, self.cfg, read_predictor(spec.predictor, model=self.f), only=layers)
-                       if spec.predictor else None)
-        self.decoder = NativeDecoder(lib, self.f, self.cfg, spec.n_ctx, spec.n_slots, threads, spec.n_batch, sparse=self.sparse,
-                                     only=layers, with_head=spec.last)
+        self.pool: StagePool | None = None
+        self.decoder: NativeDecoder | None = None
+        self.sparse: NativeSparseFFNs | None = None
+        self.embedding: Embedding | None = None
+        if spec.pool:  # the default executor's native pool on this node, of this stage's layers
+            placements = tuple(plan_placement(read_topology(), threads, 1)) if spec.pin else ()
+            self.pool = StagePool(lib, self.f, spec.path, self.cfg, spec.n_ctx, threads, 1, placements, "WARNING", spec.n_slots, spec.n_batch,
+                                  predictor=spec.predictor, layers=(spec.first, spec.stop))
+        else:
+            # the predictor's rule on this stage's layers, as the in-process native executor applies it
+            self.sparse = (NativeSparseFFNs(lib, self.f, self.cfg, read_predictor(spec.predictor, model=self.f), only=layers)
+                           if spec.predictor else None)
+            self.decoder = NativeDecoder(lib, self.f, self.cfg, spec.n_ctx, spec.n_slots, threads, spec.n_batch, sparse=self.sparse,
+                                         only=layers, with_head=spec.last)
+            self.embedding = Embedding(self.f, self.cfg, self.decoder.embed) if spec.index == 0 else None
         self.tokens = 0  # tokens through this stage's layers since the counters were reset
-        self.embedding = Embedding(self.f, self.cfg, self.decoder.embed) if spec.index == 0 else None
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.host = _node_ip()
@@ -104,8 +116,11 @@ class Stage:
 
     def sparse_counts(self) -> tuple[list[int], list[bool], int]:
         """For this stage's layers: neurons computed (summed over tokens), whether the layer is
-        sparse, and the tokens since the last reset_counts() (no predictor: none counted, all dense)."""
+        sparse, and the tokens since the last reset_counts() (no predictor: none counted, all dense;
+        a pool's ranks count their own neurons: not gathered here, empty lists)."""
         layers = range(self.spec.first, self.spec.stop)
+        if self.pool is not None:
+            return [], [], self.tokens
         if self.sparse is None:
             return [0 for _ in layers], [False for _ in layers], self.tokens
         return [int(self.sparse.active[i]) for i in layers], [bool(self.sparse.sparse_layers[i]) for i in layers], self.tokens
@@ -116,7 +131,9 @@ class Stage:
         self.tokens = 0
 
     def set_sparse(self, dense: bool | None, oracle: bool | None) -> None:
-        if self.sparse is not None:
+        if self.pool is not None:
+            self.pool.set_sparse(dense=dense, oracle=oracle)
+        elif self.sparse is not None:
             self.sparse.set_flags(dense, oracle)
 
     def node_id(self) -> str:
@@ -127,8 +144,15 @@ class Stage:
             return ""
 
     def weight_bytes(self) -> int:
-        """Packed weights and KV cache this stage holds."""
+        """Packed weights and KV cache this stage holds (its pool's ranks', or its decoder's)."""
+        if self.pool is not None:
+            return self.pool.weight_bytes
+        assert self.decoder is not None
         return self.decoder.weight_bytes + self.decoder.cache_bytes
+
+    def pids(self) -> list[int]:
+        """The stage's pool's rank processes (none in process)."""
+        return self.pool.pids if self.pool is not None else []
 
     def connect(self, next_endpoint: str, heartbeat_endpoint: str) -> None:
         """Send onward to next_endpoint (the next stage's, or the coordinator's for the last), beat to heartbeat_endpoint."""
@@ -152,6 +176,9 @@ class Stage:
             try:
                 msg = decode(frames)
                 out = self.run(msg) if msg.kind != "error" else msg  # an earlier stage's error goes on to the coordinator
+            except (WorkerDiedError, WorkerError) as e:  # the stage's pool failed: the pipeline restarts (fresh KV caches)
+                log.error("pipeline stage %d broke: %s", self.spec.index, e)
+                out = _error_for(frames, f"pipeline stage {self.spec.index}: {e}", fatal=True)
             except (PowerInferError, ProtocolError, ValueError) as e:
                 log.error("pipeline stage %d refused a message: %s", self.spec.index, e)
                 out = _error_for(frames, f"pipeline stage {self.spec.index}: {e}")
@@ -160,6 +187,20 @@ class Stage:
     def run(self, msg: StageMsg) -> StageMsg:
         """One micro-batch through this stage's layers -> the message for the next hop."""
         pos, slots = msg.positions, msg.slots
+        if self.pool is not None:
+            # what the decoder in process refuses cleanly is checked here: a rank refusing it would abort the pool
+            if len(pos) != len(slots) or not len(pos) or pos.min() < 0 or pos.max() >= self.spec.n_ctx or slots.min() < 0 \
+                    or slots.max() >= self.spec.n_slots:
+                raise InvalidArgumentError(f"positions {pos.min() if len(pos) else '-'}..{pos.max() if len(pos) else '-'} or slots outside "
+                                           f"the context of {self.spec.n_ctx} and {self.spec.n_slots} slots: refused")
+            if (msg.kind == "ids") != (self.spec.index == 0):
+                raise ProtocolError(f"stage {self.spec.index} takes {'token ids' if self.spec.index == 0 else 'the residual stream'}, got {msg.kind!r}")
+            ids = msg.payload if msg.kind == "ids" else np.zeros(len(pos), dtype=np.int64)
+            x = None if msg.kind == "ids" else np.ascontiguousarray(msg.payload, dtype=np.float32)
+            out = self.pool.execute_stream(x, Batch(ids, pos, slots, Want(msg.want)))
+            self.tokens += len(pos)
+            return msg.reply("out" if self.spec.last else "hidden", np.ascontiguousarray(out, dtype=np.float32))
+        assert self.decoder is not None
         if self.embedding is not None:
             if msg.kind != "ids":
                 raise ProtocolError(f"stage 0 takes token ids, got {msg.kind!r}")
@@ -187,16 +228,18 @@ class Stage:
 
     def stop(self) -> None:
         self.stopping.set()
+        if self.pool is not None:
+            self.pool.close()
 
 
-def _error_for(frames: list[bytes], text: str) -> StageMsg:
+def _error_for(frames: list[bytes], text: str, fatal: bool = False) -> StageMsg:
     """An error message for whatever arrived (its step and micro-batch when its header reads)."""
     try:
         m = decode(frames)
-        return m.reply("error", np.zeros(0, dtype=np.float32), text)
+        return m.reply("error", np.zeros(0, dtype=np.float32), text, fatal)
     except ProtocolError:
         z = np.zeros(0, dtype=np.int64)
-        return StageMsg(-1, 0, 1, "", "error", z, z, np.zeros(0, dtype=np.float32), text)
+        return StageMsg(-1, 0, 1, "", "error", z, z, np.zeros(0, dtype=np.float32), text, fatal)
 
 
 def _node_ip() -> str:

@@ -7,7 +7,8 @@ multipart message on a PUSH/PULL pair:
 
   frame 0  header (msgpack map): v (WIRE_VERSION), step, mb (micro-batch index), n_mb, want
            (Want's value), kind ("ids": token ids for stage 0; "hidden": the residual stream;
-           "out": the last stage's answer; "error": a stage refused, text in "error"), shape,
+           "out": the last stage's answer; "error": a stage refused, text in "error", and "fatal"
+           true when the stage itself broke), shape,
            dtype ("int64" | "float32")
   frame 1  positions int64 [T]
   frame 2  slots int64 [T]
@@ -46,16 +47,18 @@ class StageMsg:
     slots: np.ndarray  # int64 [T]
     payload: np.ndarray
     error: str = ""
+    fatal: bool = False  # an error that broke the stage (its pool's ranks failed): the pipeline must restart
+
 
     def frames(self) -> list[bytes | memoryview]:
         head = {"v": WIRE_VERSION, "step": self.step, "mb": self.mb, "n_mb": self.n_mb, "want": self.want, "kind": self.kind,
-                "shape": list(self.payload.shape), "dtype": str(self.payload.dtype), "error": self.error}
+                "shape": list(self.payload.shape), "dtype": str(self.payload.dtype), "error": self.error, "fatal": self.fatal}
         return [msgpack.packb(head), _bytes(self.positions, np.int64), _bytes(self.slots, np.int64),
                 _raw(np.ascontiguousarray(self.payload))]
 
-    def reply(self, kind: str, payload: np.ndarray, error: str = "") -> "StageMsg":
+    def reply(self, kind: str, payload: np.ndarray, error: str = "", fatal: bool = False) -> "StageMsg":
         """The next hop's message for the same micro-batch."""
-        return StageMsg(self.step, self.mb, self.n_mb, self.want, kind, self.positions, self.slots, payload, error)
+        return StageMsg(self.step, self.mb, self.n_mb, self.want, kind, self.positions, self.slots, payload, error, fatal)
 
 
 def _bytes(a: np.ndarray, dtype: type) -> bytes | memoryview:
@@ -92,7 +95,7 @@ def decode(frames: list[Any]) -> StageMsg:
             raise ProtocolError(f"a stage message's {key} is not an integer")
     payload = np.frombuffer(raw[3], dtype=dt).reshape(shape).copy()
     return StageMsg(head["step"], head["mb"], head["n_mb"], str(head.get("want", "")), kind, np.frombuffer(raw[1], dtype=np.int64).copy(),
-                    np.frombuffer(raw[2], dtype=np.int64).copy(), payload, str(head.get("error", "")))
+                    np.frombuffer(raw[2], dtype=np.int64).copy(), payload, str(head.get("error", "")), bool(head.get("fatal", False)))
 
 
 def heartbeat(stage: int) -> bytes:

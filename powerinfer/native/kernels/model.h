@@ -94,6 +94,11 @@ typedef struct {
      * embedding (NULL: none). out_norm_b: the final LayerNorm's bias. */
     const float *out_norm_b, *pos_embd;
     int32_t layernorm, gateless, pos_rows, pos_offset;
+    /* A pipeline stage's pool (coordinator/cluster): its layers [first, stop) (stop 0: the whole
+     * model), and where a step's incoming residual stream [T, d] lies (the segment's hidden area,
+     * which rank 0 overwrites with the outgoing one), for steps with PI_STEP_STREAM. */
+    int32_t first, stop;
+    const float *stream_in;
 } pi_model;
 
 /* Query heads per kv head of the whole model (grp, or what the local counts imply). */

@@ -71,8 +71,13 @@ int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64
     return pi_decode_logits(m, each ? x : x + (size_t)(T - 1) * m->d, each ? T : 1, out, margin, k, scratch, cand, row);
 }
 
+enum { PI_STEP_STREAM = 4 }; /* a step's mode flag: the residual stream comes in through m->stream_in (a pipeline stage) */
+
 /* A rank's step (a worker of the native pool; m->comm set, m->head its rows of the head).
  * mode 0: embed ids, every layer (summing partials with the other ranks) -> hidden [T, d];
+ * a pipeline stage's pool runs its layers [m->first, m->stop) instead, and with mode |
+ * PI_STEP_STREAM takes the stream entering m->first from m->stream_in instead of embedding ids
+ * (hidden: the stream leaving m->stop - 1, final-normed only after the model's last layer);
  * mode 1 / 2: the same, then the last row's (1) or every row's (2) logits of this rank's head
  * rows into logits (row stride ld: the caller points it at this rank's first column);
  * mode 3: hidden [T, d] given -> every row's logits (the output head alone).
@@ -80,14 +85,21 @@ int pi_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64
  * code (PI_COMM_* when a peer failed the sync). */
 int pi_rank_step(const pi_model *m, const pi_wt *embd, float embed_scale, const int64_t *ids, const int64_t *pos, const int64_t *slot, int T,
                  int mode, float *x, float *logits, int64_t ld, float *hidden, void *scratch) {
-    if (T < 1 || T > m->max_t || mode < 0 || mode > 3) return 1;
+    const int stream = mode >= 0 && (mode & PI_STEP_STREAM), first = m->first, stop = m->stop ? m->stop : m->n_layers;
+    if (stream) mode &= ~PI_STEP_STREAM;
+    if (T < 1 || T > m->max_t || mode < 0 || mode > 3 || (stream && !m->stream_in)) return 1;
     if (mode != 3) {
-        int rc = embed_ids(m, embd, embed_scale, ids, pos, T, x);
-        if (!rc) rc = pi_forward(m, x, pos, slot, T, scratch);
+        int rc = 0;
+        if (stream) /* a pipeline stage's incoming residual stream (every rank reads it before its first merge; rank 0 overwrites it after its last) */
+            memcpy(x, m->stream_in, sizeof(float) * (size_t)T * m->d);
+        else
+            rc = first ? 1 : embed_ids(m, embd, embed_scale, ids, pos, T, x); /* token ids enter at layer 0 only */
+        if (!rc) rc = pi_forward_range(m, x, pos, slot, T, scratch, first, stop, stop == m->n_layers);
         if (rc) return rc;
         if (hidden) memcpy(hidden, x, sizeof(float) * (size_t)T * m->d);
         if (mode == 0) return 0;
     }
+    if (stop != m->n_layers) return 1; /* logits follow the model's last layer only */
     const float *h = mode == 1 ? x + (size_t)(T - 1) * m->d : x;
     const int n = mode == 1 ? 1 : T;
     if (m->head.rows == 0) return 0;
@@ -134,7 +146,8 @@ int pi_rank_serve(pi_rank_ctx *ctx, int spin_us, int idle_ms) {
         ctx->last_gen = gen;
         const int T = h->door.T, mode = h->door.mode;
         const uint64_t t0 = pi_now_ns(), w0 = c->wait_ns, s0 = c->n_syncs, g0 = c->gpu_ns;
-        if (mode < 0 || mode > 2 || T < 1 || T > h->max_t || ((mode == 2) && T > ctx->logit_rows))
+        const int base = mode < 0 ? mode : mode & ~PI_STEP_STREAM;
+        if (base < 0 || base > 2 || T < 1 || T > h->max_t || ((base == 2) && T > ctx->logit_rows))
             rc = 1;
         else
             rc = pi_rank_step(ctx->m, ctx->embd, ctx->embed_scale, io, io + h->max_t, io + 2 * h->max_t, T, mode, ctx->x, ctx->logits, ctx->ld,

@@ -54,7 +54,7 @@ def test_greedy_tokens_with_2_and_3_stages_equal_one_process(cluster: Any, model
     with LLM(path, executor="inprocess", n_ctx=256, n_threads=1) as one:
         want = _tokens(one)
     for stages in (2, 3):
-        with LLM(path, n_ctx=256, n_slots=2, cluster=ClusterOptions(address=cluster.address, stages=stages, threads=1)) as llm:
+        with LLM(path, n_ctx=256, n_slots=2, cluster=ClusterOptions(address=cluster.address, stages=stages, threads=1, pin=False)) as llm:
             d = llm.engine.executor.describe()
             assert len(d.placement) == stages and len({line.split(" on ")[0] for line in d.placement}) == stages
             assert _tokens(llm) == want, (model, stages)
@@ -66,7 +66,7 @@ def _node_of(cluster: Any, node_id: str) -> Any:
 
 
 def test_a_lost_node_fails_the_request_and_a_returned_one_serves_again(cluster: Any) -> None:
-    opts = ClusterOptions(address=cluster.address, stages=3, threads=1, place_timeout_s=5.0)
+    opts = ClusterOptions(address=cluster.address, stages=3, threads=1, pin=False, place_timeout_s=5.0)
     with LLM(resolve_model("smollm2"), n_ctx=1024, cluster=opts) as llm:
         want = _tokens(llm, 8)
         ex = llm.engine.executor
@@ -153,8 +153,9 @@ def test_replicas_serve_concurrent_requests_and_the_server_outlives_a_lost_node(
 
 
 def test_sparse_stages_generate_what_the_sparse_native_executor_generates(cluster: Any, make_model: Any, tmp_path: Any) -> None:
-    """A ReGLU model with a predictor file: the pipeline's stages apply its rule to their layers and
-    the tokens equal the in-process sparse executor's; the computed share is counted over the stages."""
+    """A ReGLU model with a predictor file: the pipeline's stages (native pools, or the decoder in
+    process) apply its rule to their layers and the tokens equal the in-process sparse executor's;
+    in-process stages count the computed share."""
     from dataclasses import replace
 
     import numpy as np
@@ -175,8 +176,9 @@ def test_sparse_stages_generate_what_the_sparse_native_executor_generates(cluste
     prompt = [1, 5, 9, 13, 17, 21]
     with LLM(path, executor="inprocess", n_ctx=64, n_threads=1, predictor=tmp_path / "m.predictor") as one:
         want = [c.token for c in one.generate(prompt, 12, temperature=0) if c.token >= 0]
-    opts = ClusterOptions(address=cluster.address, stages=2, threads=1)
-    with LLM(path, n_ctx=64, predictor=tmp_path / "m.predictor", cluster=opts) as llm:
-        assert [c.token for c in llm.generate(prompt, 12, temperature=0) if c.token >= 0] == want
-        share = llm.engine.executor.describe().computed_share
-        assert share is not None and 0 < share < 0.5
+    for inprocess in (False, True):  # stages as native pools (their ranks count their own neurons), or the decoder in process
+        opts = ClusterOptions(address=cluster.address, stages=2, threads=1, pin=False, inprocess=inprocess)
+        with LLM(path, n_ctx=64, predictor=tmp_path / "m.predictor", cluster=opts) as llm:
+            assert [c.token for c in llm.generate(prompt, 12, temperature=0) if c.token >= 0] == want, inprocess
+            share = llm.engine.executor.describe().computed_share
+            assert (share is not None and 0 < share < 0.5) if inprocess else share is None

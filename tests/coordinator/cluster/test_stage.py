@@ -31,10 +31,11 @@ pytestmark = pytest.mark.skipif(decoder_lib() is None, reason="no C compiler")
 class Wired:
     """Stages in threads, and the coordinator's two sockets."""
 
-    def __init__(self, path: Path, cuts: list[int], n_layers: int, predictor: str = "") -> None:
+    def __init__(self, path: Path, cuts: list[int], n_layers: int, predictor: str = "", ranks: int = 0) -> None:
+        """ranks 0: each stage the decoder in process; else a native pool of that many ranks (not pinned)."""
         bounds = [0, *cuts, n_layers]
-        self.stages = [Stage(StageSpec(i, len(bounds) - 1, str(path), a, b, 64, 2, 8, 1, predictor=predictor))
-                       for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        self.stages = [Stage(StageSpec(i, len(bounds) - 1, str(path), a, b, 64, 2, 8, ranks or 1, predictor=predictor, pool=bool(ranks),
+                                       pin=False)) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
         self.ctx = zmq.Context()
         self.results, self.beats = self.ctx.socket(zmq.PULL), self.ctx.socket(zmq.PULL)
         rp, hp = self.results.bind_to_random_port("tcp://127.0.0.1"), self.beats.bind_to_random_port("tcp://127.0.0.1")
@@ -72,7 +73,7 @@ class Wired:
         self.ctx.destroy(linger=0)
 
 
-@pytest.fixture(params=[[1], [1, 2]], ids=["2 stages", "3 stages"])
+@pytest.fixture(params=[([1], 0), ([1, 2], 0), ([2], 2)], ids=["2 stages in process", "3 stages in process", "2 stages of 2 ranks"])
 def wired(request: pytest.FixtureRequest, make_model: Callable[..., Path]) -> Iterator[tuple[Wired, NativeExecutor]]:
     path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=3)
     f = GGUFFile(path)
@@ -80,7 +81,8 @@ def wired(request: pytest.FixtureRequest, make_model: Callable[..., Path]) -> It
     lib = decoder_lib()
     assert lib is not None
     oracle = NativeExecutor(lib, f, cfg, 64, 1, n_slots=2, max_tokens=8)
-    w = Wired(path, request.param, cfg.n_layers)
+    cuts, ranks = request.param
+    w = Wired(path, cuts, cfg.n_layers, ranks=ranks)
     yield w, oracle
     w.close()
     oracle.close()
