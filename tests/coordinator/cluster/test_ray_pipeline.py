@@ -156,29 +156,15 @@ def test_sparse_stages_generate_what_the_sparse_native_executor_generates(cluste
     """A ReGLU model with a predictor file: the pipeline's stages (native pools, or the decoder in
     process) apply its rule to their layers and the tokens equal the in-process sparse executor's;
     in-process stages count the computed share."""
-    from dataclasses import replace
+    from tests.coordinator.cluster.helpers import sparse_relu_model
 
-    import numpy as np
-    from gguf import GGMLQuantizationType as QT
-
-    from powerinfer.config import config_from_gguf
-    from powerinfer.gguf_file import GGUFFile
-    from powerinfer.predictors.predictor_file import write_predictor
-    from tests.gpu_worker.helpers import make_predictor
-
-    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=4, activation="relu")
-    f = GGUFFile(path)
-    cfg = config_from_gguf(f)
-    pf = make_predictor(f, cfg, "predictor")
-    pf = replace(pf, layers=tuple(replace(lp, fc2_b=np.full(cfg.n_ff, -2.5, np.float32), act_freq=np.full(cfg.n_ff, 0.1, np.float32))
-                                  for lp in pf.layers))
-    write_predictor(tmp_path / "m.predictor", pf)
+    path, _, pred = sparse_relu_model(make_model, tmp_path, 4)
     prompt = [1, 5, 9, 13, 17, 21]
-    with LLM(path, executor="inprocess", n_ctx=64, n_threads=1, predictor=tmp_path / "m.predictor") as one:
+    with LLM(path, executor="inprocess", n_ctx=64, n_threads=1, predictor=pred) as one:
         want = [c.token for c in one.generate(prompt, 12, temperature=0) if c.token >= 0]
     for inprocess in (False, True):  # stages as native pools (their ranks count their own neurons), or the decoder in process
         opts = ClusterOptions(address=cluster.address, stages=2, threads=1, pin=False, inprocess=inprocess)
-        with LLM(path, n_ctx=64, predictor=tmp_path / "m.predictor", cluster=opts) as llm:
+        with LLM(path, n_ctx=64, predictor=pred, cluster=opts) as llm:
             assert [c.token for c in llm.generate(prompt, 12, temperature=0) if c.token >= 0] == want, inprocess
             share = llm.engine.executor.describe().computed_share
             assert (share is not None and 0 < share < 0.5) if inprocess else share is None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from powerinfer.coordinator.executor import Batch, Want
 from powerinfer.coordinator.native_executor import NativeExecutor
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.native.decoder_lib import decoder_lib
+from tests.coordinator.cluster.helpers import sparse_relu_model
 
 pytestmark = pytest.mark.skipif(decoder_lib() is None, reason="no C compiler")
 
@@ -115,21 +115,13 @@ def test_a_refused_input_comes_back_as_an_error_and_serving_goes_on(wired: tuple
 def test_sparse_stages_answer_what_the_sparse_native_executor_answers(make_model: Callable[..., Path], tmp_path: Path) -> None:
     """A ReGLU model with a predictor file: two stages, each applying the rule to its own layers,
     give the in-process sparse executor's logits, and count the neurons they computed."""
-    from powerinfer.predictors.predictor_file import write_predictor
-    from tests.gpu_worker.helpers import make_predictor
-
-    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=3, activation="relu")
+    path, pf, pred = sparse_relu_model(make_model, tmp_path, 3)
     f = GGUFFile(path)
     cfg = config_from_gguf(f)
-    pf = make_predictor(f, cfg, "predictor")
-    # fewer neurons active than the native rule's cut for running a layer dense (a quarter), as calibrated and as predicted
-    pf = replace(pf, layers=tuple(replace(lp, fc2_b=np.full(cfg.n_ff, -2.5, np.float32), act_freq=np.full(cfg.n_ff, 0.1, np.float32))
-                                  for lp in pf.layers))
-    write_predictor(tmp_path / "m.predictor", pf)
     lib = decoder_lib()
     assert lib is not None
     oracle = NativeExecutor(lib, f, cfg, 64, 1, n_slots=2, max_tokens=8, predictor=pf)
-    w = Wired(path, [2], cfg.n_layers, predictor=str(tmp_path / "m.predictor"))
+    w = Wired(path, [2], cfg.n_layers, predictor=str(pred))
     try:
         ids = np.random.default_rng(2).integers(3, 200, 10).tolist()
         # a prompt of 10 whole (a sparse FFN's pass over more than 4 tokens depends on its tokens: the
