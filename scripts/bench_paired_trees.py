@@ -6,7 +6,7 @@ Runs in: a shell (a developer tool; each tree runs in a child process of its own
 Each side is a long-lived subprocess with its own source tree on sys.path, its model loaded once;
 per round each decodes N greedy tokens after a fixed prompt; the figure is the median of the
 per-round B/A tokens-per-second ratios."""
-import json, statistics, subprocess, sys
+import json, os, statistics, subprocess, sys
 
 CHILD = r'''
 import sys, time, json
@@ -27,8 +27,10 @@ for line in sys.stdin:
     print(json.dumps({"decode": n / (time.perf_counter() - t), "prefill": pre}), flush=True)
 '''
 trees, model, executor, rounds, n = sys.argv[1:3], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
+# PYTHONPATH too, not only sys.path: the worker processes a side starts (`python -m powerinfer...`) must
+# import its tree, not the installed package (before this, both sides' pools ran the installed workers)
 procs = [subprocess.Popen([sys.executable, "-c", CHILD, t, model, executor], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                          cwd="/tmp") for t in trees]
+                          cwd="/tmp", env={**os.environ, "PYTHONPATH": t}) for t in trees]
 for p in procs:
     assert p.stdout.readline().strip() == "ready"
 res = {0: [], 1: []}
