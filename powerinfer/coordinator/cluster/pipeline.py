@@ -43,6 +43,8 @@ STAGE_SILENT_S = 5.0  # a stage that has not beaten for this long is lost
 POLL_MS = 50
 HEALTH_EVERY_S = 0.25  # how often a waiting step asks Ray whether a stage's call has ended
 SPARSE_ROWS_T = 4  # kernels/sparse_rows.h's PI_SPARSE_T: up to this many tokens a sparse FFN reads rows, above it masks a dense pass
+STAGE_START_S = 900.0  # a stage loading its layers (a 70B model's quarter: ~10 GB mapped and repacked) may take minutes
+CALL_S = 30.0  # a stage's small calls between steps (counters, the sparse switch)
 STEP_TIMEOUT_S = 600.0  # a step that has not come back in this long fails (no stage reported lost: a hang)
 
 
@@ -157,12 +159,13 @@ class PipelineExecutor:
         self.broken = None
         log.info("pipeline: %s", "; ".join(self._placement_lines()))
 
-    def _get(self, refs: list[Any], what: str) -> list[Any]:
-        """ray.get with the placement timeout; a stage that fails to start is a WorkerDiedError naming it."""
+    def _get(self, refs: list[Any], what: str, timeout: float = STAGE_START_S) -> list[Any]:
+        """ray.get of the stages' answers (placed already: the timeout is for loading, not for waiting on
+        nodes); a stage that fails or does not answer is a WorkerDiedError naming what it was doing."""
         try:
-            return list(self.ray.get(refs, timeout=self.opts.place_timeout_s))
+            return list(self.ray.get(refs, timeout=timeout))
         except self.ray.exceptions.GetTimeoutError:
-            raise WorkerDiedError(f"pipeline stages did not answer within {self.opts.place_timeout_s:.0f} s while {what}") from None
+            raise WorkerDiedError(f"pipeline stages did not answer within {timeout:.0f} s while {what}") from None
         except self.ray.exceptions.RayError as e:
             raise WorkerDiedError(f"a pipeline stage failed while {what}: {_cause(e)}") from None
 
@@ -298,7 +301,7 @@ class PipelineExecutor:
         """Share of FFN neurons computed per token since the last reset, over every layer (dense
         layers: all); None where the stages' pools count in their ranks (not gathered)."""
         per_layer: dict[int, list[float]] = {}
-        for k, (active, sparse, tokens) in enumerate(self._get([a.sparse_counts.remote() for a in self.actors], "counting")):
+        for k, (active, sparse, tokens) in enumerate(self._get([a.sparse_counts.remote() for a in self.actors], "counting", CALL_S)):
             first = self.ranges[k % len(self.ranges)].first
             for i, (act, sp) in enumerate(zip(active, sparse)):
                 if tokens:
@@ -308,12 +311,12 @@ class PipelineExecutor:
     def reset_stats(self) -> None:
         self.sent = [0] * self.opts.replicas
         if self.predictor and self.actors:
-            self._get([a.reset_counts.remote() for a in self.actors], "resetting the counters")
+            self._get([a.reset_counts.remote() for a in self.actors], "resetting the counters", CALL_S)
 
     def set_sparse(self, *, dense: bool | None = None, oracle: bool | None = None) -> None:
         """Every stage's sparse FFNs: every neuron (dense=True), the true active set (oracle=True), or the file's rule."""
         if self.predictor and self.actors:
-            self._get([a.set_sparse.remote(dense, oracle) for a in self.actors], "switching the sparse rule")
+            self._get([a.set_sparse.remote(dense, oracle) for a in self.actors], "switching the sparse rule", CALL_S)
 
     def save_kv(self, slot: int, n: int, path: str, offset: int) -> None:
         no_kv("a Ray pipeline")
