@@ -169,6 +169,41 @@ def oracle_logits(model: LlamaForCausalLM | OPTForCausalLM, ids: list[int]) -> n
         return model(torch.tensor([ids])).logits[0].double().numpy()
 
 
+def q8_0_agreement(folder: Path, act: str, seed: int) -> tuple[int, int, int, int]:
+    """Top-1 agreement of the Q8_0 conversion of a checkpoint trained 120 steps, on TEXT's held-out
+    part in windows of 64: (ours vs transformers, transformers with exactly the file's Q8_0 weights vs
+    transformers, ours vs that, positions). The second isolates what the weights' rounding costs."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from powerinfer.api import LLM
+    from powerinfer.convert.run import convert
+
+    src = make_checkpoint(folder / "hf", act, seed=seed, train_steps=120)
+    path = convert(src, folder / "q8_0.gguf", "q8_0")[0]
+    oracle, rounded = load_oracle(src), load_oracle(src)
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if p.ndim == 2 and "embed_positions" not in name:  # OPT's position table stays F32 in the file
+                w = dequantize(quantize(p.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+                p.copy_(torch.from_numpy(w.reshape(p.shape)))
+    held = tokens(src, TEXT[SPLIT:])
+    vs_float = rounded_vs_float = vs_rounded = total = 0
+    llm = LLM(path, n_ctx=128, executor="inprocess")
+    try:
+        for k in range(len(held) // 64):
+            ids = held[k * 64 : (k + 1) * 64]
+            ref, q8, ours = (oracle_logits(oracle, ids).argmax(-1), oracle_logits(rounded, ids).argmax(-1),
+                             llm.logits(ids).argmax(-1))
+            vs_float += int((ours == ref).sum())
+            rounded_vs_float += int((q8 == ref).sum())
+            vs_rounded += int((ours == q8).sum())
+            total += len(ids)
+    finally:
+        llm.close()
+    return vs_float, rounded_vs_float, vs_rounded, total
+
+
 def write_predictor_dir(folder: Path, checkpoint: Path, rank: int = 16, seed: int = 0, threshold: float | None = None) -> Path:
     """A PowerInfer predictor folder for the checkpoint: model_N.pt with fc1 [rank, d], fc2 [n_ff, rank]
     (seeded random; about half the neurons predicted on), and config.json with sparse_threshold."""

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.api import LLM
@@ -16,7 +15,7 @@ from powerinfer.convert.run import convert
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model import reference
 from powerinfer.config import config_from_gguf
-from tests.convert.hf_models import SPLIT, TEXT, load_oracle, make_checkpoint, oracle_logits, tokens
+from tests.convert.hf_models import SPLIT, TEXT, load_oracle, make_checkpoint, oracle_logits, q8_0_agreement, tokens
 
 FAMILIES = ("silu", "relu", "fatrelu", "drelu", "opt")
 EXECUTORS = {"native": dict(executor="inprocess"), "pool": dict(executor="process", n_threads=2),
@@ -69,39 +68,21 @@ def test_f32_logits_match_transformers(checkpoints: dict[str, Path], f32_files: 
 @pytest.mark.slow
 @pytest.mark.parametrize("act", ("relu", "fatrelu", "drelu", "opt"))
 def test_q8_0_top1_agrees_with_transformers(tmp_path: Path, act: str) -> None:
-    """Q8_0 against transformers on the whole held-out text (~2400 positions) of a checkpoint trained
-    120 steps (a random one's flat distributions flip at any rounding). What Q8_0's weight rounding
-    costs by itself is measured too, as transformers with the same Q8_0 weights: on these 64-wide
-    models that alone agrees 98.1-98.5% with the float model (measured), so we hold ours to it:
-    within 99% of transformers-with-Q8_0-weights (our own error: 8-bit activations, as llama.cpp),
-    and no more than 1 point below what the quantized weights themselves reach against the float model."""
-    from gguf.quants import dequantize, quantize
-
-    src = make_checkpoint(tmp_path / act, act, seed=3, train_steps=120)
-    path = convert(src, tmp_path / "q8.gguf", "q8_0")[0]
-    oracle, rounded = load_oracle(src), load_oracle(src)
-    with torch.no_grad():  # transformers with exactly the file's Q8_0 weights
-        for name, p in rounded.named_parameters():
-            if p.ndim == 2 and "embed_positions" not in name:  # OPT's position table stays F32 in the file
-                p.copy_(torch.from_numpy(dequantize(quantize(p.numpy(), QT.Q8_0), QT.Q8_0).reshape(p.shape)))
-    held = tokens(src, TEXT[SPLIT:])
-    vs_float = vs_rounded = rounded_vs_float = total = 0
-    llm = LLM(path, n_ctx=128, executor="inprocess")
-    try:
-        for k in range(len(held) // 64):
-            ids = held[k * 64 : (k + 1) * 64]
-            ref, q8, ours = (oracle_logits(oracle, ids).argmax(-1), oracle_logits(rounded, ids).argmax(-1),
-                             llm.logits(ids).argmax(-1))
-            vs_float += int((ours == ref).sum())
-            vs_rounded += int((ours == q8).sum())
-            rounded_vs_float += int((q8 == ref).sum())
-            total += len(ids)
-    finally:
-        llm.close()
-    assert total > 2000
+    """Q8_0 against transformers on the held-out text (2368 positions each) of checkpoints trained 120
+    steps (a random one's flat distributions flip at any rounding), pooled over four seeds: one
+    checkpoint's figure moves by +-0.3 points with its seed and with the machine that trained it
+    (measured: 97.85-99.20% over ten seeds a family), so one draw says little about a 98% bar.
+    What Q8_0's weight rounding costs by itself is measured too, as transformers with the same Q8_0
+    weights (98.1-99.3% against the float model); we hold ours within 98.5% of that (our own error:
+    8-bit activations, as llama.cpp) and no more than 1 point below it. The 98% figure itself is
+    measured over ten seeds by ``python -m tests.convert.oracle_report`` (docs/powerinfer-models.md);
+    here the pooled floor is 97.8%, so that another machine's training draws do not fail CI."""
+    counts = [q8_0_agreement(tmp_path / str(seed), act, seed) for seed in range(3, 7)]
+    vs_float, rounded_vs_float, vs_rounded, total = (sum(c[i] for c in counts) for i in range(4))
+    assert total > 8000
     assert vs_rounded / total >= 0.985, f"ours vs transformers with the Q8_0 weights: {vs_rounded}/{total}"
     assert vs_float / total >= rounded_vs_float / total - 0.01, f"{vs_float} vs {rounded_vs_float} of {total}"
-    assert vs_float / total >= 0.97, f"ours vs transformers: {vs_float}/{total}"
+    assert vs_float / total >= 0.978, f"ours vs transformers: {vs_float}/{total}"
 
 
 def test_tied_embeddings_and_q4_0_load(tmp_path: Path) -> None:
