@@ -39,7 +39,8 @@ def run_calibrate(argv: Sequence[str]) -> int:
     p.add_argument("--max-ppl-increase", type=float, default=0.02,
                    help="quality budget (default 0.02 = +2%%): without --sparsity, the sparsest setting (per-layer levels allocated "
                         "by measured damage, each sparse layer at least 75%% sparse, where skipping starts to pay) whose perplexity "
-                        "on a held-out fifth of the corpus stays within it")
+                        "on a held-out fifth of the corpus stays within half of it (a margin for other text) at the upper end of a 95%% "
+                        "interval over those tokens")
     p.add_argument("--sparsity", type=float, default=None,
                    help="force one share of FFN neurons skipped per token in every layer instead of the budget search")
     p.add_argument("--mode", choices=["auto", "gate", "predictor", "lowrank"], default="auto",

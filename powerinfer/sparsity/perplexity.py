@@ -47,16 +47,21 @@ class PerplexityReport:
         return float(np.mean([q.sparsity for q in self.layers])) if self.layers else 0.0
 
 
-def nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
-    """Summed negative log-likelihood of every token after the first of each window, and how many."""
-    total, count = 0.0, 0
+def token_nll(engine: Engine, windows: list[list[int]]) -> np.ndarray:
+    """Negative log-likelihood [tokens] float64 of every token after the first of each window, in order."""
+    out = []
     for ids in windows:
         engine.rewind(0)
         logits = engine.eval(ids, all_logits=True)[:-1].astype(np.float64)  # predicts ids[1:]
         logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        total += float((logz - logits[np.arange(len(ids) - 1), ids[1:]]).sum())
-        count += len(ids) - 1
-    return total, count
+        out.append(logz - logits[np.arange(len(ids) - 1), ids[1:]])
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
+    """Summed negative log-likelihood of every token after the first of each window, and how many."""
+    per_token = token_nll(engine, windows)
+    return float(per_token.sum()), len(per_token)
 
 
 def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = None, n_ctx: int = 512,

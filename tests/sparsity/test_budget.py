@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity import timed_choice
-from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, BudgetPoint, allocate, calibrate_within_budget, ffn_read_bytes,
-                                        predictor_bytes)
+from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, Z_UPPER, BudgetPoint, Scored, allocate, calibrate_within_budget,
+                                        ffn_read_bytes, predictor_bytes)
 from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 from powerinfer.sparsity.perplexity import perplexity
@@ -52,6 +52,24 @@ def test_allocate_with_a_least_level_jumps_there_and_never_stops_below_it() -> N
     first = allocate(levels, damage, 0.05, MIN_LEVEL)
     assert first[1] >= MIN_LEVEL and first[0] == first[2] == 0
     assert allocate(levels, damage, 0.9, MIN_LEVEL)[2] <= allocate(levels, damage, 0.9, MIN_LEVEL)[1]
+
+
+def test_a_candidate_keeps_the_aim_only_at_the_upper_end_of_its_interval() -> None:
+    """Scored: the perplexity from the mean, the upper end from the paired per-token differences'
+    standard error; a candidate that measures within the aim by less than its noise is not kept."""
+    rng = np.random.default_rng(0)
+    dense = rng.gamma(2.0, 1.5, 4000)  # per-token nll, mean ~3
+    limit = math.exp(dense.mean()) * 1.01  # an aim of +1%
+    exact = Scored.against(dense, dense + 0.009)  # +0.9% on every token alike: no noise, kept
+    assert exact.upper == pytest.approx(exact.ppl) and exact.within(limit)
+    assert exact.ppl == pytest.approx(math.exp(dense.mean() + 0.009))
+    noise = rng.normal(0.0, 0.15, 4000)
+    noisy = Scored.against(dense, dense + 0.009 + noise - noise.mean())  # the same mean cost, +-0.15 a token
+    se = float(noise.std(ddof=1)) / math.sqrt(4000)
+    assert noisy.upper / noisy.ppl == pytest.approx(math.exp(Z_UPPER * se))
+    assert noisy.ppl <= limit and not noisy.within(limit)  # within the aim as measured, not at 95%
+    with pytest.raises(ValueError):
+        Scored.against(dense, dense[:-1])
 
 
 def test_ffn_read_bytes_counts_what_the_native_decoder_reads() -> None:

@@ -117,6 +117,7 @@ def test_calibrate_lowrank_without_sparsity_searches_the_budget(relu: Path, tmp_
     pred = tmp_path / "lr.predictor"
     text = tmp_path / "t.txt"
     text.write_text(RELU_TEXT)
-    assert cli_main(["calibrate", "-m", str(relu), "-o", str(pred), "--mode", "lowrank", "--text", str(text), "--tokens", "400"]) == 0
+    assert cli_main(["calibrate", "-m", str(relu), "-o", str(pred), "--mode", "lowrank", "--text", str(text), "--tokens", "400",
+                     "--max-ppl-increase", "0.1"]) == 0  # 80 held-out tokens: a wide interval
     pf = read_predictor(pred)
     assert pf.calibration["method"] == "lowrank" and "budget" in pf.calibration
