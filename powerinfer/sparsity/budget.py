@@ -24,8 +24,9 @@ decode timing (timed_choice.py) starts the default executor's worker processes.
    thresholds scored +0.83% on the fifth and +1.04% on 20000 unseen tokens).
 5. Mode: for a gated ReLU-family model ('auto' or 'lowrank') the gate's own low-rank sign
    (lowrank.py: no training, each layer's width the least that keeps the recall) is scored first at
-   those levels, and kept where it stays within the aim and ('auto') decodes faster than gate mode;
-   then no predictor is trained. Else, unless told 'gate', predictors are trained for the layers that allocation leaves
+   those levels, and kept where it stays within the aim and ('auto') decodes faster than gate mode,
+   or as fast within the timing's noise and more accurate (timed_choice.rejection); then no predictor
+   is trained. Else, unless told 'gate', predictors are trained for the layers that allocation leaves
    sparse (at their levels; the dense layers get one that fires every neuron) and scored the same
    way, raising the recall (RECALLS: only the decision biases move) until they keep the aim.
    'predictor' keeps them when they stay within it; 'auto' (the default) only when they also
@@ -312,7 +313,8 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                "bytes skipped")
         progress(how)
         speed = time_against_gate(p, lr, out, prompt, progress, "the low-rank predictor") if settings.mode == "auto" and lr_score.within(limit) else None
-        why_not = rejection(how, lr_score.upper, limit, MARGIN * budget, speed, ", so gate mode" if settings.mode == "lowrank" else ", so not kept")
+        why_not = rejection(how, lr_score.upper, limit, MARGIN * budget, speed, ", so gate mode" if settings.mode == "lowrank" else ", so not kept",
+                            more_accurate=lr_ppl < ppl)
         if why_not:
             point = replace(point, note=why_not)
         else:
@@ -348,7 +350,7 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
             speed = time_against_gate(p, pred, out, prompt, progress, "the trained predictors") if settings.mode == "auto" and pred_score.within(limit) else None
             how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_score.describe(dense)}, "
                    f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * skipped / ffn:.1f}% of the FFN bytes skipped")
-            why_not = rejection(how, pred_score.upper, limit, MARGIN * budget, speed, ", so gate mode")
+            why_not = rejection(how, pred_score.upper, limit, MARGIN * budget, speed, ", so gate mode", more_accurate=pred_ppl < ppl)
             if why_not:
                 point = replace(point, note=f"{lr_note}{why_not}")
             else:

@@ -26,7 +26,10 @@ log = logging.getLogger(__name__)
 SPEED_ROUNDS = 6
 SPEED_STEPS = 16
 SPEED_PROMPT = 16
-# a predictor replaces gate mode (which drops only what the exact gate says) only when this much faster: not on noise
+# a predictor replaces gate mode (which drops only what the exact gate says) when this much faster: not on noise;
+# within the noise (from 1 / SPEED_MARGIN) the more accurate of the two (measured: the full trained ReLU model's
+# low-rank predictor timed 0.97x gate mode, scored -0.05% against its +0.29% on the calibration's held-out
+# tokens, and +0.50% against +1.71% on 20000 unseen ones)
 SPEED_MARGIN = 1.05
 
 
@@ -69,18 +72,21 @@ def time_against_gate(p: Profile, candidate: PredictorFile, gate: PredictorFile,
            what: str) -> float:
     speed = decode_speedup(p, candidate, gate, prompt)
     progress(f"{what}: decoding at {speed:.2f}x gate mode's speed here ({SPEED_ROUNDS} paired rounds of {SPEED_STEPS} tokens, "
-             f"in the default executor; kept from {SPEED_MARGIN:.2f}x)")
+             f"in the default executor; kept from {SPEED_MARGIN:.2f}x, or from {1 / SPEED_MARGIN:.2f}x where it is the more accurate)")
     return speed
 
 
-def rejection(how: str, ppl: float, limit: float, aim: float, speed: float | None, then: str) -> str:
+def rejection(how: str, ppl: float, limit: float, aim: float, speed: float | None, then: str, more_accurate: bool = False) -> str:
     """Why a candidate predictor (described by how) is not kept, or "" where it is: over the
     budget's aim (limit: the perplexity it must stay within), or timed slower than SPEED_MARGIN
-    times gate mode (speed None: not timed, as outside mode 'auto')."""
+    times gate mode (speed None: not timed, as outside mode 'auto'), unless the timing is within
+    its noise (from 1 / SPEED_MARGIN) and the candidate is the more accurate (more_accurate: its
+    held-out perplexity below gate mode's at the same levels)."""
     if ppl > limit:
         return f"{how}: over the budget's aim of +{100 * aim:.1f}%{then}"
-    if speed is not None and speed < SPEED_MARGIN:
-        return f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain {SPEED_MARGIN:.2f}x){then}"
+    if speed is not None and speed < SPEED_MARGIN and not (more_accurate and speed >= 1 / SPEED_MARGIN):
+        tie = "" if more_accurate else f", or be as fast within {1 / SPEED_MARGIN:.2f}x and more accurate"
+        return f"{how}: it decodes at {speed:.2f}x gate mode's speed here (measured; it must gain {SPEED_MARGIN:.2f}x{tie}){then}"
     return ""
 
 

@@ -113,6 +113,20 @@ def test_the_budget_search_tries_the_low_rank_predictor_first(relu: Path, monkey
     assert any("predictor mode at recall" in s for s in said)
 
 
+def test_a_predictor_as_fast_as_gate_mode_within_the_noise_is_kept_when_more_accurate() -> None:
+    from powerinfer.sparsity.timed_choice import SPEED_MARGIN, rejection
+
+    def kept(speed: float, more_accurate: bool) -> bool:
+        return rejection("p", 1.0, 1.01, 0.01, speed, ", so gate mode", more_accurate=more_accurate) == ""
+
+    assert kept(SPEED_MARGIN, False) and kept(1.2, False)  # faster: kept whatever its accuracy
+    assert kept(0.97, True) and kept(1.0 / SPEED_MARGIN, True)  # a tie within the timing's noise: the more accurate
+    assert not kept(0.97, False) and not kept(0.9, True)  # a tie goes to gate mode; clearly slower is never kept
+    assert "0.95x and more accurate" in rejection("p", 1.0, 1.01, 0.01, 0.97, "", more_accurate=False)
+    assert "over the budget" in rejection("p", 1.02, 1.01, 0.01, 2.0, "", more_accurate=True)  # the aim first
+    assert kept(0.5, True) is False and rejection("p", 1.0, 1.01, 0.01, None, "") == ""  # untimed (not 'auto'): the aim alone
+
+
 def test_calibrate_lowrank_without_sparsity_searches_the_budget(relu: Path, tmp_path: Path) -> None:
     pred = tmp_path / "lr.predictor"
     text = tmp_path / "t.txt"
