@@ -14,8 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from powerinfer.api import LLM
+from powerinfer.convert.run import convert
 
 FATRELU_T = 0.02
 
@@ -173,12 +178,6 @@ def q8_0_agreement(folder: Path, act: str, seed: int) -> tuple[int, int, int, in
     """Top-1 agreement of the Q8_0 conversion of a checkpoint trained 120 steps, on TEXT's held-out
     part in windows of 64: (ours vs transformers, transformers with exactly the file's Q8_0 weights vs
     transformers, ours vs that, positions). The second isolates what the weights' rounding costs."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    from powerinfer.api import LLM
-    from powerinfer.convert.run import convert
-
     src = make_checkpoint(folder / "hf", act, seed=seed, train_steps=120)
     path = convert(src, folder / "q8_0.gguf", "q8_0")[0]
     oracle, rounded = load_oracle(src), load_oracle(src)
