@@ -124,6 +124,7 @@ def test_a_predictor_as_fast_as_gate_mode_within_the_noise_is_kept_when_more_acc
     assert not kept(0.97, False) and not kept(0.9, True)  # a tie goes to gate mode; clearly slower is never kept
     assert "0.95x and more accurate" in rejection("p", 1.0, 1.01, 0.01, 0.97, "", more_accurate=False)
     assert "over the budget" in rejection("p", 1.02, 1.01, 0.01, 2.0, "", more_accurate=True)  # the aim first
+    assert not kept(0.5, True)
     assert rejection("p", 1.0, 1.01, 0.01, None, "") == ""  # untimed (not 'auto'): the aim alone
 
 
