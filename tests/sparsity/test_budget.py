@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity import timed_choice
-from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, Z_UPPER, BudgetPoint, Scored, allocate, calibrate_within_budget,
-                                        ffn_read_bytes, predictor_bytes)
+from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, Z_UPPER, ZERO_MARGIN, BudgetPoint, Scored, allocate,
+                                        calibrate_within_budget, damage_table, ffn_read_bytes, predictor_bytes, zero_ceilings)
 from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 from powerinfer.sparsity.perplexity import perplexity
@@ -52,6 +52,17 @@ def test_allocate_with_a_least_level_jumps_there_and_never_stops_below_it() -> N
     first = allocate(levels, damage, 0.05, MIN_LEVEL)
     assert first[1] >= MIN_LEVEL and first[0] == first[2] == 0
     assert allocate(levels, damage, 0.9, MIN_LEVEL)[2] <= allocate(levels, damage, 0.9, MIN_LEVEL)[1]
+
+
+def test_allocate_never_takes_a_layer_past_its_ceiling() -> None:
+    levels = np.round(np.arange(0.0, MAX_LEVEL + 1e-9, STEP), 4)
+    damage = np.stack([levels * 0.1, levels * 0.2, levels * 0.01])  # layer 2 the cheapest: without a ceiling it goes furthest
+    ceiling = np.array([0.85, 0.9, 0.7])  # layer 2's ceiling lies below the least sparse level: it stays dense
+    for target in (0.3, 0.6, 0.9):
+        alloc = allocate(levels, damage, target, MIN_LEVEL, ceiling)
+        assert (alloc <= ceiling + 1e-9).all() and alloc[2] == 0, alloc
+    assert list(allocate(levels, damage, 0.9, MIN_LEVEL, ceiling)) == [0.85, 0.9, 0.0]  # the mean stops short of the target
+    assert allocate(levels, damage, 0.9, MIN_LEVEL)[2] == MAX_LEVEL
 
 
 def test_a_candidate_keeps_the_aim_only_at_the_upper_end_of_its_interval() -> None:
@@ -134,6 +145,12 @@ def relu3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_relu_sparse_gguf(tmp_path_factory.mktemp("relu") / "tiny3.gguf", ReluSparseSpec.shape("tiny", n_layers=3))
 
 
+@pytest.fixture(scope="module")
+def reglu3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """relu3 with ReGLU's exact zeros (the file declares relu)."""
+    return write_relu_sparse_gguf(tmp_path_factory.mktemp("reglu") / "tiny3.gguf", ReluSparseSpec.shape("tiny", n_layers=3, act="relu"))
+
+
 RELU_TEXT = " ".join(f"The cat {i} of the moon went over hill number {i * 7}." for i in range(80))
 
 
@@ -159,6 +176,32 @@ def test_budget_in_predictor_mode_trains_the_sparse_layers_and_keeps_the_budget(
     # the timing itself: the same rule against itself decodes at about 1x (wide bounds: a loaded machine)
     p = profile(relu3, replace(settings, mode="gate"), RELU_TEXT)
     assert 0.2 < real_speedup(p, gpf, gpf, list(range(1, 17)), rounds=2, steps=4) < 5
+
+
+def test_gate_thresholds_stop_at_a_relu_layers_exact_zeros(reglu3: Path, make_model: Callable[..., Path]) -> None:
+    """On an activation with exact zeros the ceilings lie a margin below each layer's zero share,
+    where the threshold is exactly 0; the budget search stays under them, so gate mode changes
+    nothing the dense model computes, even with a budget that would allow more."""
+    settings = CalibrationSettings(mode="gate", tokens=400, window=32)
+    p = profile(reglu3, settings, RELU_TEXT)
+    levels, _ = damage_table(p)
+    ceiling = zero_ceilings(p, levels)
+    assert ceiling is not None
+    for layer, top in enumerate(ceiling):
+        g = p.ex.samples[layer].arrays()[1].astype(np.float32)
+        zero = float((g == 0).mean())
+        assert 0.8 < zero < 0.95 and zero - ZERO_MARGIN - STEP < top <= zero - ZERO_MARGIN + 1e-9
+        assert float(np.quantile(g, top)) == 0.0 and float(np.quantile(g, top + STEP)) > 0.0
+    pf, point = calibrate_within_budget(reglu3, settings, 0.5, RELU_TEXT)  # +50%: far past what the zeros give
+    assert point.sparse_layers == 3 and all(v <= c + 1e-9 for v, c in zip(point.levels, ceiling)), (point.levels, ceiling)
+    assert all(lp.threshold == 0.0 for lp in pf.layers)
+    assert math.isclose(point.sparse_ppl, point.dense_ppl, rel_tol=1e-4), (point.sparse_ppl, point.dense_ppl)
+    # the bytes skipped are the zeros' up rows at least (gate, up and down of one type: a third each), not the lower levels'
+    zeros = float(np.mean([(p.ex.samples[i].arrays()[1] == 0).mean() for i in range(3)]))
+    assert point.skipped_bytes >= zeros * point.ffn_bytes / 3 > float(np.mean(point.levels)) * point.ffn_bytes / 3
+    # an activation without exact zeros has no ceiling
+    silu = profile(make_model(arch="llama", n_layers=2), settings, TEXT)
+    assert zero_ceilings(silu, damage_table(silu)[0]) is None
 
 
 def test_a_dense_layer_of_a_predictor_mode_file_fires_every_neuron(relu3: Path) -> None:
