@@ -224,7 +224,16 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     /* gate into g [T, nffA] at this rank's neurons [n0, n0 + nff); up into u [T, nff] */
     const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
     const int d0 = m->d0, d1 = m->d0 + L->wd.rows;
-    if (L->sp) {
+    /* A prefill batch whose predicted sets' union would cover most neurons (dense_from, set from the
+     * calibrated firing frequencies: sparse_layers.py) runs the layer dense: prefill computes gate
+     * and up with the dense kernels anyway, so the predictor and the mask would only add time. */
+    const pi_sparse *sp = L->sp && !(L->sp->mode == PI_SP_MASK && T > PI_SPARSE_T && L->sp->dense_from > 0 && T >= L->sp->dense_from)
+                              ? L->sp : NULL;
+    if (L->sp && !sp && m->ffn_active) {
+#pragma omp single nowait
+        m->ffn_active[L - m->layers] += (int64_t)T * nff; /* every neuron computed */
+    }
+    if (sp) {
         sparse_hidden(m, L, x, T, s, last); /* g [T, nffA] at [n0, n0 + nff): zero but for the computed neurons */
     } else {
         matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: not here */
@@ -248,7 +257,7 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     }
     gather(m, s->g, T, nffA, n0, n0 + nff);
     /* decode with few active neurons: only their rows of down_t; else the dense down on g */
-    if (!(L->sp && L->sp->down_t.data && T <= PI_SPARSE_T && down_sparse(m, L->sp, T, s, s->tmp + d0, d1 - d0))) {
+    if (!(sp && sp->down_t.data && T <= PI_SPARSE_T && down_sparse(m, sp, T, s, s->tmp + d0, d1 - d0))) {
         const float *h = s->g;
         int K = nffA;
         if (L->down_col0) { /* the hidden state from down_col0 on, packed [T, K] into xn (free since gate and up) */

@@ -68,6 +68,7 @@ typedef struct pi_sparse {
     float thr;
     pi_wt down_t;
     const uint8_t *up_split, *gate_split; /* NULL, or wu / wg rows in qsplit.h's layout (row_bytes apart) */
+    int32_t dense_from; /* PI_SP_MASK: a prefill batch of at least this many tokens runs the layer dense (0: none does) */
 } pi_sparse;
 
 typedef struct {
