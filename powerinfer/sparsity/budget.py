@@ -14,9 +14,10 @@ decode timing (timed_choice.py) starts the default executor's worker processes.
    level at which the native decoder skips anything (``min_level``: it runs a layer dense above
    MAX_SPARSE_SHARE active, where skipping rows stops paying on this CPU), later moves are one step
    (0.05): a level below that would spend the budget on perplexity and skip nothing. Where the
-   activation makes exact zeros (the ReLU family) no layer goes past the share of its profiled
-   values that are zero (zero_ceilings): up to there gate mode drops nothing that is not zero on
-   any text, past it the cuts measured within the aim on the held-out fifth and not on other text.
+   activation makes exact zeros (the ReLU family) a layer whose zeros alone make it min_level
+   sparse goes no further than them (zero_ceilings): up to there gate mode drops nothing that is
+   not zero on any text, past it the cuts measured within the aim on the held-out fifth and not on
+   other text. A layer whose zeros fall short of min_level can still be cut to it within the budget.
 4. S itself is bisected: the largest allocation whose held-out perplexity stays within half the
    budget of dense (a margin for text unlike the corpus: see MARGIN), each candidate scored by one
    sparse pass over the held-out tokens with the thresholds set in place on one executor (nothing
@@ -166,17 +167,22 @@ def damage_table(p: Profile) -> tuple[np.ndarray, np.ndarray]:
     return levels, out
 
 
-def zero_ceilings(p: Profile, levels: np.ndarray) -> np.ndarray | None:
-    """Per layer [n_layers], the highest level of the grid levels [L] whose gate threshold is still 0
-    (a whole step below the share of the layer's profiled |act(gate)| values that are exactly zero),
-    for an activation that makes exact zeros (EXACT_ZEROS); None for one that does not (SiLU, GELU).
-    Up to there gate mode drops only what is zero anyway: it is lossless on any text."""
+def zero_ceilings(p: Profile, levels: np.ndarray, min_level: float) -> np.ndarray | None:
+    """Per layer [n_layers], for an activation that makes exact zeros (EXACT_ZEROS), the highest of
+    the grid levels [L] whose gate threshold is still 0 (at least ZERO_MARGIN below the share of the
+    layer's profiled |act(gate)| values that are exactly zero) where that is at least min_level:
+    there gate mode drops only what is zero anyway, lossless on any text, and the layer is sparse
+    enough to pay. A layer whose zeros alone do not reach min_level gets no ceiling (levels[-1]):
+    only a threshold that cuts active neurons makes it sparse, and the budget decides whether it may.
+    None for an activation without exact zeros (SiLU, GELU)."""
     if p.cfg.activation not in EXACT_ZEROS:
         return None
-    out = np.zeros(p.cfg.n_layers)
+    out = np.full(p.cfg.n_layers, float(levels[-1]))
     for layer in range(p.cfg.n_layers):
         zero = float((p.ex.samples[layer].arrays()[1] == 0).mean())
-        out[layer] = float(levels[levels <= zero - ZERO_MARGIN + 1e-9].max())
+        top = float(levels[levels <= zero - ZERO_MARGIN + 1e-9].max())
+        if top >= min_level - 1e-9:
+            out[layer] = top
     return out
 
 
@@ -295,10 +301,10 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
         raise InvalidArgumentError(f"{len(p.held_out)} held-out tokens are too few to score; give more (--tokens, or a longer --text)")
     n_ctx = settings.window + 1
     levels, damage = damage_table(p)
-    ceiling = zero_ceilings(p, levels)
+    ceiling = zero_ceilings(p, levels, min_level)
     if ceiling is not None:
-        progress(f"{p.cfg.activation}'s zeros: gate thresholds stop at each layer's exact zeros (levels at most "
-                 f"{', '.join(f'{v:.2f}' for v in ceiling)}; a layer below {min_level:.2f} there runs dense)")
+        progress(f"{p.cfg.activation}'s exact zeros: a layer they make at least {100 * min_level:.0f}% sparse stops there "
+                 f"(levels at most {', '.join(f'{v:.2f}' for v in ceiling)}; {MAX_LEVEL:.2f}: no ceiling)")
     ex = InProcessExecutor(p.f, p.cfg, n_ctx, predictor=build_predictor(p, gate_settings, [0.0] * p.cfg.n_layers))
     engine = Engine(p.f, p.cfg, ex, n_ctx=n_ctx, n_batch=n_ctx)
 

@@ -185,13 +185,17 @@ def test_gate_thresholds_stop_at_a_relu_layers_exact_zeros(reglu3: Path, make_mo
     settings = CalibrationSettings(mode="gate", tokens=400, window=32)
     p = profile(reglu3, settings, RELU_TEXT)
     levels, _ = damage_table(p)
-    ceiling = zero_ceilings(p, levels)
+    ceiling = zero_ceilings(p, levels, MIN_LEVEL)
     assert ceiling is not None
+    zeros = []
     for layer, top in enumerate(ceiling):
         g = p.ex.samples[layer].arrays()[1].astype(np.float32)
-        zero = float((g == 0).mean())
-        assert 0.8 < zero < 0.95 and zero - ZERO_MARGIN - STEP < top <= zero - ZERO_MARGIN + 1e-9
+        zeros.append(float((g == 0).mean()))
+        assert 0.8 < zeros[-1] < 0.95 and zeros[-1] - ZERO_MARGIN - STEP < top <= zeros[-1] - ZERO_MARGIN + 1e-9
         assert float(np.quantile(g, top)) == 0.0 and float(np.quantile(g, top + STEP)) > 0.0
+    # a layer whose zeros do not reach the least sparse level gets no ceiling: only cuts make it sparse, if the budget allows
+    high = max(zeros) + ZERO_MARGIN  # a least level above every layer's zeros
+    assert list(zero_ceilings(p, levels, high)) == [MAX_LEVEL] * 3
     pf, point = calibrate_within_budget(reglu3, settings, 0.5, RELU_TEXT)  # +50%: far past what the zeros give
     assert point.sparse_layers == 3 and all(v <= c + 1e-9 for v, c in zip(point.levels, ceiling)), (point.levels, ceiling)
     assert all(lp.threshold == 0.0 for lp in pf.layers)
@@ -201,7 +205,7 @@ def test_gate_thresholds_stop_at_a_relu_layers_exact_zeros(reglu3: Path, make_mo
     assert point.skipped_bytes >= zeros * point.ffn_bytes / 3 > float(np.mean(point.levels)) * point.ffn_bytes / 3
     # an activation without exact zeros has no ceiling
     silu = profile(make_model(arch="llama", n_layers=2), settings, TEXT)
-    assert zero_ceilings(silu, damage_table(silu)[0]) is None
+    assert zero_ceilings(silu, damage_table(silu)[0], MIN_LEVEL) is None
 
 
 def test_a_dense_layer_of_a_predictor_mode_file_fires_every_neuron(relu3: Path) -> None:
