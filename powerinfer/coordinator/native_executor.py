@@ -88,6 +88,7 @@ class NativeExecutor:
     def reset_sparse_counts(self) -> None:
         if self.sparse is not None:
             self.sparse.active[:] = 0
+            self.sparse.computed[:] = 0
         self._tokens = 0
 
     @property

@@ -45,18 +45,26 @@ DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down project
 # the dense kernels and masks them, so the predictor then costs time (~6% of a 1.1B prefill) and
 # the mask removes little; a shorter batch keeps the rule, as decode applies it.
 PREFILL_UNION = 0.9
+# Hot neurons first: a neuron that fires for at least this share of tokens (calibrate's act_freq)
+# is computed in every decode step from a block of rows read in one stream, then kept only where the
+# rule chose it: a chosen row read alone costs ~4.5 streamed ones on the machines measured (chosen
+# rows at ~5.5 GB/s against a dense stream at ~24.7 on the Zen 4 with slow memory, 16-20 against
+# ~79 on the first: docs/sparsity.md), so streaming a neuron pays from there.
+HOT_FREQ = 0.22
 
 
 def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, int, int], q8_down_row: int,
-                pred_bytes: int = 0) -> tuple[float, float]:
+                pred_bytes: int = 0, rows_share: float | None = None) -> tuple[float, float]:
     """(streamed, scattered) FFN weight bytes a decode step reads in one sparse layer of n neurons
-    with share of them computed: the gate rows (every one streamed in gate mode; the chosen ones,
-    plus the predictor's pred_bytes streamed, in predictor mode), the chosen up rows, and the down
-    projection (the chosen neurons' rows of the neuron-major Q8_0 copy, q8_down_row bytes each, at
-    most DOWN_MAX_SHARE active; else the file's d rows streamed). rows: bytes of one gate, up and
-    down row in the file."""
+    with share of them chosen: the gate rows (every one streamed in gate mode; the computed ones,
+    plus the predictor's pred_bytes streamed, in predictor mode), the computed up rows (rows_share
+    of the neurons: the hot block and the chosen others; None: share), and the down projection (the
+    chosen neurons' rows of the neuron-major Q8_0 copy, q8_down_row bytes each, at most
+    DOWN_MAX_SHARE chosen; else the file's d rows streamed). rows: bytes of one gate, up and down
+    row in the file. (The hot block's rows count as scattered: one stream in fact.)"""
     g, u, dn = rows
-    streamed, scattered = (pred_bytes, share * n * (g + u)) if predictor else (n * g, share * n * u)
+    r = share if rows_share is None else rows_share
+    streamed, scattered = (pred_bytes, r * n * (g + u)) if predictor else (n * g, r * n * u)
     if share <= DOWN_MAX_SHARE + 1e-9:
         scattered += share * n * q8_down_row
     else:
@@ -129,18 +137,33 @@ def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np
     return out
 
 
-def down_t_q8(f: GGUFFile, layer: int, d0: int, d1: int) -> tuple[np.ndarray, PiWt]:
+def down_t_q8(f: GGUFFile, layer: int, d0: int, d1: int, order: np.ndarray | None = None) -> tuple[np.ndarray, PiWt]:
     """Rows [d0, d1) of the layer's down projection [d, n_ff], neuron-major: Q8_0 [n_ff, d1 - d0
-    padded to 32] (row j = neuron j's output direction). Requantized from the file's values: each
-    32 outputs of a neuron get their own scale (within 1/254 of the block's largest value), so a
-    neuron's row is one contiguous read and the sparse sum skips whole rows."""
+    padded to 32] (row p = neuron order[p]'s output direction; order None: neuron p's). Requantized
+    from the file's values: each 32 outputs of a neuron get their own scale (within 1/254 of the
+    block's largest value), so a neuron's row is one contiguous read and the sparse sum skips whole rows."""
     name = layer_tensor(layer, "ffn_down")
     info = f.tensor(name)
     w = dequantize_rows(info.qtype, f.raw(name)[d0:d1], info.n_cols)  # [d1 - d0, n_ff]
     cols = -(-(d1 - d0) // 32) * 32
     wt = np.zeros((w.shape[1], cols), dtype=np.float32)
-    wt[:, : d1 - d0] = w.T
+    wt[:, : d1 - d0] = w.T if order is None else w.T[order]
     return _q8(wt)
+
+
+def hot_first(act_freq: np.ndarray) -> np.ndarray:
+    """order [n] int32: neurons by calibrated firing frequency, most frequent first, ties in neuron order."""
+    return np.argsort(-np.asarray(act_freq, dtype=np.float64), kind="stable").astype(np.int32)
+
+
+def hot_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, rows: np.ndarray) -> tuple[PiWt, list[np.ndarray]]:
+    """The file's rows of a matrix copied together, in the file's layout and, where this build has
+    the kernel, repacked eight at a time: a PiWt over them and the arrays to keep."""
+    info = f.tensor(name)
+    raw = np.ascontiguousarray(f.raw(name)[rows])
+    w = PiWt(raw.ctypes.data, None, raw.shape[1], int(info.qtype), len(rows), info.n_cols)
+    packed = repack_x8(lib, w)
+    return w, [raw] + ([packed] if packed is not None else [])
 
 
 class NativeSparseFFNs:
@@ -160,7 +183,10 @@ class NativeSparseFFNs:
         self.preds: list[PiPred | None] = []
         self._pred_keep: list[tuple[np.ndarray, ...]] = []  # per layer: the predictor's Q8_0 fc1, fc2 and biases
         self._down_t: list[np.ndarray] = []  # each layer's neuron-major Q8_0 down (decode's sparse down projection)
-        self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h)
+        self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h), and the hot blocks
+        self._perm: list[np.ndarray] = []  # the rules' pos, hot and dperm arrays
+        self.hot = [0] * cfg.n_layers  # per layer: neurons decode computes always (hot first), 0 where none
+        self.computed = np.zeros(cfg.n_layers, dtype=np.int64)  # gate / up rows decode computed per layer (the decoder adds to it)
         d0, d1 = rows or (0, cfg.d_model)
         # decided on the whole layer's statistics, so that every rank of a pool decides alike
         built = [only is None or i in only for i in range(cfg.n_layers)]
@@ -173,17 +199,36 @@ class NativeSparseFFNs:
                 self._pred_keep.append(())
                 self._down_t.append(np.zeros((0, 0), dtype=np.uint8))
                 continue
-            codes, self.rules[i].down_t = down_t_q8(f, i, d0, d1)
+            # down_t's rows hot first over the whole layer (every rank sums the same rows in the same order)
+            dperm = hot_first(pf.layers[i].act_freq)
+            codes, self.rules[i].down_t = down_t_q8(f, i, d0, d1, dperm)
             self._down_t.append(codes)
+            self._perm += [dperm]
+            self.rules[i].dperm = dperm.ctypes.data
             # decode dots the chosen up (and, with a predictor, gate) rows one by one: split layout where the build has it
             # (OPT: no up rows; its fc1, ffn_up, is the gate the kernel reads)
-            for kind, field in ((("ffn_up", "up_split"),) if cfg.gated_ffn else ()) + ((cfg.gate_part, "gate_split"),):
-                if field == "gate_split" and pf.mode != "predictor":
-                    continue
+            fields = [(kind, field) for kind, field in ((("ffn_up", "up_split"),) if cfg.gated_ffn else ()) + ((cfg.gate_part, "gate_split"),)
+                      if field != "gate_split" or pf.mode == "predictor"]
+            for kind, field in fields:
                 split = split_rows(lib, f, layer_tensor(i, kind), n0, n1)
                 if split is not None:
                     self._split.append(split)
                     setattr(self.rules[i], field, split.ctypes.data)
+            # the hot block: this rank's neurons that fire for HOT_FREQ of the tokens, decided on the whole layer's
+            # frequencies so that a neuron is computed by the same kernel on every rank
+            hot = np.flatnonzero(np.asarray(pf.layers[i].act_freq[n0:n1], dtype=np.float64) >= HOT_FREQ).astype(np.int32)
+            if len(hot):
+                is_hot = np.zeros(n1 - n0, dtype=np.uint8)
+                is_hot[hot] = 1
+                self._perm += [hot, is_hot]
+                rule = self.rules[i]
+                rule.hot, rule.is_hot, rule.n_hot = hot.ctypes.data, is_hot.ctypes.data, len(hot)
+                for kind, field in fields:
+                    w, keep = hot_rows(lib, f, layer_tensor(i, kind), n0 + hot)
+                    self._split += keep
+                    setattr(rule, "hot_gate" if field == "gate_split" else "hot_up", w)
+                self.hot[i] = len(hot)
+            self.rules[i].computed = self.computed[i:].ctypes.data
             pred, keep = predictor_q8(pf, i, cfg.d_model, (n0, n1), lib) if pf.mode == "predictor" else (None, ())
             self.preds.append(pred)
             self._pred_keep.append(keep)
@@ -270,7 +315,8 @@ class NativeSparseFFNs:
                 total += full
                 continue
             pred = sum(a.nbytes for a in self._pred_keep[i][:2]) if self.uses_predictor else 0
-            total += sum(layer_reads(self.uses_predictor, act / (tokens * self.n), self.n, d, rows, self._down_t[i].shape[1], pred))
+            computed = self.computed[i] / (tokens * self.n) if self.computed[i] else None  # decode's rows (0: prefill only)
+            total += sum(layer_reads(self.uses_predictor, act / (tokens * self.n), self.n, d, rows, self._down_t[i].shape[1], pred, computed))
         return total, dense
 
     def share(self, tokens: int) -> float:

@@ -18,6 +18,7 @@ from powerinfer.api import LLM
 from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
 from powerinfer.native.decoder_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
+from powerinfer.native import sparse_layers
 from powerinfer.native.sparse_layers import PREFILL_UNION, dense_prefill_from
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.predictors.predictor_file import PredictorFile, write_predictor
@@ -139,6 +140,31 @@ def test_a_long_prefill_batch_runs_a_predictor_layer_dense(relu: Path, tmp_path:
     ex.reset_sparse_counts()
     llm.engine.eval(IDS[8:9])  # decode: the rule
     assert ex.decode_share() < 0.5
+
+
+@pytest.mark.parametrize("mode", ["gate", "predictor"])
+def test_hot_neurons_first_change_what_is_read_not_what_is_kept(relu: Path, tmp_path: Path, mode: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode computes the hot neurons (calibrated to fire for HOT_FREQ of the tokens or more) from
+    one block of rows every step with the dense kernel and keeps those the rule chose: the same
+    neurons kept and the same logits as reading the chosen rows alone; more rows computed."""
+    path, _ = _predictor(relu, tmp_path, mode)
+    runs = {}
+    for hot_freq in (sparse_layers.HOT_FREQ, 2.0):  # 2.0: no neuron is hot
+        monkeypatch.setattr(sparse_layers, "HOT_FREQ", hot_freq)
+        llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+        ex = llm.engine.executor
+        assert isinstance(ex, NativeExecutor) and ex.sparse is not None
+        llm.engine.eval(IDS[:4])
+        ex.reset_sparse_counts()
+        steps = np.concatenate([llm.engine.eval([t]) for t in IDS[4:]])  # decode: one token a call
+        runs[hot_freq] = (steps, ex.sparse.active.copy(), ex.sparse.computed.copy(), list(ex.sparse.hot), ex.sparse_bytes()[0])
+    (hot, hot_kept, hot_rows, n_hot, hot_bytes), (cold, kept, rows, none, cold_bytes) = runs.values()
+    assert any(n_hot) and not any(none) and (rows == kept).all()  # without a hot block the rows computed are the chosen ones
+    # the hot rows go through the dense kernel, the others one by one: the same values up to float rounding
+    assert _rel(hot, cold) < 1e-5 and (hot.argmax(1) == cold.argmax(1)).all(), _rel(hot, cold)
+    assert (hot_kept == kept).all() and (hot_rows >= hot_kept).all() and hot_rows.sum() > hot_kept.sum()
+    assert hot_bytes > cold_bytes  # the hot block's unchosen rows are read too
 
 
 def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) -> None:

@@ -69,6 +69,16 @@ typedef struct pi_sparse {
     pi_wt down_t;
     const uint8_t *up_split, *gate_split; /* NULL, or wu / wg rows in qsplit.h's layout (row_bytes apart) */
     int32_t dense_from; /* PI_SP_MASK: a prefill batch of at least this many tokens runs the layer dense (0: none does) */
+    /* Hot neurons (decode, gate and mask modes): hot [n_hot] this rank's neurons that calibrate
+     * found firing most often, is_hot [n_ff] 1 for them; hot_up and hot_gate (mask mode) their
+     * rows copied together (eight-row repacks where the build has them), which decode computes
+     * every step with the dense kernel, keeping the neurons the rule chose. down_t's rows are in
+     * dperm's order over all neurons, most often firing first (row p is neuron dperm[p]). */
+    const int32_t *hot, *dperm;
+    const uint8_t *is_hot;
+    int32_t n_hot;
+    int64_t *computed; /* NULL, or where decode adds the gate / up rows it computed (hot ones and chosen others) */
+    pi_wt hot_up, hot_gate;
 } pi_sparse;
 
 typedef struct {

@@ -138,27 +138,54 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
         mark(m, PH_ACT, last);
         return;
     }
-    /* decode: per token, the chosen neurons' list (idx [T, n]) and its length */
+    /* decode: per token, the neurons computed (idx [T, n]) and their count: the hot ones (all of
+     * them, in their rows' order: one streamed read), then the chosen others; mask [T, n] then
+     * says which hot ones the rule chose (gate mode writes it here) */
+    const int n_hot = (L->cold || (mode != PI_SP_MASK && mode != PI_SP_GATE)) ? 0 : S->n_hot;
 #pragma omp for schedule(static)
     for (int t = 0; t < T; t++) {
         const float *gt = s->g + (size_t)t * nffA + n0;
-        const uint8_t *mt = s->mask + (size_t)t * n;
+        uint8_t *mt = s->mask + (size_t)t * n;
         int32_t *it = s->idx + (size_t)t * n;
         int k = 0;
-        for (int j = 0; j < n; j++) /* L->cold: the GPU rank's hot neurons are never chosen here */
-            if ((!L->cold || L->cold[j]) && (mode == PI_SP_MASK ? mt[j] != 0 : mode == PI_SP_GATE ? fabsf(gt[j]) > thr : 1)) it[k++] = j;
+        if (n_hot) {
+            if (mode == PI_SP_GATE)
+                for (int j = 0; j < n; j++) mt[j] = fabsf(gt[j]) > thr;
+            for (; k < n_hot; k++) it[k] = S->hot[k];
+            for (int j = 0; j < n; j++)
+                if (!S->is_hot[j] && mt[j]) it[k++] = j;
+        } else {
+            for (int j = 0; j < n; j++) /* L->cold: the GPU rank's hot neurons are never chosen here */
+                if ((!L->cold || L->cold[j]) && (mode == PI_SP_MASK ? mt[j] != 0 : mode == PI_SP_GATE ? fabsf(gt[j]) > thr : 1)) it[k++] = j;
+        }
         off[t + 1] = k;
     }
 #pragma omp single
     {
         off[0] = qo[0] = 0;
         for (int t = 0; t < T; t++) {
-            qo[t + 1] = qo[t] + (off[t + 1] + 3) / 4;
+            qo[t + 1] = qo[t] + (off[t + 1] - n_hot + 3) / 4; /* the others' quads (n_hot <= every list) */
             off[t + 1] += off[t];
         }
+        if (S->computed && rows_only) *S->computed += off[T];
     }
     if (rows_only) {
-        /* quad q is token t's chosen neurons [4 (q - qo[t]), +4); values packed at ha/hu[off[t] + ...] */
+        if (n_hot) { /* the hot block: every hot row with the dense kernel, one stream; gate into g [T, nffA] at n0 + k (free in mask mode) */
+            if (!m->gateless) matmul(&S->hot_up, s, s->xn, T, s->u, n_hot);
+            if (!dense_gate) matmul(&S->hot_gate, s, s->xn, T, s->g + n0, nffA);
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int t = 0; t < T; t++) {
+                float *hu = s->hu + off[t], *ha = s->ha + off[t];
+                const float *gt = s->g + (size_t)t * nffA + n0;
+                for (int k = 0; k < n_hot; k++) {
+                    const int j = S->hot[k];
+                    hu[k] = m->gateless ? 1.0f : s->u[(size_t)t * n_hot + k];
+                    ha[k] = dense_gate ? gt[j] : gt[k] + (L->bg ? L->bg[j] : 0.0f);
+                }
+            }
+        }
+        /* the others: quad q is token t's list entries n_hot + [4 (q - qo[t]), +4); values packed at ha/hu[off[t] + ...] */
         const int quads = qo[T];
         int align;
         const dot_fn udot = dot_for(L->wu.type, &align), gdot = dot_for(L->wg.type, &align);
@@ -167,13 +194,13 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
         for (int q = 0; q < quads; q++) {
             int t = 0;
             while (qo[t + 1] <= q) t++;
-            const int k0 = 4 * (q - qo[t]), kt = off[t + 1] - off[t], nr = kt - k0 < 4 ? kt - k0 : 4;
+            const int k0 = n_hot + 4 * (q - qo[t]), kt = off[t + 1] - off[t], nr = kt - k0 < 4 ? kt - k0 : 4;
             const int32_t *it = s->idx + (size_t)t * n + k0;
             if (q + PI_QUADS_AHEAD < quads) { /* the rows PI_QUADS_AHEAD quads on */
                 const int q2 = q + PI_QUADS_AHEAD;
                 int t2 = t;
                 while (qo[t2 + 1] <= q2) t2++;
-                const int k2 = 4 * (q2 - qo[t2]), left = off[t2 + 1] - off[t2] - k2;
+                const int k2 = n_hot + 4 * (q2 - qo[t2]), left = off[t2 + 1] - off[t2] - k2;
                 for (int r = 0; r < (left < 4 ? left : 4); r++) {
                     const int j2 = s->idx[(size_t)t2 * n + k2 + r];
                     if (!m->gateless)
@@ -233,9 +260,10 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
         float *gt = s->g + (size_t)t * nffA + n0;
         const int32_t *it = s->idx + (size_t)t * n;
         const float *h = s->ha + off[t];
+        const uint8_t *mt = s->mask + (size_t)t * n;
         int kk = 0;
         for (int q = 0; q < off[t + 1] - off[t]; q++)
-            if (mode != PI_SP_ORACLE || fabsf(h[q]) > thr) {
+            if ((q >= n_hot || mt[it[q]]) && (mode != PI_SP_ORACLE || fabsf(h[q]) > thr)) { /* a hot neuron only if chosen */
                 gt[it[q]] = h[q];
                 kk++;
             }
@@ -249,10 +277,11 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
 }
 
 /* Decode's down projection over the active neurons: y [T, D] (row stride d; this rank's output
- * rows) = sum over token t's neurons j with h_j != 0, ascending, of h_j * down_t[j][0..D), from the
- * gathered hidden state g [T, nffA]. down_t is Q8_0: the file's down values requantized per
- * neuron and 32 outputs (within 1/254 of each block's largest value). An output's sum runs over
- * the neurons in order whatever the split, so ranks and threads give the same numbers. */
+ * rows) = sum over token t's neurons j with h_j != 0, in down_t's row order (hot first: dperm), of
+ * h_j * down_t[row of j][0..D), from the gathered hidden state g [T, nffA]. down_t is Q8_0: the
+ * file's down values requantized per neuron and 32 outputs (within 1/254 of each block's largest
+ * value). An output's sum runs over the neurons in that order whatever the split, so ranks and
+ * threads give the same numbers. */
 #define PI_DT_AHEAD 4 /* neurons asked for ahead in the sparse down projection */
 #ifndef PI_DT_MAX
 #define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c) */
@@ -267,8 +296,9 @@ static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_sc
     for (int i = 0; i < T * nchunk; i++) {
         const int t = i / nchunk, c0 = (i % nchunk) * 512, c1 = c0 + 512 < nA ? c0 + 512 : nA;
         const float *h = s->g + (size_t)t * nA;
+        const int32_t *pj = S->dperm;
         int k = 0;
-        for (int j = c0; j < c1; j++) k += h[j] != 0.0f;
+        for (int p = c0; p < c1; p++) k += h[pj ? pj[p] : p] != 0.0f;
         cc[(size_t)t * (nchunk + 1) + i % nchunk + 1] = k;
     }
 #pragma omp single
@@ -288,11 +318,14 @@ static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_sc
         int k = cc[(size_t)t * (nchunk + 1) + i % nchunk];
         int32_t *it = s->idx + (size_t)t * nA;
         float *hv = s->ha + (size_t)t * nA;
-        for (int j = c0; j < c1; j++)
-            if (h[j] != 0.0f) {
-                it[k] = j;
-                hv[k++] = h[j];
+        const int32_t *pj = S->dperm;
+        for (int p = c0; p < c1; p++) { /* it: the active neurons' rows of down_t, in its order */
+            const float hj = h[pj ? pj[p] : p];
+            if (hj != 0.0f) {
+                it[k] = p;
+                hv[k++] = hj;
             }
+        }
     }
     /* work items: (token, slice of output blocks), one slice per thread; within a slice the
      * neurons pass in order, each neuron's piece of the slice one contiguous read (asked for
