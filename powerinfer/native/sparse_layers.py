@@ -40,11 +40,13 @@ KERNEL_MODES = ("file", "all", "oracle")
 # pays only well below ~25% active, and above it the dense layer is as fast and exact.
 MAX_SPARSE_SHARE = 0.25
 DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
-# A prefill batch runs a predictor-mode layer dense once its tokens' predicted sets together are
-# expected to cover this share of the neurons (dense_prefill_from): prefill computes gate and up with
-# the dense kernels and masks them, so the predictor then costs time (~6% of a 1.1B prefill) and
-# the mask removes little; a shorter batch keeps the rule, as decode applies it.
-PREFILL_UNION = 0.9
+# A prefill batch (more than sparse_rows.h's PI_SPARSE_T = 4 tokens) runs a predictor-mode layer
+# dense: prefill computes every gate and up value with the tiled dense kernels and masks them, so
+# the predictor only adds time (~6-10% of a 1.1B prefill), and the union of a batch's predicted
+# sets does not make whole blocks of rows skippable in the file's neuron order (measured on the 1.1B
+# ReGLU file: the neurons that fired in 256 tokens are ~46-65% of them, spread over every block of
+# 16). The prompt's FFN outputs are then the dense model's. set_masked_prefill(True) keeps the rule.
+PREFILL_DENSE_FROM = 5
 # Hot neurons first: a neuron that fires for at least this share of tokens (calibrate's act_freq)
 # is computed in every decode step from a block of rows read in one stream, then kept only where the
 # rule chose it: a chosen row read alone costs ~4.5 streamed ones on the machines measured (chosen
@@ -70,25 +72,6 @@ def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, 
     else:
         streamed += d * dn
     return streamed, scattered
-
-
-def dense_prefill_from(act_freq: np.ndarray, union: float = PREFILL_UNION, longest: int = 1 << 16) -> int:
-    """The fewest tokens whose active sets' union is expected to cover ``union`` of a layer's neurons,
-    from its calibrated firing frequencies act_freq [n] (tokens taken as independent: neuron j is
-    in the union of T with probability 1 - (1 - f_j)^T); 0 where no batch up to longest is (neurons
-    that never fired on the profile keep the union below it)."""
-    f = np.clip(np.asarray(act_freq, dtype=np.float64), 0.0, 1.0)
-
-    def covered(t: int) -> float:
-        return float(np.mean(1.0 - (1.0 - f) ** t))
-
-    if covered(longest) < union:
-        return 0
-    lo, hi = 1, longest  # the coverage grows with t
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if covered(mid) >= union else (mid + 1, hi)
-    return lo
 
 
 def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
@@ -193,7 +176,7 @@ class NativeSparseFFNs:
         self.sparse_layers = tuple(built[i] and float(np.mean(pf.layers[i].act_freq)) <= max_share for i in range(cfg.n_layers))
         for i in range(cfg.n_layers):
             self.rules[i].thr = float(pf.layers[i].threshold)
-            self.rules[i].dense_from = dense_prefill_from(pf.layers[i].act_freq) if pf.mode == "predictor" else 0
+            self.rules[i].dense_from = PREFILL_DENSE_FROM if pf.mode == "predictor" else 0
             if not self.sparse_layers[i]:
                 self.preds.append(None)
                 self._pred_keep.append(())
@@ -244,6 +227,12 @@ class NativeSparseFFNs:
         self._attached: ctypes.Array | None = None  # type: ignore[type-arg]  # the decoder's PiLayer array
         self.mode = "file"
         self.set_mode("file")
+
+    def set_masked_prefill(self, on: bool) -> None:
+        """on: prefill batches apply the predictor's rule as decode does (tests, measurements);
+        off (the default): they run the predictor-mode layers dense (PREFILL_DENSE_FROM)."""
+        for rule in self.rules:
+            rule.dense_from = 0 if on or self.file_mode != "predictor" else PREFILL_DENSE_FROM
 
     def reads_file_rows(self, layer: int, field: str) -> bool:
         """Whether decode dots layer's chosen rows of ``wu`` / ``wg`` from the file's layout (no

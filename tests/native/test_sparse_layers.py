@@ -19,7 +19,7 @@ from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
 from powerinfer.native.decoder_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 from powerinfer.native import sparse_layers
-from powerinfer.native.sparse_layers import PREFILL_UNION, dense_prefill_from
+from powerinfer.native.sparse_layers import PREFILL_DENSE_FROM
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 from powerinfer.predictors.predictor_file import PredictorFile, write_predictor
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
@@ -58,6 +58,7 @@ def test_sparse_models_run_in_the_native_decoder(relu: Path, tmp_path: Path, mod
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
     ex = llm.engine.executor
     assert isinstance(ex, NativeExecutor) and ex.sparse is not None
+    ex.sparse.set_masked_prefill(True)  # the rule at every position (by default a prefill runs predictor layers dense)
     dense = LLM(relu, n_ctx=128, executor="inprocess").logits(IDS)
     sparse = llm.logits(IDS)
     # the planted model leaves ~89% of neurons inactive: a calibrated 80% hardly moves the logits
@@ -100,6 +101,8 @@ def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> Non
     thread state so that the predictor trained slightly otherwise)."""
     path, _ = _predictor(relu, tmp_path, "predictor")
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    assert isinstance(llm.engine.executor, NativeExecutor) and llm.engine.executor.sparse is not None
+    llm.engine.executor.sparse.set_masked_prefill(True)  # the prompt by the predictor's rule too (by default: dense)
     full = llm.engine.eval(IDS, all_logits=True)
     llm.engine.rewind(0)
     llm.engine.eval(IDS[:3])
@@ -108,37 +111,31 @@ def test_prefill_equals_decode_token_by_token(relu: Path, tmp_path: Path) -> Non
     np.testing.assert_allclose(steps.max(1), full[3:].max(1), rtol=4e-3, atol=0)
 
 
-def test_dense_prefill_from_the_union_of_the_firing_frequencies() -> None:
-    assert dense_prefill_from(np.full(64, 0.25)) == 9  # 1 - 0.75^9 = 0.925; 0.75^8 leaves 0.8999
-    assert dense_prefill_from(np.full(64, 1.0)) == 1
-    assert dense_prefill_from(np.concatenate([np.full(32, 0.5), np.zeros(32)])) == 0  # half never fires: the union stays at 0.5
-    f = np.random.default_rng(0).beta(0.3, 3.0, 1000)
-    t = dense_prefill_from(f)
-    assert np.mean(1 - (1 - f) ** t) >= PREFILL_UNION > np.mean(1 - (1 - f) ** (t - 1))
-
-
-def test_a_long_prefill_batch_runs_a_predictor_layer_dense(relu: Path, tmp_path: Path) -> None:
-    """Where a batch's predicted sets would together cover PREFILL_UNION of the neurons, prefill
-    computes the layer dense (the dense decoder's numbers, every neuron counted) instead of running
-    the predictor and masking; a shorter batch and decode keep the predictor's rule."""
-    _, pf = _predictor(relu, tmp_path, "predictor")
-    wide = replace(pf, layers=tuple(replace(lp, act_freq=np.full_like(lp.act_freq, 0.25)) for lp in pf.layers))  # 9 tokens cover 92.5%
-    path = tmp_path / "wide.predictor"
-    write_predictor(path, wide)
+def test_a_prefill_batch_runs_a_predictor_layer_dense(relu: Path, tmp_path: Path) -> None:
+    """Prefill (more than 4 tokens a call) runs the predictor-mode layers dense: the dense decoder's
+    numbers, every neuron counted; with set_masked_prefill it applies the predictor's rule, and a
+    call of up to 4 tokens (decode) always does."""
+    path, pf = _predictor(relu, tmp_path, "predictor")
     dense = LLM(relu, n_ctx=128, executor="inprocess").engine.eval(IDS, all_logits=True)
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
     ex = llm.engine.executor
     assert isinstance(ex, NativeExecutor) and ex.sparse is not None and all(ex.sparse.sparse_layers)
-    assert [r.dense_from for r in ex.sparse.rules] == [9] * len(pf.layers)
+    assert [r.dense_from for r in ex.sparse.rules] == [PREFILL_DENSE_FROM] * len(pf.layers)
     # 20 tokens: dense (Q4_0, Q4_1: bit for bit; Q8_0 within ~3e-4, not traced)
     assert _rel(llm.engine.eval(IDS, all_logits=True), dense) < 1e-4
     assert ex.decode_share() == 1.0
+    for masked in (True, False):
+        ex.sparse.set_masked_prefill(masked)
+        ex.reset_sparse_counts()
+        llm.engine.rewind(0)
+        out = llm.engine.eval(IDS[:PREFILL_DENSE_FROM], all_logits=True)
+        assert (ex.decode_share() < 0.5) == masked and (_rel(out, dense[:PREFILL_DENSE_FROM]) > 1e-3) == masked
     ex.reset_sparse_counts()
     llm.engine.rewind(0)
-    short = llm.engine.eval(IDS[:8], all_logits=True)  # 8: the predictor's rule
-    assert ex.decode_share() < 0.5 and _rel(short, dense[:8]) > 1e-3, _rel(short, dense[:8])
+    short = llm.engine.eval(IDS[: PREFILL_DENSE_FROM - 1], all_logits=True)  # a decode call: the predictor's rule
+    assert ex.decode_share() < 0.5 and _rel(short, dense[: PREFILL_DENSE_FROM - 1]) > 1e-3
     ex.reset_sparse_counts()
-    llm.engine.eval(IDS[8:9])  # decode: the rule
+    llm.engine.eval(IDS[PREFILL_DENSE_FROM - 1 : PREFILL_DENSE_FROM])
     assert ex.decode_share() < 0.5
 
 
@@ -172,7 +169,8 @@ def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) 
     path, _ = _predictor(relu, tmp_path, "predictor")
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
     ex = llm.engine.executor
-    assert isinstance(ex, NativeExecutor)
+    assert isinstance(ex, NativeExecutor) and ex.sparse is not None
+    ex.sparse.set_masked_prefill(True)  # the torch path masks its prompt too
     torch_llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path, native=False)
     assert isinstance(torch_llm.engine.executor, InProcessExecutor)
     llm.logits(IDS)

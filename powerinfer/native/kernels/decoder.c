@@ -224,9 +224,9 @@ static void ffn_forward(const pi_model *m, const pi_layer *L, float *x, int T, c
     /* gate into g [T, nffA] at this rank's neurons [n0, n0 + nff); up into u [T, nff] */
     const int nffA = pi_ff_all(m), n0 = m->n0, nchunk = (nff + 255) / 256;
     const int d0 = m->d0, d1 = m->d0 + L->wd.rows;
-    /* A prefill batch whose predicted sets' union would cover most neurons (dense_from, set from the
-     * calibrated firing frequencies: sparse_layers.py) runs the layer dense: prefill computes gate
-     * and up with the dense kernels anyway, so the predictor and the mask would only add time. */
+    /* A predictor-mode prefill batch of at least dense_from tokens runs the layer dense
+     * (sparse_layers.py's PREFILL_DENSE_FROM): prefill computes gate and up with the dense kernels
+     * anyway, so the predictor and the mask would only add time. */
     const pi_sparse *sp = L->sp && !(L->sp->mode == PI_SP_MASK && T > PI_SPARSE_T && L->sp->dense_from > 0 && T >= L->sp->dense_from)
                               ? L->sp : NULL;
     if (L->sp && !sp && m->ffn_active) {
