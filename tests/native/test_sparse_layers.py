@@ -7,7 +7,6 @@ synthetic float one; each test well under a few seconds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
