@@ -44,14 +44,15 @@ DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down project
 # dense: prefill computes every gate and up value with the tiled dense kernels and masks them, so
 # the predictor only adds time (~6-10% of a 1.1B prefill), and the union of a batch's predicted
 # sets does not make whole blocks of rows skippable in the file's neuron order (measured on the 1.1B
-# ReGLU file: the neurons that fired in 256 tokens are ~46-65% of them, spread over every block of
-# 16). The prompt's FFN outputs are then the dense model's. set_masked_prefill(True) keeps the rule.
+# ReGLU file: by calibrate's frequencies 256 tokens fire ~46% of the neurons, spread over every
+# block of 16). The prompt's FFN outputs are then the dense model's. set_masked_prefill(True) keeps
+# the rule.
 PREFILL_DENSE_FROM = 5
-# Hot neurons first: a neuron that fires for at least this share of tokens (calibrate's act_freq)
-# is computed in every decode step from a block of rows read in one stream, then kept only where the
-# rule chose it: a chosen row read alone costs ~4.5 streamed ones on the machines measured (chosen
-# rows at ~5.5 GB/s against a dense stream at ~24.7 on the Zen 4 with slow memory, 16-20 against
-# ~79 on the first: docs/sparsity.md), so streaming a neuron pays from there.
+# Hot neurons: one that fires for at least this share of tokens (calibrate's act_freq) is computed
+# in every decode step, with the hot block's other rows, by the dense eight-row kernel, then kept
+# only where the rule chose it: a chosen row dotted alone costs ~4.5 rows of the dense kernel on the
+# machines measured (~5.5 GB/s against ~24.7 on the Zen 4 with slow memory, 16-20 against ~79 on
+# the first: docs/sparsity.md), so computing a neuron always pays from there (gate+up -9 to -15%).
 HOT_FREQ = 0.22
 
 
@@ -167,8 +168,8 @@ class NativeSparseFFNs:
         self._pred_keep: list[tuple[np.ndarray, ...]] = []  # per layer: the predictor's Q8_0 fc1, fc2 and biases
         self._down_t: list[np.ndarray] = []  # each layer's neuron-major Q8_0 down (decode's sparse down projection)
         self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h), and the hot blocks
-        self._perm: list[np.ndarray] = []  # the rules' pos, hot and dperm arrays
-        self.hot = [0] * cfg.n_layers  # per layer: neurons decode computes always (hot first), 0 where none
+        self._perm: list[np.ndarray] = []  # the rules' hot, is_hot and dperm arrays
+        self.hot = [0] * cfg.n_layers  # per layer: this rank's hot neurons, which decode computes every step
         self.computed = np.zeros(cfg.n_layers, dtype=np.int64)  # gate / up rows decode computed per layer (the decoder adds to it)
         d0, d1 = rows or (0, cfg.d_model)
         # decided on the whole layer's statistics, so that every rank of a pool decides alike

@@ -16,7 +16,9 @@
  *
  * Decode (up to PI_SPARSE_T tokens a call) reads only the chosen rows: in qsplit.h's layout on
  * AVX-512 (the row's scales first, two blocks per instruction), else four rows at a time from the
- * file's rows (dotr4), asking for rows two quads ahead. Its down projection sums the active
+ * file's rows (dotr4), asking for rows two quads ahead; the hot neurons (calibrated to fire
+ * often: sparse_layers.py's HOT_FREQ) all of them every step, from a copy of their rows through
+ * the dense kernel, kept where the rule chose them. Its down projection sums the active
  * neurons' rows of down_t (Q8_0, neuron-major) when at most PI_DT_MAX of them are active, else
  * runs the dense kernel on the mostly-zero hidden state. Prefill computes gate and up densely
  * through the tiled kernels (on the eight-row repacks, as dense layers do), applies the same rule
