@@ -180,7 +180,8 @@ def zero_ceilings(p: Profile, levels: np.ndarray, min_level: float) -> np.ndarra
     out = np.full(p.cfg.n_layers, float(levels[-1]))
     for layer in range(p.cfg.n_layers):
         zero = float((p.ex.samples[layer].arrays()[1] == 0).mean())
-        top = float(levels[levels <= zero - ZERO_MARGIN + 1e-9].max())
+        below = levels[levels <= zero - ZERO_MARGIN + 1e-9]  # empty where (nearly) nothing is zero
+        top = float(below.max()) if below.size else 0.0
         if top >= min_level - 1e-9:
             out[layer] = top
     return out
