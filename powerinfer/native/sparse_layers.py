@@ -40,14 +40,15 @@ KERNEL_MODES = ("file", "all", "oracle")
 # pays only well below ~25% active, and above it the dense layer is as fast and exact.
 MAX_SPARSE_SHARE = 0.25
 DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
-# A prefill batch (more than sparse_rows.h's PI_SPARSE_T = 4 tokens) runs a predictor-mode layer
-# dense: prefill computes every gate and up value with the tiled dense kernels and masks them, so
-# the predictor only adds time (~6-10% of a 1.1B prefill), and the union of a batch's predicted
-# sets does not make whole blocks of rows skippable in the file's neuron order (measured on the 1.1B
-# ReGLU file: by calibrate's frequencies 256 tokens fire ~46% of the neurons, spread over every
-# block of 16). The prompt's FFN outputs are then the dense model's. set_masked_prefill(True) keeps
-# the rule.
-PREFILL_DENSE_FROM = 5
+# A prefill batch of at least this many tokens runs a predictor-mode layer dense: prefill computes
+# every gate and up value with the tiled dense kernels and masks them, so the predictor only adds
+# time (~6-10% of a 1.1B prefill), and the union of a batch's predicted sets does not make whole
+# blocks of rows skippable in the file's neuron order (the 1.1B ReGLU file: by calibrate's
+# frequencies 256 tokens fire ~46% of the neurons, spread over every block of 16). That prompt's
+# FFN outputs are then the dense model's. Shorter batches keep the rule as decode applies it: a
+# --lookup step's drafts and a chat's short turns are generated text, the same with or without them.
+# set_masked_prefill(True) keeps the rule for every batch.
+PREFILL_DENSE_FROM = 128
 # Hot neurons: one that fires for at least this share of tokens (calibrate's act_freq) is computed
 # in every decode step, with the hot block's other rows, by the dense eight-row kernel, then kept
 # only where the rule chose it: a chosen row dotted alone costs ~4.5 rows of the dense kernel on the

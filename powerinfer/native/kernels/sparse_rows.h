@@ -23,8 +23,8 @@
  * runs the dense kernel on the mostly-zero hidden state. Prefill computes gate and up densely
  * through the tiled kernels (on the eight-row repacks, as dense layers do), applies the same rule
  * in place in one pass and runs the dense down projection: dense prefill's work and no more, but
- * for the predictor's: so a predictor-mode batch of at least dense_from tokens (by default every
- * prefill batch) skips the predictor and runs dense (decoder.c's ffn_forward).
+ * for the predictor's: so a predictor-mode batch of at least dense_from tokens (a long prompt's)
+ * skips the predictor and runs dense (decoder.c's ffn_forward).
  *
  * What decided this, measured on this CPU (AVX-512 VNNI, 2 cores, the 1.1B-shaped file;
  * docs/sparsity.md): the dense eight-row kernel streams a matrix at ~79 GB/s, while scattered
