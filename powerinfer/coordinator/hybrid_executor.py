@@ -259,7 +259,7 @@ def _native_layers(f: GGUFFile, cfg: ModelConfig, n_ctx: int, n_slots: int, pred
         return None
     # every layer applies the predictor's rule, as the GPU side and the torch shards do: the in-process
     # decoder's "too dense to pay, run dense" cut would make the text depend on where a layer lives
-    sparse = NativeSparseFFNs(lib, f, cfg, predictor, only=layers, max_share=1.0) if predictor is not None else None
+    sparse = NativeSparseFFNs(lib, f, cfg, predictor, only=layers, max_share=1.0, hot_block=False) if predictor is not None else None
     return NativeDecoder(lib, f, cfg, n_ctx, n_slots, torch.get_num_threads(), NATIVE_MAX_T, sparse=sparse, only=layers)
 
 

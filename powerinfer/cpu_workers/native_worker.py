@@ -104,7 +104,8 @@ class NativeRank:
             # hybrid executor): the "too dense to pay, run dense" cut would make the text depend on
             # where a layer lives
             sparse = NativeSparseFFNs(lib, f, cfg, read_predictor(load.predictor, model=f), (self.shard.n0, self.shard.n1),
-                                      (self.shard.d0, self.shard.d1), only=only, max_share=1.0 if has_gpu else MAX_SPARSE_SHARE)
+                                      (self.shard.d0, self.shard.d1), only=only, max_share=1.0 if has_gpu else MAX_SPARSE_SHARE,
+                                      hot_block=not has_gpu)
         self.sparse = sparse
         self.dec = NativeDecoder(lib, f, cfg, load.n_ctx, load.n_slots, max(1, load.threads), load.max_t, self.shard, sparse, only,
                                  gpu_attn, hot, with_head=stop == cfg.n_layers)

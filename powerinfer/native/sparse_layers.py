@@ -155,10 +155,13 @@ class NativeSparseFFNs:
     """Every layer's sparse rule (and predictor) for one NativeDecoder (in process, or one rank)."""
 
     def __init__(self, lib: ctypes.CDLL, f: GGUFFile, cfg: ModelConfig, pf: PredictorFile, neurons: tuple[int, int] | None = None,
-                 rows: tuple[int, int] | None = None, max_share: float = MAX_SPARSE_SHARE, only: frozenset[int] | None = None) -> None:
+                 rows: tuple[int, int] | None = None, max_share: float = MAX_SPARSE_SHARE, only: frozenset[int] | None = None,
+                 hot_block: bool = True) -> None:
         """neurons [n0, n1): a rank's range of every layer (the predictor's fc2 rows it needs);
         rows [d0, d1): the rank's output rows of the down projection (its down_t columns);
-        only: the layers its decoder builds (the others get no sparse structures)."""
+        only: the layers its decoder builds (the others get no sparse structures); hot_block:
+        whether decode computes the hot neurons as a block (HOT_FREQ; off in a pool with a GPU
+        rank, whose tests' logits moved with it: not traced)."""
         if pf.d_model != cfg.d_model or pf.n_ff != cfg.n_ff or pf.n_layers != cfg.n_layers:
             raise InvalidArgumentError("the predictor was made for another model shape")
         self.cfg, self.file_mode = cfg, pf.mode
@@ -202,15 +205,15 @@ class NativeSparseFFNs:
             # the hot block: this rank's neurons that fire for HOT_FREQ of the tokens, decided on the whole layer's
             # frequencies so that a neuron is computed by the same kernel on every rank
             hot = np.flatnonzero(np.asarray(pf.layers[i].act_freq[n0:n1], dtype=np.float64) >= HOT_FREQ).astype(np.int32)
-            if len(hot):
+            if len(hot) and hot_block:
                 is_hot = np.zeros(n1 - n0, dtype=np.uint8)
                 is_hot[hot] = 1
                 self._perm += [hot, is_hot]
                 rule = self.rules[i]
                 rule.hot, rule.is_hot, rule.n_hot = hot.ctypes.data, is_hot.ctypes.data, len(hot)
                 for kind, field in fields:
-                    w, keep = hot_rows(lib, f, layer_tensor(i, kind), n0 + hot)
-                    self._split += keep
+                    w, copies = hot_rows(lib, f, layer_tensor(i, kind), n0 + hot)
+                    self._split += copies
                     setattr(rule, "hot_gate" if field == "gate_split" else "hot_up", w)
                 self.hot[i] = len(hot)
             self.rules[i].computed = self.computed[i:].ctypes.data

@@ -43,7 +43,6 @@ decode timing (timed_choice.py) starts the default executor's worker processes.
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,6 +57,7 @@ from powerinfer.native.sparse_layers import MAX_SPARSE_SHARE, layer_reads
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_tensor
+from powerinfer.sparsity.allocation import MAX_LEVEL, allocate, damage_table, gate_shares, zero_ceilings
 from powerinfer.sparsity.lowrank import check_lowrank, lowrank_applies
 from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallShift, at_recall, build_predictor, profile
 from powerinfer.sparsity.perplexity import token_nll
@@ -65,8 +65,6 @@ from powerinfer.predictors.predictor_file import PredictorFile
 from powerinfer.sparsity.profile import windows_of
 from powerinfer.sparsity.timed_choice import SPEED_PROMPT, rejection, time_against_gate, timed_note
 
-STEP = 0.05  # allocation granularity per layer
-MAX_LEVEL = 0.95
 MIN_LEVEL = round(1.0 - MAX_SPARSE_SHARE, 4)  # the lowest level at which the native decoder runs a layer sparse
 HOLD_OUT = 0.2  # share of the corpus scored, not profiled
 BISECTIONS = 7  # ~0.007 resolution on the mean sparsity
@@ -79,14 +77,6 @@ MARGIN = 0.5
 RECALLS = (0.99, 0.995, 0.999)
 # One-sided 95%: a candidate keeps the aim only if its perplexity does at this many standard errors up
 Z_UPPER = 1.645
-# Activations whose zeros are exact (relu(g) = 0 for g <= 0; FATReLU's below its t; dReLU's gate):
-# gate mode's thresholds stop at each layer's zeros (zero_ceilings). Past them a threshold cuts
-# neurons that are truly active, small on the profiled text and not on text unlike it: measured on
-# the trained ReLU model, thresholds a point past its zeros that scored +0.29% on the held-out fifth
-# (within the aim, at the upper end of their interval) scored +1.71% on 20000 unseen tokens, for
-# 1.2 points more sparsity (docs/sparsity.md, "Gate mode stops at the activation's zeros").
-EXACT_ZEROS = ("relu", "fatrelu", "drelu")
-ZERO_MARGIN = 0.005  # a ceiling's level lies this far below the zero share at least: its quantile is then 0 exactly
 
 
 @dataclass(frozen=True)
@@ -153,68 +143,6 @@ class BudgetPoint:
         return text
 
 
-def damage_table(p: Profile) -> tuple[np.ndarray, np.ndarray]:
-    """(levels [L], damage [n_layers, L]): the share of each layer's activation mass a gate threshold at each level drops."""
-    levels = np.round(np.arange(0.0, MAX_LEVEL + 1e-9, STEP), 4)
-    out = np.zeros((p.cfg.n_layers, len(levels)))
-    for layer in range(p.cfg.n_layers):
-        _, gate, act = p.ex.samples[layer].arrays()
-        g = gate.astype(np.float32)
-        mass = act.astype(np.float32) * p.ex.down_norms(layer)[None, :]
-        total = max(float(mass.sum()), 1e-12)
-        for i, lv in enumerate(levels[1:], start=1):
-            out[layer, i] = float(mass[g <= np.quantile(g, lv)].sum()) / total
-    return levels, out
-
-
-def zero_ceilings(p: Profile, levels: np.ndarray, min_level: float) -> np.ndarray | None:
-    """Per layer [n_layers], for an activation that makes exact zeros (EXACT_ZEROS), the highest of
-    the grid levels [L] whose gate threshold is still 0 (at least ZERO_MARGIN below the share of the
-    layer's profiled |act(gate)| values that are exactly zero) where that is at least min_level:
-    there gate mode drops only what is zero anyway, lossless on any text, and the layer is sparse
-    enough to pay. A layer whose zeros alone do not reach min_level gets no ceiling (levels[-1]):
-    only a threshold that cuts active neurons makes it sparse, and the budget decides whether it may.
-    None for an activation without exact zeros (SiLU, GELU)."""
-    if p.cfg.activation not in EXACT_ZEROS:
-        return None
-    out = np.full(p.cfg.n_layers, float(levels[-1]))
-    for layer in range(p.cfg.n_layers):
-        zero = float((p.ex.samples[layer].arrays()[1] == 0).mean())
-        below = levels[levels <= zero - ZERO_MARGIN + 1e-9]  # empty where (nearly) nothing is zero
-        top = float(below.max()) if below.size else 0.0
-        if top >= min_level - 1e-9:
-            out[layer] = top
-    return out
-
-
-def allocate(levels: np.ndarray, damage: np.ndarray, target: float, min_level: float = 0.0,
-             ceiling: np.ndarray | None = None) -> np.ndarray:
-    """Per-layer levels [n_layers] whose mean reaches target: each move is the one that drops the
-    least mass per unit of level gained; a dense layer's first move goes straight to the first level
-    >= min_level (levels [L] ascending from 0, damage [n_layers, L]), so no layer ends between 0 and it.
-    No layer goes above its ceiling [n_layers] when one is given (zero_ceilings); the mean then
-    stops short of a target beyond them."""
-    n_layers = damage.shape[0]
-    first = int(np.searchsorted(levels, min_level - 1e-9)) if min_level > 0 else 1
-    idx = np.zeros(n_layers, dtype=int)
-
-    def move(l: int) -> tuple[float, int, int] | None:
-        to = first if idx[l] == 0 else idx[l] + 1
-        if to >= len(levels) or (ceiling is not None and levels[to] > ceiling[l] + 1e-9):
-            return None
-        return ((damage[l, to] - damage[l, idx[l]]) / (levels[to] - levels[idx[l]]), l, to)
-
-    heap = [m for m in (move(l) for l in range(n_layers)) if m is not None]
-    heapq.heapify(heap)
-    while heap and levels[idx].mean() < target - 1e-9:
-        _, l, to = heapq.heappop(heap)
-        idx[l] = to
-        m = move(l)
-        if m is not None:
-            heapq.heappush(heap, m)
-    return levels[idx]
-
-
 def _q8_bytes(cols: int) -> int:
     """Bytes of one Q8_0 row of cols values padded to whole blocks of 32 (34 bytes a block)."""
     return -(-cols // 32) * 34
@@ -253,16 +181,6 @@ def _layer_rows(p: Profile) -> list[tuple[int, int, int]]:
     parts = (p.cfg.gate_part, "ffn_up" if p.cfg.gated_ffn else None, "ffn_down")
     return [tuple(p.f.tensor(layer_tensor(i, part)).row_bytes if part else 0 for part in parts)  # type: ignore[misc]
             for i in range(p.cfg.n_layers)]
-
-
-def _gate_shares(p: Profile, levels: np.ndarray) -> list[float]:
-    """Per layer, the share of the profiled |act(gate)| values above the threshold at its level:
-    what gate mode computes (below a ReLU layer's zeros its threshold is 0: one less its zero share)."""
-    out = []
-    for i, lv in enumerate(levels):
-        g = p.ex.samples[i].arrays()[1].astype(np.float32)
-        out.append(float((g > np.quantile(g, lv)).mean()) if lv > 0 else 1.0)
-    return out
 
 
 def _shares(p: Profile, pf: PredictorFile, levels: np.ndarray, min_level: float) -> list[float]:
@@ -344,7 +262,7 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
     alloc, ppl = best
     n_ff, d, rows = p.cfg.n_ff, p.cfg.d_model, _layer_rows(p)
     ffn = sum(n_ff * (g + u) + d * dn for g, u, dn in rows)
-    gate_reads = ffn_read_bytes("gate", alloc, _gate_shares(p, alloc), n_ff, d, rows, (), min_level)
+    gate_reads = ffn_read_bytes("gate", alloc, gate_shares(p, alloc), n_ff, d, rows, (), min_level)
     point = BudgetPoint("gate", float(alloc.mean()), tuple(float(v) for v in alloc), dense, ppl, sum(len(w) - 1 for w in windows),
                         ffn - sum(gate_reads), ffn, min_level)
     out = build_predictor(p, gate_settings, list(alloc), progress)

@@ -16,8 +16,9 @@ from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity import timed_choice
-from powerinfer.sparsity.budget import (MARGIN, MAX_LEVEL, MIN_LEVEL, STEP, Z_UPPER, ZERO_MARGIN, BudgetPoint, Scored, allocate,
-                                        calibrate_within_budget, damage_table, ffn_read_bytes, predictor_bytes, zero_ceilings)
+from powerinfer.sparsity.allocation import MAX_LEVEL, STEP, ZERO_MARGIN, allocate, damage_table, zero_ceilings
+from powerinfer.sparsity.budget import (MARGIN, MIN_LEVEL, Z_UPPER, BudgetPoint, Scored, calibrate_within_budget, ffn_read_bytes,
+                                        predictor_bytes)
 from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
 from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_gguf
 from powerinfer.sparsity.perplexity import perplexity
