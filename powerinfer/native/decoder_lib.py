@@ -72,9 +72,11 @@ class PiSparse(ctypes.Structure):
 
 class PiPred(ctypes.Structure):
     """model.h's pi_pred: a layer's neuron predictor (8-bit fc1 [r, d], fc2 [n_ff, r], float biases;
-    residual 1: fc1 reads the residual stream before the FFN norm, 0: the normed input)."""
+    residual 1: fc1 reads the residual stream before the FFN norm, 0: the normed input; linear 1: no
+    relu, a low-rank predictor folded)."""
 
-    _fields_ = [("fc1", PiWt), ("fc2", PiWt), ("b1", ctypes.c_void_p), ("b2", ctypes.c_void_p), ("residual", ctypes.c_int32)]
+    _fields_ = [("fc1", PiWt), ("fc2", PiWt), ("b1", ctypes.c_void_p), ("b2", ctypes.c_void_p), ("residual", ctypes.c_int32),
+                ("linear", ctypes.c_int32)]
 
 
 class PiModel(ctypes.Structure):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -39,7 +40,7 @@ KERNEL_MODES = ("file", "all", "oracle")
 # at about a quarter of a streamed row's speed on this CPU (kernels/sparse_rows.h), so skipping
 # pays only well below ~25% active, and above it the dense layer is as fast and exact.
 MAX_SPARSE_SHARE = 0.25
-DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX: decode's sparse down projection up to this share active
+DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX (sparse_down.h): decode's sparse down projection up to this share active
 # A prefill batch of at least this many tokens runs a predictor-mode layer dense: prefill computes
 # every gate and up value with the tiled dense kernels and masks them, so the predictor only adds
 # time (~6-10% of a 1.1B prefill), and the union of a batch's predicted sets does not make whole
@@ -63,7 +64,7 @@ def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, 
     with share of them chosen: the gate rows (every one streamed in gate mode; the computed ones,
     plus the predictor's pred_bytes streamed, in predictor mode), the computed up rows (rows_share
     of the neurons: the hot block and the chosen others; None: share), and the down projection (the
-    chosen neurons' rows of the neuron-major Q8_0 copy, q8_down_row bytes each, at most
+    chosen neurons' rows of the neuron-major copy, q8_down_row bytes each (Q8_0 or Q4_0), at most
     DOWN_MAX_SHARE chosen; else the file's d rows streamed). rows: bytes of one gate, up and down
     row in the file. (The hot block's rows count as scattered: one stream in fact.)"""
     g, u, dn = rows
@@ -78,8 +79,13 @@ def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, 
 
 def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
     """float32 [rows, cols] (cols % 32 == 0) -> Q8_0 blocks and a PiWt over them."""
-    codes = np.ascontiguousarray(quantize(np.ascontiguousarray(w, dtype=np.float32), QT.Q8_0))
-    return codes, PiWt(codes.ctypes.data, None, codes.shape[1], int(QT.Q8_0), w.shape[0], w.shape[1])
+    return _quant(w, QT.Q8_0)
+
+
+def _quant(w: np.ndarray, qtype: QT) -> tuple[np.ndarray, PiWt]:
+    """float32 [rows, cols] (cols % 32 == 0) -> qtype blocks (Q8_0 or Q4_0) and a PiWt over them."""
+    codes = np.ascontiguousarray(quantize(np.ascontiguousarray(w, dtype=np.float32), qtype))
+    return codes, PiWt(codes.ctypes.data, None, codes.shape[1], int(qtype), w.shape[0], w.shape[1])
 
 
 def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int],
@@ -87,26 +93,44 @@ def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]
     """fc1 [r, d] and fc2's rows of neurons [n0, n1) in Q8_0, r padded to a multiple of 32 (zero
     rows and columns: relu(0 + 0) = 0 adds nothing), float biases; and the arrays to keep. With lib
     both are also repacked eight rows at a time (qx8.h) where the build has that kernel: fc2's rows
-    are only r wide, and one at a time they ran at ~23 GB/s (~1 ms of a 1.1B decode step)."""
+    are only r wide, and one at a time they ran at ~23 GB/s (~1 ms of a 1.1B decode step). A
+    low-rank predictor (lowrank.py: fc1 = [V; -V], fc2 = [P, -P], no fc1 bias) is folded to the
+    linear P (V x), exactly the same logits in half the width (pi_pred's linear): the 1.1B file's
+    96-wide predictors read 64-wide (k = 48 padded to 64), 17.2 -> 10.7 MB a step."""
     lp = pf.layers[layer]
     n0, n1 = neurons
-    r = lp.rank
+    fc1_w, fc1_b, fc2_w = lp.fc1_w, lp.fc1_b, lp.fc2_w
+    linear = low_rank_pairs(fc1_w, fc1_b, fc2_w)
+    if linear:
+        k = lp.rank // 2
+        fc1_w, fc1_b, fc2_w = fc1_w[:k], fc1_b[:k], fc2_w[:, :k]
+    r = fc1_w.shape[0]
     if r == 0:
         raise InvalidArgumentError(f"layer {layer} of the predictor has no predictor (rank 0) but the file's mode is 'predictor'")
     rp = -(-r // 32) * 32
     if rp > n1 - n0:  # the decoder holds the predictor's hidden [T, r] in its [T, n_ff] buffer
         raise InvalidArgumentError(f"layer {layer}'s predictor rank {r} exceeds the {n1 - n0} neurons it chooses among")
     fc1 = np.zeros((rp, d), dtype=np.float32)
-    fc1[:r] = lp.fc1_w
+    fc1[:r] = fc1_w
     b1 = np.zeros(rp, dtype=np.float32)
-    b1[:r] = lp.fc1_b
+    b1[:r] = fc1_b
     fc2 = np.zeros((n1 - n0, rp), dtype=np.float32)
-    fc2[:, :r] = lp.fc2_w[n0:n1]
+    fc2[:, :r] = fc2_w[n0:n1]
     b2 = np.ascontiguousarray(lp.fc2_b[n0:n1], dtype=np.float32)
     c1, w1 = _q8(fc1)
     c2, w2 = _q8(fc2)
     packed = tuple(p for p in (repack_x8(lib, w1), repack_x8(lib, w2)) if p is not None) if lib is not None else ()
-    return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data, int(pf.reads_residual)), (c1, c2, b1, b2, *packed)
+    return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data, int(pf.reads_residual), int(linear)), (c1, c2, b1, b2, *packed)
+
+
+def low_rank_pairs(fc1_w: np.ndarray, fc1_b: np.ndarray, fc2_w: np.ndarray) -> bool:
+    """Whether a predictor is fc2(relu(fc1 x)) with fc1 = [V; -V], no fc1 bias and fc2 = [P, -P]
+    (lowrank.py's): then relu(z) - relu(-z) = z makes it the linear P (V x), exactly."""
+    r = fc1_w.shape[0]
+    if r % 2 or r == 0 or np.any(fc1_b):
+        return False
+    k = r // 2
+    return bool(np.array_equal(fc1_w[k:], -fc1_w[:k]) and np.array_equal(fc2_w[:, k:], -fc2_w[:, :k]))
 
 
 def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np.ndarray | None:
@@ -122,18 +146,45 @@ def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np
     return out
 
 
-def down_t_q8(f: GGUFFile, layer: int, d0: int, d1: int, order: np.ndarray | None = None) -> tuple[np.ndarray, PiWt]:
-    """Rows [d0, d1) of the layer's down projection [d, n_ff], neuron-major: Q8_0 [n_ff, d1 - d0
-    padded to 32] (row p = neuron order[p]'s output direction; order None: neuron p's). Requantized
-    from the file's values: each 32 outputs of a neuron get their own scale (within 1/254 of the
-    block's largest value), so a neuron's row is one contiguous read and the sparse sum skips whole rows."""
+# File types of the down projection whose neuron-major copy is Q4_0 (else Q8_0): a 4-bit file's
+# copy in 8 bits read 1.89x the file's bytes per chosen neuron (2176 against 1152 at d = 2048), the
+# largest scattered read of a sparse step; requantized in 4 bits (as PowerInfer's ffn_down_t is) each
+# value moves by up to half a step of its new block (docs/sparsity.md: the perplexity this costs).
+DOWN_T_4BIT = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+
+
+DOWN_T_TYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
+
+
+def down_t_type(file_qtype: int) -> QT:
+    """The type of a down projection's neuron-major copy, given the file's type of ffn_down:
+    ``POWERINFER_DOWN_T`` (q8_0, q4_0) where set, else Q4_0 for a 4-bit file (DOWN_T_4BIT), Q8_0 otherwise."""
+    want = os.environ.get("POWERINFER_DOWN_T", "auto").lower()
+    if want == "auto":
+        return QT.Q4_0 if file_qtype in DOWN_T_4BIT else QT.Q8_0
+    if want not in DOWN_T_TYPES:
+        raise InvalidArgumentError(f"POWERINFER_DOWN_T must be auto, {', '.join(DOWN_T_TYPES)}; got {want!r}")
+    return DOWN_T_TYPES[want]
+
+
+def down_t_row_bytes(d: int, file_qtype: int) -> int:
+    """Bytes of one neuron's row of the neuron-major copy of a down projection d outputs wide."""
+    return -(-d // 32) * (18 if down_t_type(file_qtype) == QT.Q4_0 else 34)
+
+
+def down_t_rows(f: GGUFFile, layer: int, d0: int, d1: int, order: np.ndarray | None = None) -> tuple[np.ndarray, PiWt]:
+    """Rows [d0, d1) of the layer's down projection [d, n_ff], neuron-major: [n_ff, d1 - d0 padded
+    to 32] in down_t_type (row p = neuron order[p]'s output direction; order None: neuron p's).
+    Requantized from the file's values: each 32 outputs of a neuron get their own scale (Q8_0:
+    within 1/254 of the block's largest value; Q4_0: 1/16), so a neuron's row is one contiguous
+    read and the sparse sum skips whole rows."""
     name = layer_tensor(layer, "ffn_down")
     info = f.tensor(name)
     w = dequantize_rows(info.qtype, f.raw(name)[d0:d1], info.n_cols)  # [d1 - d0, n_ff]
     cols = -(-(d1 - d0) // 32) * 32
     wt = np.zeros((w.shape[1], cols), dtype=np.float32)
     wt[:, : d1 - d0] = w.T if order is None else w.T[order]
-    return _q8(wt)
+    return _quant(wt, down_t_type(info.qtype))
 
 
 def hot_first(act_freq: np.ndarray) -> np.ndarray:
@@ -170,7 +221,7 @@ class NativeSparseFFNs:
         self.rules = (PiSparse * cfg.n_layers)()
         self.preds: list[PiPred | None] = []
         self._pred_keep: list[tuple[np.ndarray, ...]] = []  # per layer: the predictor's Q8_0 fc1, fc2 and biases
-        self._down_t: list[np.ndarray] = []  # each layer's neuron-major Q8_0 down (decode's sparse down projection)
+        self._down_t: list[np.ndarray] = []  # each layer's neuron-major Q8_0 / Q4_0 down (decode's sparse down projection)
         self._split: list[np.ndarray] = []  # up / gate rows in the split layout (kernels/qsplit.h), and the hot blocks
         self._perm: list[np.ndarray] = []  # the rules' hot, is_hot and dperm arrays
         self.hot = [0] * cfg.n_layers  # per layer: this rank's hot neurons, which decode computes every step
@@ -189,7 +240,7 @@ class NativeSparseFFNs:
                 continue
             # down_t's rows hot first over the whole layer (every rank sums the same rows in the same order)
             dperm = hot_first(pf.layers[i].act_freq)
-            codes, self.rules[i].down_t = down_t_q8(f, i, d0, d1, dperm)
+            codes, self.rules[i].down_t = down_t_rows(f, i, d0, d1, dperm)
             self._down_t.append(codes)
             self._perm += [dperm]
             self.rules[i].dperm = dperm.ctypes.data
@@ -296,7 +347,7 @@ class NativeSparseFFNs:
     def bytes_per_token(self, tokens: int) -> tuple[float, float]:
         """(FFN weight bytes a decode step reads, the dense FFNs' bytes), estimated from the active
         counts since the last reset: gate rows (all of them unless the predictor chooses), the
-        chosen up rows, the down projection (the chosen neurons' Q8_0 rows at most DOWN_MAX_SHARE
+        chosen up rows, the down projection (the chosen neurons' rows of its neuron-major copy at most DOWN_MAX_SHARE
         active, else the whole file matrix), the predictor's Q8_0 bytes; dense layers in full."""
         if tokens <= 0:
             raise InvalidArgumentError("bytes per token need at least one token")

@@ -53,7 +53,7 @@ import numpy as np
 from powerinfer.config import config_from_gguf
 from powerinfer.coordinator.engine import Engine
 from powerinfer.coordinator.inprocess import InProcessExecutor
-from powerinfer.native.sparse_layers import MAX_SPARSE_SHARE, layer_reads
+from powerinfer.native.sparse_layers import MAX_SPARSE_SHARE, down_t_row_bytes, layer_reads, low_rank_pairs
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.model.weights import layer_tensor
@@ -61,7 +61,7 @@ from powerinfer.sparsity.allocation import MAX_LEVEL, allocate, damage_table, ga
 from powerinfer.sparsity.lowrank import check_lowrank, lowrank_applies
 from powerinfer.sparsity.calibrate import CalibrationSettings, Profile, RecallShift, at_recall, build_predictor, profile
 from powerinfer.sparsity.perplexity import token_nll
-from powerinfer.predictors.predictor_file import PredictorFile
+from powerinfer.predictors.predictor_file import LayerPredictor, PredictorFile
 from powerinfer.sparsity.profile import windows_of
 from powerinfer.sparsity.timed_choice import SPEED_PROMPT, rejection, time_against_gate, timed_note
 
@@ -154,24 +154,31 @@ def predictor_bytes(rank: int, d: int, n_ff: int) -> int:
     return rp * _q8_bytes(d) + n_ff * _q8_bytes(rp)
 
 
+def decoder_width(lp: LayerPredictor) -> int:
+    """The width the native decoder runs a layer's predictor at: half a low-rank one's (folded)."""
+    return lp.rank // 2 if low_rank_pairs(lp.fc1_w, lp.fc1_b, lp.fc2_w) else lp.rank
+
+
 def ffn_read_bytes(mode: str, levels: Sequence[float], shares: Sequence[float], n_ff: int, d: int,
                    rows: Sequence[tuple[int, int, int]], pred_bytes: Sequence[int] = (),
-                   min_level: float = MIN_LEVEL) -> tuple[int, int]:
+                   min_level: float = MIN_LEVEL, down_t_rows: Sequence[int] = ()) -> tuple[int, int]:
     """(streamed, scattered): FFN weight bytes per token the native decoder reads whole matrices at
     a time, and as chosen rows (NativeSparseFFNs.bytes_per_token's rule, from calibrated shares). A
     layer below min_level is streamed in full (it runs dense); else the gate rows (all of them
     streamed in gate mode; the chosen ones plus the predictor's own streamed bytes in predictor
-    mode), the chosen up rows, and the down projection: the chosen neurons' rows of its Q8_0
+    mode), the chosen up rows, and the down projection: the chosen neurons' rows of its
     neuron-major copy at most DOWN_MAX_SHARE active, else all of it streamed. shares[i]: the share
     of layer i's neurons computed (gate mode 1 - level, predictor mode what it predicts); rows[i]:
     bytes of one row of its gate [n_ff, d], up [n_ff, d] and down [d, n_ff]; pred_bytes[i]: its
-    predictor's (predictor mode). Each sparse layer by the decoder's own rule, layer_reads."""
+    predictor's (predictor mode); down_t_rows[i]: bytes of one neuron's row of its neuron-major copy
+    (sparse_layers.down_t_row_bytes; () for Q8_0 rows). Each sparse layer by the decoder's own rule, layer_reads."""
     streamed = scattered = 0.0
     for i, (lv, share, (g, u, dn)) in enumerate(zip(levels, shares, rows)):
         if lv < min_level - 1e-9:
             streamed += n_ff * (g + u) + d * dn
             continue
-        s, c = layer_reads(mode == "predictor", share, n_ff, d, (g, u, dn), _q8_bytes(d), pred_bytes[i] if mode == "predictor" else 0)
+        dt = down_t_rows[i] if down_t_rows else _q8_bytes(d)
+        s, c = layer_reads(mode == "predictor", share, n_ff, d, (g, u, dn), dt, pred_bytes[i] if mode == "predictor" else 0)
         streamed, scattered = streamed + s, scattered + c
     return int(streamed), int(scattered)
 
@@ -261,8 +268,9 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
         ex.close()
     alloc, ppl = best
     n_ff, d, rows = p.cfg.n_ff, p.cfg.d_model, _layer_rows(p)
+    dt = [down_t_row_bytes(d, p.f.tensor(layer_tensor(i, "ffn_down")).qtype) for i in range(p.cfg.n_layers)]
     ffn = sum(n_ff * (g + u) + d * dn for g, u, dn in rows)
-    gate_reads = ffn_read_bytes("gate", alloc, gate_shares(p, alloc), n_ff, d, rows, (), min_level)
+    gate_reads = ffn_read_bytes("gate", alloc, gate_shares(p, alloc), n_ff, d, rows, (), min_level, dt)
     point = BudgetPoint("gate", float(alloc.mean()), tuple(float(v) for v in alloc), dense, ppl, sum(len(w) - 1 for w in windows),
                         ffn - sum(gate_reads), ffn, min_level)
     out = build_predictor(p, gate_settings, list(alloc), progress)
@@ -274,7 +282,7 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
         lr_score = Scored.against(dense_nll, _score_file(p, lr, windows, n_ctx))
         lr_ppl = lr_score.ppl
         shares = _shares(p, lr, alloc, min_level)
-        reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, [predictor_bytes(lp.rank, d, n_ff) for lp in lr.layers], min_level)
+        reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, [predictor_bytes(decoder_width(lp), d, n_ff) for lp in lr.layers], min_level, dt)
         how = (f"low-rank predictor at these levels: held-out perplexity {lr_score.describe(dense)}, "
                f"{100 * float(np.mean(shares)):.1f}% of the neurons chosen on average, {100 * (ffn - sum(reads)) / ffn:.1f}% of the FFN "
                "bytes skipped")
@@ -300,7 +308,7 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
             lr_note = f"{point.note}; " if point.note else ""
             trained: list[RecallShift | None] = []
             first = build_predictor(p, replace(settings, mode="predictor"), list(alloc), progress, trained)
-            pred_bytes = [predictor_bytes(lp.rank, d, n_ff) for lp in first.layers]
+            pred_bytes = [predictor_bytes(decoder_width(lp), d, n_ff) for lp in first.layers]
             # the least recall (the fewest neurons chosen) whose predictors keep the aim; each step only moves the biases
             for recall in [settings.recall, *(r for r in RECALLS if r > settings.recall)]:
                 pred = at_recall(first, trained, recall)
@@ -312,7 +320,7 @@ def calibrate_within_budget(model: str | Path, settings: CalibrationSettings, bu
                          f"perplexity {pred_score.describe(dense)}")
                 if pred_score.within(limit):
                     break
-            reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, pred_bytes, min_level)
+            reads = ffn_read_bytes("predictor", alloc, shares, n_ff, d, rows, pred_bytes, min_level, dt)
             skipped = ffn - sum(reads)
             speed = time_against_gate(p, pred, out, prompt, progress, "the trained predictors") if settings.mode == "auto" and pred_score.within(limit) else None
             how = (f"predictor mode at these levels (recall {recall}): held-out perplexity {pred_score.describe(dense)}, "

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from powerinfer.api import LLM
 from powerinfer.coordinator.inprocess import InProcessExecutor
 from powerinfer.coordinator.native_executor import NativeExecutor
+from powerinfer.errors import InvalidArgumentError
 from powerinfer.native.decoder_lib import ISA_CPU_FLAGS, cpu_flags, decoder_lib
 from powerinfer.native import sparse_layers
 from powerinfer.native.sparse_layers import PREFILL_DENSE_FROM
@@ -207,6 +208,7 @@ def test_decode_paths_on_every_isa(relu: Path, tmp_path: Path, isa: str, monkeyp
     AVX-512, four-row kernel on AVX2, one row at a time portable) and, with few neurons active, the
     neuron-major Q8_0 down projection. Every ISA agrees with the dense decoder on the same rule."""
     monkeypatch.setenv("POWERINFER_ISA", isa)
+    monkeypatch.setenv("POWERINFER_DOWN_T", "q8_0")  # a 4-bit file's default is Q4_0: the next test
     path, _ = _predictor(relu, tmp_path, "gate", sparsity=0.95)  # ~5% active: under the sparse down's 15%
     llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path, n_threads=2)
     ex = llm.engine.executor
@@ -220,3 +222,82 @@ def test_decode_paths_on_every_isa(relu: Path, tmp_path: Path, isa: str, monkeyp
     assert ex.decode_share() < 0.1
     read, full = ex.sparse_bytes()
     assert read < 0.5 * full
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_4bit_down_copy_moves_logits_by_its_rounding(relu: Path, tmp_path: Path, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-bit file's neuron-major down copy is Q4_0 (half of Q8_0's bytes a chosen neuron): each
+    ISA's Q4_0 sum agrees with its Q8_0 one on the same rule within the requantization's rounding
+    (0.016-0.018 measured on these files; a misread nibble or scale is of the order of the logits)."""
+    monkeypatch.setenv("POWERINFER_ISA", isa)
+    path, _ = _predictor(relu, tmp_path, "gate", sparsity=0.95)  # ~5% active: the sparse down projection
+    runs = {}
+    for down_t in ("q8_0", "q4_0"):
+        monkeypatch.setenv("POWERINFER_DOWN_T", down_t)
+        llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path, n_threads=2)
+        ex = llm.engine.executor
+        assert isinstance(ex, NativeExecutor) and ex.sparse is not None and ex.decoder.lib is decoder_lib(isa)
+        llm.engine.eval(IDS[:4])
+        runs[down_t] = (np.stack([llm.engine.eval([t])[0] for t in IDS[4:12]]), ex.sparse_bytes()[0])
+    (q8, q8_read), (q4, q4_read) = runs["q8_0"], runs["q4_0"]
+    for a, b in zip(q4, q8):
+        assert _rel(a, b) < 0.03 and a.argmax() == b.argmax()
+    assert q4_read < q8_read  # the chosen neurons' down rows: 18 bytes a block against 34
+    monkeypatch.setenv("POWERINFER_DOWN_T", "q2_k")
+    with pytest.raises(InvalidArgumentError, match="POWERINFER_DOWN_T"):
+        LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+
+
+def test_the_down_copy_follows_the_files_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_0 for a 4-bit down projection, Q8_0 for wider ones, unless POWERINFER_DOWN_T says."""
+    monkeypatch.delenv("POWERINFER_DOWN_T", raising=False)
+    assert [sparse_layers.down_t_type(q) for q in (QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q8_0, QT.F16, QT.F32)] == [QT.Q4_0] * 3 + [QT.Q8_0] * 4
+    assert sparse_layers.down_t_row_bytes(2048, QT.Q4_0) == 1152 and sparse_layers.down_t_row_bytes(2048, QT.F16) == 2176
+    monkeypatch.setenv("POWERINFER_DOWN_T", "q8_0")
+    assert sparse_layers.down_t_type(QT.Q4_0) == QT.Q8_0
+
+
+@pytest.fixture(scope="module")
+def reglu(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A gated ReLU file whose gate has rank 4 (what the low-rank predictor reads off it)."""
+    spec = ReluSparseSpec.shape("tiny", act="relu", gate_rank=4, gate_scale=1.0, logit_std=3.0)
+    return write_relu_sparse_gguf(tmp_path_factory.mktemp("reglu") / "reglu.gguf", spec)
+
+
+def test_a_low_rank_predictor_runs_folded_to_half_its_width(reglu: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A low-rank predictor fc2(relu(fc1 x)) with fc1 = [V; -V], fc2 = [P, -P] is the linear
+    P (V x): the decoder runs it so (half of fc1's rows and fc2's columns, no relu), choosing the
+    neurons the paired form chooses, to the 8-bit rounding of its hidden units."""
+    pf = calibrate(reglu, CalibrationSettings(mode="lowrank", sparsity=0.8, rank=64, tokens=128, window=64))  # k = 32: 64 -> 32 wide
+    path = tmp_path / "lowrank-64.predictor"
+    write_predictor(path, pf)
+    runs = {}
+    for folded in (True, False):
+        if not folded:
+            monkeypatch.setattr(sparse_layers, "low_rank_pairs", lambda *_: False)
+        llm = LLM(reglu, n_ctx=128, executor="inprocess", predictor=path)
+        ex = llm.engine.executor
+        assert isinstance(ex, NativeExecutor) and ex.sparse is not None and ex.sparse.uses_predictor
+        preds = [p for p in ex.sparse.preds if p is not None]
+        assert preds and all(p.linear == folded and p.fc1.rows == (-(-lp.rank // 2 // 32) * 32 if folded else lp.rank)
+                             for p, lp in zip(preds, pf.layers))
+        llm.engine.eval(IDS[:4])
+        ex.reset_sparse_counts()
+        runs[folded] = (np.stack([llm.engine.eval([t])[0] for t in IDS[4:16]]), ex.decode_share(), ex.sparse_bytes()[0])
+    (a, share_a, read_a), (b, share_b, read_b) = runs[True], runs[False]
+    assert _rel(a, b) < 0.01 and abs(share_a - share_b) < 0.01, (_rel(a, b), share_a, share_b)
+    assert read_a < read_b
+
+
+def test_only_the_exact_pair_form_is_folded() -> None:
+    rng = np.random.default_rng(0)
+    v, p = rng.standard_normal((16, 64)).astype(np.float32), rng.standard_normal((96, 16)).astype(np.float32)
+    fc1, fc2, b1 = np.concatenate([v, -v]), np.concatenate([p, -p], axis=1), np.zeros(32, np.float32)
+    assert sparse_layers.low_rank_pairs(fc1, b1, fc2)
+    x = rng.standard_normal(64).astype(np.float32)
+    np.testing.assert_allclose(fc2 @ np.maximum(fc1 @ x, 0), p @ (v @ x), rtol=1e-4, atol=1e-4)
+    assert not sparse_layers.low_rank_pairs(fc1, b1 + 0.5, fc2)  # a bias: relu no longer cancels
+    bent = fc2.copy()
+    bent[3, 20] += 1e-3
+    assert not sparse_layers.low_rank_pairs(fc1, b1, bent)
+    assert not sparse_layers.low_rank_pairs(fc1[:31], b1[:31], fc2[:, :31])  # an odd width

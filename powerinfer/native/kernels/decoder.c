@@ -114,6 +114,7 @@ static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
 }
 
 #include "sparse_rows.h"
+#include "sparse_down.h"
 
 /* Layer li's attention on the GPU rank (neuron split): xn [T, d] (normed) handed over, the output
  * projection [T, d] it answers copied into s->tmp by every rank, then a barrier merge (nothing

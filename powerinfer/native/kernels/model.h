@@ -51,16 +51,18 @@ typedef struct {
 enum { PI_PART_ATTN = 1, PI_PART_FFN = 2 };
 
 /* A layer's neuron predictor, in 8 bits through the same dot products as the weights:
- * logits [T, n_ff] = fc2 . relu(fc1 . xn + b1) + b2, fc1 [r, d], fc2 [n_ff, r] (r % 32 == 0). */
+ * logits [T, n_ff] = fc2 . relu(fc1 . xn + b1) + b2, fc1 [r, d], fc2 [n_ff, r] (r % 32 == 0).
+ * linear: 1 for no relu (a low-rank predictor's pairs relu(z), relu(-z) folded into z). */
 typedef struct pi_pred {
     pi_wt fc1, fc2;
     const float *b1, *b2;
     int32_t residual; /* 1: fc1 reads the residual stream before the FFN norm (PowerInfer's OPT predictors), 0: the normed input */
+    int32_t linear;
 } pi_pred;
 
 /* A layer's sparse rule: which neurons a token computes (PI_SP_*, sparse_rows.h), the threshold
  * on |act(gate)| (gate mode) or |act(gate) * up| (the oracle), down_t: the down projection
- * neuron-major, Q8_0 [n_ff (all), this rank's output rows padded to 32], for decode's sparse sum
+ * neuron-major, Q8_0 or Q4_0 [n_ff (all), this rank's output rows padded to 32], for decode's sparse sum
  * (data NULL: the dense down always), and copies of the up (gate) rows that decode dots one by
  * one in the split layout where this build has it. */
 typedef struct pi_sparse {

@@ -1,0 +1,152 @@
+/* The sparse FFN's down projection in decode: the active neurons' rows of a neuron-major copy.
+ *
+ * Runs in: the process that loads decoder.c (included by it after sparse_rows.h, whose hidden
+ * state it sums; one translation unit): the in-process executor's coordinator and each rank of
+ * the native pool.
+ *
+ * down_t is the file's down projection [d, n_ff] transposed and requantized per neuron and 32
+ * outputs (sparse_layers.py's down_t_rows): Q8_0, or for a 4-bit file Q4_0, half the bytes of the
+ * step's largest scattered read. A neuron's row is one contiguous read, so the sum skips whole rows.
+ */
+#ifndef PI_SPARSE_DOWN_H
+#define PI_SPARSE_DOWN_H
+
+/* acc [32 nb] += h * row, row nb Q8_0 blocks (34 bytes: f16 scale, 32 int8 codes). */
+static inline void down_axpy_q8(const uint8_t *row, float h, float *acc, int nb) {
+    for (int b = 0; b < nb; b++) {
+        const int8_t *qb = (const int8_t *)(row + 34 * b + 2);
+        float *ab = acc + 32 * b;
+#if defined(PI_VNNI)
+        const __m512 sc = _mm512_set1_ps(h * ld_h(row + 34 * b));
+        _mm512_storeu_ps(ab, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb))), sc, _mm512_loadu_ps(ab)));
+        _mm512_storeu_ps(ab + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)))), sc,
+                                                  _mm512_loadu_ps(ab + 16)));
+#elif defined(PI_SIMD)
+        const __m256 sc = _mm256_set1_ps(h * ld_h(row + 34 * b));
+        for (int e = 0; e < 4; e++)
+            _mm256_storeu_ps(ab + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)))), sc,
+                                                         _mm256_loadu_ps(ab + 8 * e)));
+#else
+        const float sc = h * ld_h(row + 34 * b);
+        for (int e = 0; e < 32; e++) ab[e] += sc * (float)qb[e];
+#endif
+    }
+}
+
+/* acc [32 nb] += h * row, row nb Q4_0 blocks (18 bytes: f16 scale, 16 bytes of codes: value e
+ * is the low nibble of byte e, value 16 + e its high nibble, each minus 8). */
+static inline void down_axpy_q4(const uint8_t *row, float h, float *acc, int nb) {
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *qb = row + 18 * b + 2;
+        float *ab = acc + 32 * b;
+#if defined(PI_VNNI)
+        const __m512 sc = _mm512_set1_ps(h * ld_h(row + 18 * b));
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb)), eight = _mm512_set1_epi32(8);
+        const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)), eight), hi = _mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight);
+        _mm512_storeu_ps(ab, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sc, _mm512_loadu_ps(ab)));
+        _mm512_storeu_ps(ab + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sc, _mm512_loadu_ps(ab + 16)));
+#elif defined(PI_SIMD)
+        const __m256 sc = _mm256_set1_ps(h * ld_h(row + 18 * b));
+        const __m256i eight = _mm256_set1_epi32(8), m0f = _mm256_set1_epi32(0x0F);
+        for (int e = 0; e < 2; e++) {
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)));
+            _mm256_storeu_ps(ab + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, m0f), eight)), sc, _mm256_loadu_ps(ab + 8 * e)));
+            _mm256_storeu_ps(ab + 16 + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), eight)), sc,
+                                                              _mm256_loadu_ps(ab + 16 + 8 * e)));
+        }
+#else
+        const float sc = h * ld_h(row + 18 * b);
+        for (int e = 0; e < 16; e++) {
+            ab[e] += sc * (float)((qb[e] & 0x0F) - 8);
+            ab[16 + e] += sc * (float)((qb[e] >> 4) - 8);
+        }
+#endif
+    }
+}
+
+/* Decode's down projection over the active neurons: y [T, D] (row stride d; this rank's output
+ * rows) = sum over token t's neurons j with h_j != 0, in down_t's row order (hot first: dperm), of
+ * h_j * down_t[row of j][0..D), from the gathered hidden state g [T, nffA]. down_t is the file's
+ * down values requantized per neuron and 32 outputs: Q8_0 (within 1/254 of each block's largest
+ * value) or, for a 4-bit file, Q4_0 (1/16: half the bytes of the step's largest scattered read;
+ * sparse_layers.py's down_t_type). An output's sum runs over the neurons in that order whatever the split, so ranks and
+ * threads give the same numbers. */
+#define PI_DT_AHEAD 4 /* neurons asked for ahead in the sparse down projection */
+#ifndef PI_DT_MAX
+#define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c) */
+#endif
+static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_scratch *s, float *y, int D) {
+    const int nA = pi_ff_all(m), nb = S->down_t.cols / 32, nchunk = (nA + 511) / 512;
+    if (32 * nb > nA) return 0; /* the sums live in hu [T, nA]: a model wider than its FFN runs the dense down */
+    const int64_t rb = S->down_t.row_bytes;
+    const int q4 = S->down_t.type == T_Q4_0; /* else Q8_0 */
+    int32_t *cc = s->cnt + 3 * T + 2; /* [T, nchunk + 1]: chunk counts, then offsets */
+    /* the active lists in two passes (count, then write) so that every thread shares the work */
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * nchunk; i++) {
+        const int t = i / nchunk, c0 = (i % nchunk) * 512, c1 = c0 + 512 < nA ? c0 + 512 : nA;
+        const float *h = s->g + (size_t)t * nA;
+        const int32_t *pj = S->dperm;
+        int k = 0;
+        for (int p = c0; p < c1; p++) k += h[pj ? pj[p] : p] != 0.0f;
+        cc[(size_t)t * (nchunk + 1) + i % nchunk + 1] = k;
+    }
+#pragma omp single
+    for (int t = 0; t < T; t++) {
+        int32_t *ct = cc + (size_t)t * (nchunk + 1);
+        ct[0] = 0;
+        for (int c = 0; c < nchunk; c++) ct[c + 1] += ct[c];
+    }
+    /* scattered rows read at a fraction of a stream's bandwidth: past PI_DT_MAX of the neurons the
+     * dense kernel is faster (the same decision on every rank: they hold the same hidden state) */
+    for (int t = 0; t < T; t++)
+        if (cc[(size_t)t * (nchunk + 1) + nchunk] > (int)(PI_DT_MAX * nA)) return 0;
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * nchunk; i++) {
+        const int t = i / nchunk, c0 = (i % nchunk) * 512, c1 = c0 + 512 < nA ? c0 + 512 : nA;
+        const float *h = s->g + (size_t)t * nA;
+        int k = cc[(size_t)t * (nchunk + 1) + i % nchunk];
+        int32_t *it = s->idx + (size_t)t * nA;
+        float *hv = s->ha + (size_t)t * nA;
+        const int32_t *pj = S->dperm;
+        for (int p = c0; p < c1; p++) { /* it: the active neurons' rows of down_t, in its order */
+            const float hj = h[pj ? pj[p] : p];
+            if (hj != 0.0f) {
+                it[k] = p;
+                hv[k++] = hj;
+            }
+        }
+    }
+    /* work items: (token, slice of output blocks), one slice per thread; within a slice the
+     * neurons pass in order, each neuron's piece of the slice one contiguous read (asked for
+     * PI_DT_AHEAD neurons ahead), the sums kept in y (in L1: a slice of 2048 outputs is 8 KiB) */
+    const int nth = omp_get_num_threads(), slices = nth < nb ? nth : nb;
+#pragma omp for schedule(static)
+    for (int i = 0; i < T * slices; i++) {
+        const int t = i / slices, b0 = (int)((int64_t)nb * (i % slices) / slices), b1 = (int)((int64_t)nb * (i % slices + 1) / slices);
+        const int k = cc[(size_t)t * (nchunk + 1) + nchunk];
+        const int32_t *it = s->idx + (size_t)t * nA;
+        const float *hv = s->ha + (size_t)t * nA;
+        float *acc = s->hu + (size_t)t * nA + 32 * b0; /* hu is free now: [T, nffA] >= [T, D padded] */
+        memset(acc, 0, sizeof(float) * 32 * (size_t)(b1 - b0));
+        if (q4) {
+            for (int q = 0; q < k; q++) {
+                const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * 18;
+                if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * 18, 18 * (b1 - b0));
+                down_axpy_q4(row, hv[q], acc, b1 - b0);
+            }
+        } else {
+            for (int q = 0; q < k; q++) {
+                const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * 34;
+                if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * 34, 34 * (b1 - b0));
+                down_axpy_q8(row, hv[q], acc, b1 - b0);
+            }
+        }
+        const int o1 = 32 * b1 < D ? 32 * b1 : D; /* the last block's padding is not an output */
+        float *yt = y + (size_t)t * m->d;
+        for (int o = 32 * b0; o < o1; o++) yt[o] = acc[o - 32 * b0];
+    }
+    return 1;
+}
+
+#endif
