@@ -56,6 +56,11 @@ PREFILL_DENSE_FROM = 128
 # machines measured (~5.5 GB/s against ~24.7 on the Zen 4 with slow memory, 16-20 against ~79 on
 # the first: docs/sparsity.md), so computing a neuron always pays from there (gate+up -9 to -15%).
 HOT_FREQ = 0.22
+# In predictor mode a chosen neuron's gate and up rows are both read: side by side in one copy, a
+# neuron is one contiguous read of 2 rows (2304 bytes at d = 2048, Q4_0), which arrives faster than
+# two reads of one row apiece (scripts/membench/gather.c here: 13.3 against 9-10 GB/s; "LLM in a
+# flash" calls this bundling).
+BUNDLE_GATE_UP = True
 
 
 def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, int, int], q8_down_row: int,
@@ -248,11 +253,19 @@ class NativeSparseFFNs:
             # (OPT: no up rows; its fc1, ffn_up, is the gate the kernel reads)
             fields = [(kind, field) for kind, field in ((("ffn_up", "up_split"),) if cfg.gated_ffn else ()) + ((cfg.gate_part, "gate_split"),)
                       if field != "gate_split" or pf.mode == "predictor"]
-            for kind, field in fields:
-                split = split_rows(lib, f, layer_tensor(i, kind), n0, n1)
-                if split is not None:
-                    self._split.append(split)
-                    setattr(self.rules[i], field, split.ctypes.data)
+            splits = {field: split_rows(lib, f, layer_tensor(i, kind), n0, n1) for kind, field in fields}
+            gs, us = splits.get("gate_split"), splits.get("up_split")
+            if BUNDLE_GATE_UP and gs is not None and us is not None and gs.shape == us.shape:
+                # a neuron's gate and up rows side by side [n, 2 row_bytes]: one contiguous read of both
+                both = np.concatenate([gs, us], axis=1)
+                self._split.append(both)
+                self.rules[i].gate_split, self.rules[i].up_split = both.ctypes.data, both.ctypes.data + gs.shape[1]
+                self.rules[i].split_stride = both.shape[1]
+            else:
+                for field, split in splits.items():
+                    if split is not None:
+                        self._split.append(split)
+                        setattr(self.rules[i], field, split.ctypes.data)
             # the hot block: this rank's neurons that fire for HOT_FREQ of the tokens, decided on the whole layer's
             # frequencies so that a neuron is computed by the same kernel on every rank
             hot = np.flatnonzero(np.asarray(pf.layers[i].act_freq[n0:n1], dtype=np.float64) >= HOT_FREQ).astype(np.int32)

@@ -301,3 +301,22 @@ def test_only_the_exact_pair_form_is_folded() -> None:
     bent[3, 20] += 1e-3
     assert not sparse_layers.low_rank_pairs(fc1, b1, bent)
     assert not sparse_layers.low_rank_pairs(fc1[:31], b1[:31], fc2[:, :31])  # an odd width
+
+
+def test_a_neurons_gate_and_up_rows_bundled_read_the_same_numbers(relu: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In predictor mode a neuron's split gate and up rows sit side by side (one contiguous read):
+    decode reads the same bytes from there, so the logits are those of the separate copies exactly."""
+    path, _ = _predictor(relu, tmp_path, "predictor")
+    out = {}
+    for bundled in (True, False):
+        monkeypatch.setattr(sparse_layers, "BUNDLE_GATE_UP", bundled)
+        llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path, n_threads=2)
+        ex = llm.engine.executor
+        assert isinstance(ex, NativeExecutor) and ex.sparse is not None
+        rules = [r for r, sp in zip(ex.sparse.rules, ex.sparse.sparse_layers) if sp]
+        if bundled and not all(r.gate_split for r in rules):
+            pytest.skip("no split layout in this build or type: the file's rows are read in place")
+        assert all((r.split_stride == 2 * (r.up_split - r.gate_split)) == bundled for r in rules)
+        llm.engine.eval(IDS[:4])
+        out[bundled] = np.stack([llm.engine.eval([t])[0] for t in IDS[4:12]])
+    np.testing.assert_array_equal(out[True], out[False])

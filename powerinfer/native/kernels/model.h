@@ -81,6 +81,9 @@ typedef struct pi_sparse {
     int32_t n_hot;
     int64_t *computed; /* NULL, or where decode adds the gate / up rows it computed (hot ones and chosen others) */
     pi_wt hot_up, hot_gate;
+    /* bytes from one neuron's split rows to the next's (0: the row's own bytes): a predictor's
+     * layer bundles each neuron's gate and up rows (gate_split + stride = up_split's next row) */
+    int64_t split_stride;
 } pi_sparse;
 
 typedef struct {

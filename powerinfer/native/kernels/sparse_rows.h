@@ -193,6 +193,9 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
         int align;
         const dot_fn udot = dot_for(L->wu.type, &align), gdot = dot_for(L->wg.type, &align);
         const dotr_fn ur = dotr4_for(L->wu.type), gr = dotr4_for(L->wg.type);
+        /* split rows' strides: a bundle's gate and up rows of a neuron sit together (one read) */
+        const int64_t us = S->up_split && S->split_stride ? S->split_stride : L->wu.row_bytes;
+        const int64_t gs = S->gate_split && S->split_stride ? S->split_stride : L->wg.row_bytes;
 #pragma omp for schedule(static)
         for (int q = 0; q < quads; q++) {
             int t = 0;
@@ -207,9 +210,9 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
                 for (int r = 0; r < (left < 4 ? left : 4); r++) {
                     const int j2 = s->idx[(size_t)t2 * n + k2 + r];
                     if (!m->gateless)
-                        prefetch_row_bytes((S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * L->wu.row_bytes, L->wu.row_bytes);
+                        prefetch_row_bytes((S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * us, L->wu.row_bytes);
                     if (!dense_gate)
-                        prefetch_row_bytes((S->gate_split ? S->gate_split : L->wg.data) + (size_t)j2 * L->wg.row_bytes, L->wg.row_bytes);
+                        prefetch_row_bytes((S->gate_split ? S->gate_split : L->wg.data) + (size_t)j2 * gs, L->wg.row_bytes);
                 }
             }
             const pi_act a = act_row(s, s->xn, t, d);
@@ -217,7 +220,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
             if (!m->gateless) {
 #ifdef PI_VNNI
                 if (S->up_split)
-                    for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * L->wu.row_bytes, L->wu.type, &a, d);
+                    for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * us, L->wu.type, &a, d);
                 else
 #endif
                     dot_quad(&L->wu, ur, udot, it, nr, &a, d, uo);
@@ -225,7 +228,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
             if (!dense_gate) {
 #ifdef PI_VNNI
                 if (S->gate_split)
-                    for (int r = 0; r < nr; r++) go[r] = split_dot(S->gate_split + (size_t)it[r] * L->wg.row_bytes, L->wg.type, &a, d);
+                    for (int r = 0; r < nr; r++) go[r] = split_dot(S->gate_split + (size_t)it[r] * gs, L->wg.type, &a, d);
                 else
 #endif
                     dot_quad(&L->wg, gr, gdot, it, nr, &a, d, go);
