@@ -73,13 +73,13 @@ static inline void down_axpy_q4(const uint8_t *row, float h, float *acc, int nb)
  * threads give the same numbers. */
 #define PI_DT_AHEAD 4 /* neurons asked for ahead in the sparse down projection */
 #ifndef PI_DT_MAX
-#define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c) */
+#define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c, Q8_0 rows; Q4_0's not measured) */
 #endif
 static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_scratch *s, float *y, int D) {
     const int nA = pi_ff_all(m), nb = S->down_t.cols / 32, nchunk = (nA + 511) / 512;
     if (32 * nb > nA) return 0; /* the sums live in hu [T, nA]: a model wider than its FFN runs the dense down */
     const int64_t rb = S->down_t.row_bytes;
-    const int q4 = S->down_t.type == T_Q4_0; /* else Q8_0 */
+    const int q4 = S->down_t.type == T_Q4_0, bb = q4 ? 18 : 34; /* else Q8_0; bytes a block */
     int32_t *cc = s->cnt + 3 * T + 2; /* [T, nchunk + 1]: chunk counts, then offsets */
     /* the active lists in two passes (count, then write) so that every thread shares the work */
 #pragma omp for schedule(static)
@@ -129,18 +129,13 @@ static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_sc
         const float *hv = s->ha + (size_t)t * nA;
         float *acc = s->hu + (size_t)t * nA + 32 * b0; /* hu is free now: [T, nffA] >= [T, D padded] */
         memset(acc, 0, sizeof(float) * 32 * (size_t)(b1 - b0));
-        if (q4) {
-            for (int q = 0; q < k; q++) {
-                const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * 18;
-                if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * 18, 18 * (b1 - b0));
+        for (int q = 0; q < k; q++) {
+            const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * bb;
+            if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * bb, bb * (b1 - b0));
+            if (q4)
                 down_axpy_q4(row, hv[q], acc, b1 - b0);
-            }
-        } else {
-            for (int q = 0; q < k; q++) {
-                const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * 34;
-                if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * 34, 34 * (b1 - b0));
+            else
                 down_axpy_q8(row, hv[q], acc, b1 - b0);
-            }
         }
         const int o1 = 32 * b1 < D ? 32 * b1 : D; /* the last block's padding is not an output */
         float *yt = y + (size_t)t * m->d;
