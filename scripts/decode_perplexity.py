@@ -29,14 +29,14 @@ def main() -> None:
     ap.add_argument("predictor", nargs="?", default=None)
     args = ap.parse_args()
     llm = LLM(args.model, n_ctx=args.ctx + 8, n_threads=2, executor="inprocess", predictor=args.predictor)
-    tok = llm.engine
+    engine = llm.engine
     with open(args.text, encoding="utf-8") as fh:
         ids = llm.tokenize(fh.read())[: args.tokens + 1]
     nll, count, t0 = 0.0, 0, time.perf_counter()
     for window in windows_of(ids, args.ctx, None):
-        tok.rewind_all()
+        engine.rewind_all()
         for cur, nxt in zip(window[:-1], window[1:]):
-            logits = tok.eval([cur])[-1].astype(np.float64)
+            logits = engine.eval([cur])[-1].astype(np.float64)
             top = float(logits.max())
             nll += top + math.log(float(np.exp(logits - top).sum())) - float(logits[nxt])
             count += 1
