@@ -101,7 +101,7 @@ def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]
     are only r wide, and one at a time they ran at ~23 GB/s (~1 ms of a 1.1B decode step). A
     low-rank predictor (lowrank.py: fc1 = [V; -V], fc2 = [P, -P], no fc1 bias) is folded to the
     linear P (V x), exactly the same logits in half the width (pi_pred's linear): the 1.1B file's
-    96-wide predictors read 64-wide (k = 48 padded to 64), 17.2 -> 10.7 MB a step."""
+    96-wide predictors read 64-wide (k = 48 padded to 64), 17.2 -> 11.5 MB a step."""
     lp = pf.layers[layer]
     n0, n1 = neurons
     fc1_w, fc1_b, fc2_w = lp.fc1_w, lp.fc1_b, lp.fc2_w
