@@ -15,8 +15,9 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from powerinfer.errors import InvalidArgumentError
+from powerinfer.native.sparse_layers import down_t_row_bytes
 from powerinfer.sparsity import timed_choice
-from powerinfer.sparsity.allocation import MAX_LEVEL, STEP, ZERO_MARGIN, allocate, damage_table, zero_ceilings
+from powerinfer.sparsity.allocation import MAX_LEVEL, STEP, ZERO_MARGIN, damage_table, zero_ceilings
 from powerinfer.sparsity.budget import (MARGIN, MIN_LEVEL, Z_UPPER, BudgetPoint, Scored, calibrate_within_budget, ffn_read_bytes,
                                         predictor_bytes)
 from powerinfer.sparsity.calibrate import FIRE_ALL_BIAS, CalibrationSettings, RecallShift, at_recall, build_predictor, default_rank, profile
@@ -26,44 +27,6 @@ from powerinfer.sparsity.perplexity import perplexity
 REPO = Path(__file__).resolve().parents[2]
 TEXT = " ".join(f"The {w} of the {v} went over the hill number {i}." for i, (w, v) in
                 enumerate(zip(["cat", "dog", "bird", "fox", "cow", "owl"] * 12, ["king", "town", "sea", "farm", "wood", "moon"] * 12)))
-
-
-def test_allocate_reaches_the_target_cheapest_layers_first() -> None:
-    levels = np.round(np.arange(0.0, MAX_LEVEL + 1e-9, STEP), 4)
-    # layer 0 is fragile (damage grows fast), layer 1 tolerant, layer 2 in between
-    damage = np.stack([levels * 5.0, levels * 0.1, levels * 1.0])
-    for target in (0.1, 0.3, 0.5):
-        alloc = allocate(levels, damage, target)
-        assert alloc.mean() >= target - 1e-9 and alloc.mean() < target + STEP
-        assert alloc[1] >= alloc[2] >= alloc[0]
-    assert (allocate(levels, damage, 0.0) == 0).all()
-    assert allocate(levels, damage, 1.0).max() <= MAX_LEVEL
-
-
-def test_allocate_with_a_least_level_jumps_there_and_never_stops_below_it() -> None:
-    levels = np.round(np.arange(0.0, MAX_LEVEL + 1e-9, STEP), 4)
-    # layer 0 is cheap until 0.5 and then expensive, layer 1 grows evenly, layer 2 is fragile
-    damage = np.stack([np.where(levels <= 0.5, levels * 0.01, 0.005 + (levels - 0.5) * 10.0), levels * 0.2, levels * 5.0])
-    assert list(allocate(levels, damage, 0.1)) == [0.3, 0.0, 0.0]  # without a least level the cheap start of layer 0 is taken
-    for target in (0.05, 0.3, 0.6, 0.9):
-        alloc = allocate(levels, damage, target, MIN_LEVEL)
-        assert alloc.mean() >= target - 1e-9
-        assert all(v == 0 or v >= MIN_LEVEL - 1e-9 for v in alloc), alloc
-    # with the jump counted per unit of sparsity, the evenly growing layer goes first, the fragile one last
-    first = allocate(levels, damage, 0.05, MIN_LEVEL)
-    assert first[1] >= MIN_LEVEL and first[0] == first[2] == 0
-    assert allocate(levels, damage, 0.9, MIN_LEVEL)[2] <= allocate(levels, damage, 0.9, MIN_LEVEL)[1]
-
-
-def test_allocate_never_takes_a_layer_past_its_ceiling() -> None:
-    levels = np.round(np.arange(0.0, MAX_LEVEL + 1e-9, STEP), 4)
-    damage = np.stack([levels * 0.1, levels * 0.2, levels * 0.01])  # layer 2 the cheapest: without a ceiling it goes furthest
-    ceiling = np.array([0.85, 0.9, 0.7])  # layer 2's ceiling lies below the least sparse level: it stays dense
-    for target in (0.3, 0.6, 0.9):
-        alloc = allocate(levels, damage, target, MIN_LEVEL, ceiling)
-        assert (alloc <= ceiling + 1e-9).all() and alloc[2] == 0, alloc
-    assert list(allocate(levels, damage, 0.9, MIN_LEVEL, ceiling)) == [0.85, 0.9, 0.0]  # the mean stops short of the target
-    assert allocate(levels, damage, 0.9, MIN_LEVEL)[2] == MAX_LEVEL
 
 
 def test_a_candidate_keeps_the_aim_only_at_the_upper_end_of_its_interval() -> None:
@@ -99,6 +62,11 @@ def test_ffn_read_bytes_counts_what_the_native_decoder_reads() -> None:
     pb = predictor_bytes(40, d, n_ff)
     assert pb == 64 * q8_down_row + n_ff * 2 * 34  # rank 40 padded to 64
     assert ffn_read_bytes("predictor", [0.95], [0.05], n_ff, d, rows, [pb]) == (pb, int(0.05 * n_ff * 288 + 0.05 * n_ff * q8_down_row))
+    # a 4-bit file's neuron-major copy is Q4_0: 18 bytes a block of its rows
+    q4_down_row = down_t_row_bytes(d, QT.Q4_0)
+    assert q4_down_row == d // 32 * 18
+    assert ffn_read_bytes("gate", [0.95], [0.05], n_ff, d, rows, (), MIN_LEVEL, [q4_down_row]) == (
+        n_ff * 144, int(0.05 * n_ff * 144 + 0.05 * n_ff * q4_down_row))
     point = BudgetPoint("gate", 0.0, (0.0, 0.0), 10.0, 10.0, 100, 0, 1000)
     assert point.sparse_layers == 0 and "changes nothing" in point.report()
 
