@@ -40,7 +40,7 @@ KERNEL_MODES = ("file", "all", "oracle")
 # at about a quarter of a streamed row's speed on this CPU (kernels/sparse_rows.h), so skipping
 # pays only well below ~25% active, and above it the dense layer is as fast and exact.
 MAX_SPARSE_SHARE = 0.25
-DOWN_MAX_SHARE = 0.15  # sparse_rows.h's PI_DT_MAX (sparse_down.h): decode's sparse down projection up to this share active
+DOWN_MAX_SHARE = 0.15  # sparse_down.h's PI_DT_MAX: decode's sparse down projection up to this share active
 # A prefill batch of at least this many tokens runs a predictor-mode layer dense: prefill computes
 # every gate and up value with the tiled dense kernels and masks them, so the predictor only adds
 # time (~6-10% of a 1.1B prefill), and the union of a batch's predicted sets does not make whole
@@ -63,20 +63,20 @@ HOT_FREQ = 0.22
 BUNDLE_GATE_UP = True
 
 
-def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, int, int], q8_down_row: int,
+def layer_reads(predictor: bool, share: float, n: int, d: int, rows: tuple[int, int, int], down_row: int,
                 pred_bytes: int = 0, rows_share: float | None = None) -> tuple[float, float]:
     """(streamed, scattered) FFN weight bytes a decode step reads in one sparse layer of n neurons
     with share of them chosen: the gate rows (every one streamed in gate mode; the computed ones,
     plus the predictor's pred_bytes streamed, in predictor mode), the computed up rows (rows_share
     of the neurons: the hot block and the chosen others; None: share), and the down projection (the
-    chosen neurons' rows of the neuron-major copy, q8_down_row bytes each (Q8_0 or Q4_0), at most
+    chosen neurons' rows of the neuron-major copy, down_row bytes each (Q8_0 or Q4_0), at most
     DOWN_MAX_SHARE chosen; else the file's d rows streamed). rows: bytes of one gate, up and down
     row in the file. (The hot block's rows count as scattered: one stream in fact.)"""
     g, u, dn = rows
     r = share if rows_share is None else rows_share
     streamed, scattered = (pred_bytes, r * n * (g + u)) if predictor else (n * g, r * n * u)
     if share <= DOWN_MAX_SHARE + 1e-9:
-        scattered += share * n * q8_down_row
+        scattered += share * n * down_row
     else:
         streamed += d * dn
     return streamed, scattered
@@ -156,8 +156,6 @@ def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np
 # largest scattered read of a sparse step; requantized in 4 bits (as PowerInfer's ffn_down_t is) each
 # value moves by up to half a step of its new block (docs/sparsity.md: the perplexity this costs).
 DOWN_T_4BIT = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
-
-
 DOWN_T_TYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 
 
