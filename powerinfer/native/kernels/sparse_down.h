@@ -64,6 +64,76 @@ static inline void down_axpy_q4(const uint8_t *row, float h, float *acc, int nb)
     }
 }
 
+/* acc [32 nb] += h[0] rows[0] + ... + h[nr - 1] rows[nr - 1] (nr <= PI_DT_GROUP rows of q4 ? Q4_0 :
+ * Q8_0 blocks), the neurons one after another into each output, each step one fused rounding as in
+ * down_axpy_q8/q4 (so the same numbers): a block's sums stay in registers across the group, one load
+ * and one store of acc a group instead of a neuron. */
+#define PI_DT_GROUP 4
+#if defined(PI_VNNI)
+static inline void blk_fma(const uint8_t *row, int q4, int b, float h, __m512 *a0, __m512 *a1) {
+    if (q4) {
+        const uint8_t *qb = row + 18 * b + 2;
+        const __m512 sc = _mm512_set1_ps(h * ld_h(row + 18 * b));
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb)), eight = _mm512_set1_epi32(8);
+        *a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)), eight)), sc, *a0);
+        *a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight)), sc, *a1);
+    } else {
+        const int8_t *qb = (const int8_t *)(row + 34 * b + 2);
+        const __m512 sc = _mm512_set1_ps(h * ld_h(row + 34 * b));
+        *a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb))), sc, *a0);
+        *a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)))), sc, *a1);
+    }
+}
+static inline void group_blocks(const uint8_t *const *rows, const float *h, int nr, int q4, float *acc, int nb) {
+    for (int b = 0; b < nb; b++) {
+        __m512 a0 = _mm512_loadu_ps(acc + 32 * b), a1 = _mm512_loadu_ps(acc + 32 * b + 16);
+        for (int r = 0; r < nr; r++) blk_fma(rows[r], q4, b, h[r], &a0, &a1);
+        _mm512_storeu_ps(acc + 32 * b, a0);
+        _mm512_storeu_ps(acc + 32 * b + 16, a1);
+    }
+}
+#elif defined(PI_SIMD)
+static inline void blk_fma(const uint8_t *row, int q4, int b, float h, __m256 *a) {
+    if (q4) {
+        const uint8_t *qb = row + 18 * b + 2;
+        const __m256 sc = _mm256_set1_ps(h * ld_h(row + 18 * b));
+        const __m256i eight = _mm256_set1_epi32(8), m0f = _mm256_set1_epi32(0x0F);
+        for (int e = 0; e < 2; e++) {
+            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)));
+            a[e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, m0f), eight)), sc, a[e]);
+            a[2 + e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), eight)), sc, a[2 + e]);
+        }
+    } else {
+        const int8_t *qb = (const int8_t *)(row + 34 * b + 2);
+        const __m256 sc = _mm256_set1_ps(h * ld_h(row + 34 * b));
+        for (int e = 0; e < 4; e++) a[e] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)))), sc, a[e]);
+    }
+}
+static inline void group_blocks(const uint8_t *const *rows, const float *h, int nr, int q4, float *acc, int nb) {
+    for (int b = 0; b < nb; b++) {
+        __m256 a[4];
+        for (int e = 0; e < 4; e++) a[e] = _mm256_loadu_ps(acc + 32 * b + 8 * e);
+        for (int r = 0; r < nr; r++) blk_fma(rows[r], q4, b, h[r], a);
+        for (int e = 0; e < 4; e++) _mm256_storeu_ps(acc + 32 * b + 8 * e, a[e]);
+    }
+}
+#endif
+static void down_axpy_group(const uint8_t *const *rows, const float *h, int nr, int q4, float *acc, int nb) {
+#if defined(PI_VNNI) || defined(PI_SIMD)
+    if (q4) /* two copies, each with its row type fixed */
+        group_blocks(rows, h, nr, 1, acc, nb);
+    else
+        group_blocks(rows, h, nr, 0, acc, nb);
+#else
+    for (int r = 0; r < nr; r++) {
+        if (q4)
+            down_axpy_q4(rows[r], h[r], acc, nb);
+        else
+            down_axpy_q8(rows[r], h[r], acc, nb);
+    }
+#endif
+}
+
 /* Decode's down projection over the active neurons: y [T, D] (row stride d; this rank's output
  * rows) = sum over token t's neurons j with h_j != 0, in down_t's row order (hot first: dperm), of
  * h_j * down_t[row of j][0..D), from the gathered hidden state g [T, nffA]. down_t is the file's
@@ -71,7 +141,9 @@ static inline void down_axpy_q4(const uint8_t *row, float h, float *acc, int nb)
  * value) or, for a 4-bit file, Q4_0 (1/16: half the bytes of the step's largest scattered read;
  * sparse_layers.py's down_t_type). An output's sum runs over the neurons in that order whatever the split, so ranks and
  * threads give the same numbers. */
-#define PI_DT_AHEAD 4 /* neurons asked for ahead in the sparse down projection */
+#ifndef PI_DT_AHEAD
+#define PI_DT_AHEAD 8 /* neurons asked for ahead in the sparse down projection (two groups) */
+#endif
 #ifndef PI_DT_MAX
 #define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c, Q8_0 rows; Q4_0's not measured) */
 #endif
@@ -129,13 +201,14 @@ static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_sc
         const float *hv = s->ha + (size_t)t * nA;
         float *acc = s->hu + (size_t)t * nA + 32 * b0; /* hu is free now: [T, nffA] >= [T, D padded] */
         memset(acc, 0, sizeof(float) * 32 * (size_t)(b1 - b0));
-        for (int q = 0; q < k; q++) {
-            const uint8_t *row = S->down_t.data + (size_t)it[q] * rb + (size_t)b0 * bb;
-            if (q + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + PI_DT_AHEAD] * rb + (size_t)b0 * bb, bb * (b1 - b0));
-            if (q4)
-                down_axpy_q4(row, hv[q], acc, b1 - b0);
-            else
-                down_axpy_q8(row, hv[q], acc, b1 - b0);
+        for (int q = 0; q < k; q += PI_DT_GROUP) {
+            const int nr = k - q < PI_DT_GROUP ? k - q : PI_DT_GROUP;
+            const uint8_t *rows[PI_DT_GROUP];
+            for (int r = 0; r < nr; r++) {
+                rows[r] = S->down_t.data + (size_t)it[q + r] * rb + (size_t)b0 * bb;
+                if (q + r + PI_DT_AHEAD < k) prefetch_row_bytes(S->down_t.data + (size_t)it[q + r + PI_DT_AHEAD] * rb + (size_t)b0 * bb, bb * (b1 - b0));
+            }
+            down_axpy_group(rows, hv + q, nr, q4, acc, b1 - b0);
         }
         const int o1 = 32 * b1 < D ? 32 * b1 : D; /* the last block's padding is not an output */
         float *yt = y + (size_t)t * m->d;

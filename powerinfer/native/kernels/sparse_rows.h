@@ -29,7 +29,8 @@
  * What decided this, measured on this CPU (AVX-512 VNNI, 2 cores, the 1.1B-shaped file;
  * docs/sparsity.md): the dense eight-row kernel streams a matrix at ~79 GB/s, while scattered
  * rows of 1-2 KiB arrive at ~16-20 GB/s whatever the kernel (more prefetch distance, huge pages,
- * four-row kernels all left it there), so a chosen row costs about four streamed ones: skipping
+ * four-row kernels all left it there; on a Zen 4 prefetching into L2 moved them: prefetch_row_bytes),
+ * so a chosen row costs about four streamed ones: skipping
  * pays in proportion to what is left out only below ~25% active, and the sparse down below ~12%.
  * Groups of eight rows in hot-first order were tried and dropped: skipping every other 9 KiB
  * group cost as much as reading them all (the hardware prefetchers fetch across such gaps).
@@ -39,7 +40,7 @@
 
 enum { PI_SP_ALL = 0, PI_SP_GATE = 1, PI_SP_MASK = 2, PI_SP_ORACLE = 3 };
 #define PI_SPARSE_T 4
-#define PI_QUADS_AHEAD 2 /* quads of rows asked for ahead of the one computed */
+#define PI_QUADS_AHEAD 2 /* quads of rows asked for ahead of the one computed (1 and 4 measured the same on a Zen 4) */
 
 /* g[i] = act(g[i]) for n values (act_mul's arithmetic with u = 1; dReLU's up is rectified where
  * it multiplies). */
@@ -48,8 +49,11 @@ static void act_only(float *g, int n, int act, float thr) {
     for (int c = 0; c < n; c += 256) act_mul(g + c, ones, n - c < 256 ? n - c : 256, act, thr);
 }
 
+/* A scattered row asked for ahead into L2 (prefetcht1), not L1: on a Zen 4 (2 threads, loads only:
+ * scripts/membench/gather.c's L2 switch) 1-2 KiB rows arrived at 14-20 GB/s so against 9-16 with
+ * prefetcht0, whose requests queue on L1's few miss buffers; the sparse down phase took 0.69x. */
 static inline void prefetch_row_bytes(const uint8_t *p, int64_t n) {
-    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o);
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);
 }
 
 /* logits [T, n] of the layer's predictor into s->mask (1: compute the neuron). Its input is xn
@@ -57,7 +61,7 @@ static inline void prefetch_row_bytes(const uint8_t *p, int64_t n) {
  * x [T, d] (quantized here; the caller quantizes xn again afterwards). A linear predictor
  * (P->linear: a low-rank one folded, sparse_layers.py's predictor_q8) has no relu. */
 static void predict_mask(const pi_model *m, const pi_pred *P, const float *x, int T, const pi_scratch *s) {
-    const int r = P->fc1.rows, n = m->n_ff;
+    const int r = P->fc1.rows, n = m->n_ff, nch = (n + 255) / 256;
     if (P->residual) quantize_rows(s, x, T, m->d);
     matmul(&P->fc1, s, P->residual ? x : s->xn, T, s->u, r);
 #pragma omp barrier
@@ -71,7 +75,41 @@ static void predict_mask(const pi_model *m, const pi_pred *P, const float *x, in
     matmul(&P->fc2, s, s->u, T, s->ha, n); /* ha is free until the rows are computed */
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int i = 0; i < T * n; i++) s->mask[i] = s->ha[i] + P->b2[i % n] > 0.0f;
+    for (int i = 0; i < T * nch; i++) { /* chunks of 256 (no division per neuron: it vectorizes) */
+        const int t = i / nch, c = (i % nch) * 256, c1 = c + 256 < n ? c + 256 : n;
+        uint8_t *mt = s->mask + (size_t)t * n;
+        const float *ht = s->ha + (size_t)t * n;
+        for (int j = c; j < c1; j++) mt[j] = ht[j] + P->b2[j] > 0.0f;
+    }
+}
+
+/* it[k...] = the neurons j < n that mt chose and is_hot does not mark, in order; returns the list's
+ * new length. A decode step's one token lists on one thread, so this runs 64 neurons a step
+ * (AVX-512), else branch-free. Nothing is written past it[n] (the next token's list). */
+static int list_cold_chosen(const uint8_t *mt, const uint8_t *is_hot, int n, int32_t *it, int k) {
+    int j = 0;
+#ifdef PI_VNNI
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j + 64 <= n; j += 64) {
+        const __m512i cm = _mm512_loadu_si512((const void *)(mt + j)), hm = _mm512_loadu_si512((const void *)(is_hot + j));
+        const __mmask64 sel = _mm512_test_epi8_mask(cm, cm) & _mm512_testn_epi8_mask(hm, hm);
+        for (int q = 0; sel && q < 4; q++) {
+            const __mmask16 s16 = (__mmask16)(sel >> (16 * q));
+            if (!s16) continue;
+            const __m512i js = _mm512_add_epi32(iota, _mm512_set1_epi32(j + 16 * q));
+            if (k + 16 <= n) /* compress in a register, then a plain store (a compressing store to memory is slow on Zen 4) */
+                _mm512_storeu_si512((void *)(it + k), _mm512_maskz_compress_epi32(s16, js));
+            else /* the list's last lanes: nothing written past it[n] */
+                _mm512_mask_compressstoreu_epi32((void *)(it + k), s16, js);
+            k += __builtin_popcount((unsigned)s16);
+        }
+    }
+#endif
+    for (; j < n && k < n; j++) { /* k = n: every neuron listed already */
+        it[k] = j;
+        k += mt[j] && !is_hot[j];
+    }
+    return k;
 }
 
 /* Token t's chosen rows j[0..nr) (nr <= 4) of w dotted with its activations into out. */
@@ -154,9 +192,8 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
         if (n_hot) {
             if (mode == PI_SP_GATE)
                 for (int j = 0; j < n; j++) mt[j] = fabsf(gt[j]) > thr;
-            for (; k < n_hot; k++) it[k] = S->hot[k];
-            for (int j = 0; j < n; j++)
-                if (!S->is_hot[j] && mt[j]) it[k++] = j;
+            memcpy(it, S->hot, sizeof(int32_t) * (size_t)n_hot);
+            k = list_cold_chosen(mt, S->is_hot, n, it, n_hot);
         } else {
             for (int j = 0; j < n; j++) /* L->cold: the GPU rank's hot neurons are never chosen here */
                 if ((!L->cold || L->cold[j]) && (mode == PI_SP_MASK ? mt[j] != 0 : mode == PI_SP_GATE ? fabsf(gt[j]) > thr : 1)) it[k++] = j;
