@@ -52,10 +52,13 @@ DOWN_MAX_SHARE = 0.15  # sparse_down.h's PI_DT_MAX: decode's sparse down project
 PREFILL_DENSE_FROM = 128
 # Hot neurons: one that fires for at least this share of tokens (calibrate's act_freq) is computed
 # in every decode step, with the hot block's other rows, by the dense eight-row kernel, then kept
-# only where the rule chose it: a chosen row dotted alone costs ~4.5 rows of the dense kernel on the
-# machines measured (~5.5 GB/s against ~24.7 on the Zen 4 with slow memory, 16-20 against ~79 on
-# the first: docs/sparsity.md), so computing a neuron always pays from there (gate+up -9 to -15%).
-HOT_FREQ = 0.22
+# only where the rule chose it: a chosen row dotted alone cost ~4.5 rows of the dense kernel on the
+# machines first measured (~5.5 GB/s against ~24.7 on the Zen 4 with slow memory, 16-20 against ~79
+# on the first: docs/sparsity.md), so computing a neuron always paid from 0.22; on the Zen 4 with the
+# bundled rows the chosen rows ran at ~8 GB/s against the hot block's ~25 (in-process phases of the
+# 1.1B ReGLU file), ~3.1 rows, so from ~0.32: 0.30 decoded 1.034x 0.22 (median of 12 alternating
+# pool rounds, 8 faster; in process the step took 0.909x at 0.33, 8 rounds of fresh loads).
+HOT_FREQ = 0.30
 # In predictor mode a chosen neuron's gate and up rows are both read: side by side in one copy, a
 # neuron is one contiguous read of 2 rows (2304 bytes at d = 2048, Q4_0), which arrives faster than
 # two reads of one row apiece (scripts/membench/gather.c here: 13.3 against 9-10 GB/s; "LLM in a
