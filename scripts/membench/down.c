@@ -3,8 +3,10 @@
  *
  * Runs in: a developer's shell, outside the product (docs/sparsity.md, "What the hardware allowed"):
  *   cc -O3 -march=native -fopenmp scripts/membench/down.c -o /tmp/down
- *   /tmp/down ACTIVE_SHARE AHEAD VARIANT      (always 2 threads; the 1.1B file's shape: 22 layers, 5632 x 2048)
- * VARIANT 0: each thread a slice of the outputs over every chosen neuron (sparse_rows.h's down_sparse);
+ *   /tmp/down ACTIVE_SHARE AHEAD VARIANT [L2]  (always 2 threads; the 1.1B file's shape: 22 layers, 5632 x 2048;
+ *   L2 = 1: rows asked for ahead into L2, as the decoder does)
+ * VARIANT 0: each thread a slice of the outputs over every chosen neuron (sparse_down.h's down_sparse
+ * as it was until four neurons a pass);
  * 1: each thread half of the neurons, whole rows, two partial sums added; 2: as 1 but loads only (the
  * floor); 3: as 1, four neurons per pass over the outputs. Prints the median of 15 rounds.
  */
@@ -22,12 +24,14 @@ static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t
 #define NB (D/32)
 #define RB (NB*34)
 static inline float ldh(const uint8_t*p){uint16_t h;memcpy(&h,p,2);return _cvtsh_ss(h);}
-static inline void pf(const uint8_t*p,int n){for(int o=0;o<n;o+=64)__builtin_prefetch(p+o);}
+static int l2; /* 1: prefetcht1 (into L2, as sparse_rows.h's prefetch_row_bytes), else prefetcht0 */
+static inline void pf(const uint8_t*p,int n){if(l2)for(int o=0;o<n;o+=64)__builtin_prefetch(p+o,0,2); else for(int o=0;o<n;o+=64)__builtin_prefetch(p+o);}
 static void blk(const uint8_t*row,float hq,float*ab){const int8_t*qb=(const int8_t*)(row+2);const __m512 sc=_mm512_set1_ps(hq*ldh(row));
  _mm512_storeu_ps(ab,_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)qb))),sc,_mm512_loadu_ps(ab)));
  _mm512_storeu_ps(ab+16,_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qb+16)))),sc,_mm512_loadu_ps(ab+16)));}
 int main(int argc,char**argv){
-  if(argc!=4){fprintf(stderr,"usage: %s ACTIVE_SHARE AHEAD VARIANT (runs on exactly 2 threads)\n",argv[0]);return 2;}
+  if(argc!=4&&argc!=5){fprintf(stderr,"usage: %s ACTIVE_SHARE AHEAD VARIANT [L2] (runs on exactly 2 threads)\n",argv[0]);return 2;}
+  l2=argc==5&&atoi(argv[4]);
   omp_set_dynamic(0); omp_set_num_threads(2); /* variants 1 and 3 add two threads' partial sums; acc2 holds two */
   double act=atof(argv[1]); int ahead=atoi(argv[2]); int variant=atoi(argv[3]);
   uint8_t*dt=aligned_alloc(4096,(size_t)NL*NFF*RB); for(size_t i=0;i<(size_t)NL*NFF*RB;i++)dt[i]=(uint8_t)(i*7+1)&0x3f;
@@ -82,5 +86,5 @@ int main(int argc,char**argv){
   }
   /* medians */
   for(int i=0;i<15;i++)for(int j=i+1;j<15;j++){if(tg[j]<tg[i]){double x=tg[i];tg[i]=tg[j];tg[j]=x;} if(ts[j]<ts[i]){double x=ts[i];ts[i]=ts[j];ts[j]=x;}}
-  printf("act %.3f ahead %2d variant %d: sparse down %.0f us (%.1f GB/s)  dense-stream %.0f us (%.1f GB/s)  ratio %.2f  y=%g\n",act,ahead,variant,tg[7]*1e6,(double)NL*k*RB/tg[7]/1e9,ts[7]*1e6,dense_b/ts[7]/1e9,tg[7]/ts[7],y[5]);
+  printf("act %.3f ahead %2d variant %d%s: sparse down %.0f us (%.1f GB/s)  dense-stream %.0f us (%.1f GB/s)  ratio %.2f  y=%g\n",act,ahead,variant,l2?" (L2)":"",tg[7]*1e6,(double)NL*k*RB/tg[7]/1e9,ts[7]*1e6,dense_b/ts[7]/1e9,tg[7]/ts[7],y[5]);
 }
