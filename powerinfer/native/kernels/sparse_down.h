@@ -11,63 +11,35 @@
 #ifndef PI_SPARSE_DOWN_H
 #define PI_SPARSE_DOWN_H
 
-/* acc [32 nb] += h * row, row nb Q8_0 blocks (34 bytes: f16 scale, 32 int8 codes). */
+/* acc [32 nb] += h * row, row nb Q8_0 blocks (34 bytes: f16 scale, 32 int8 codes): the scalar
+ * build's sum (SIMD builds run down_axpy_group's, the same arithmetic a lane). */
 static inline void down_axpy_q8(const uint8_t *row, float h, float *acc, int nb) {
     for (int b = 0; b < nb; b++) {
         const int8_t *qb = (const int8_t *)(row + 34 * b + 2);
         float *ab = acc + 32 * b;
-#if defined(PI_VNNI)
-        const __m512 sc = _mm512_set1_ps(h * ld_h(row + 34 * b));
-        _mm512_storeu_ps(ab, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qb))), sc, _mm512_loadu_ps(ab)));
-        _mm512_storeu_ps(ab + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qb + 16)))), sc,
-                                                  _mm512_loadu_ps(ab + 16)));
-#elif defined(PI_SIMD)
-        const __m256 sc = _mm256_set1_ps(h * ld_h(row + 34 * b));
-        for (int e = 0; e < 4; e++)
-            _mm256_storeu_ps(ab + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)))), sc,
-                                                         _mm256_loadu_ps(ab + 8 * e)));
-#else
         const float sc = h * ld_h(row + 34 * b);
         for (int e = 0; e < 32; e++) ab[e] += sc * (float)qb[e];
-#endif
     }
 }
 
 /* acc [32 nb] += h * row, row nb Q4_0 blocks (18 bytes: f16 scale, 16 bytes of codes: value e
- * is the low nibble of byte e, value 16 + e its high nibble, each minus 8). */
+ * is the low nibble of byte e, value 16 + e its high nibble, each minus 8): the scalar build's. */
 static inline void down_axpy_q4(const uint8_t *row, float h, float *acc, int nb) {
     for (int b = 0; b < nb; b++) {
         const uint8_t *qb = row + 18 * b + 2;
         float *ab = acc + 32 * b;
-#if defined(PI_VNNI)
-        const __m512 sc = _mm512_set1_ps(h * ld_h(row + 18 * b));
-        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb)), eight = _mm512_set1_epi32(8);
-        const __m512i lo = _mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)), eight), hi = _mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight);
-        _mm512_storeu_ps(ab, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), sc, _mm512_loadu_ps(ab)));
-        _mm512_storeu_ps(ab + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), sc, _mm512_loadu_ps(ab + 16)));
-#elif defined(PI_SIMD)
-        const __m256 sc = _mm256_set1_ps(h * ld_h(row + 18 * b));
-        const __m256i eight = _mm256_set1_epi32(8), m0f = _mm256_set1_epi32(0x0F);
-        for (int e = 0; e < 2; e++) {
-            const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8 * e)));
-            _mm256_storeu_ps(ab + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(c, m0f), eight)), sc, _mm256_loadu_ps(ab + 8 * e)));
-            _mm256_storeu_ps(ab + 16 + 8 * e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(c, 4), eight)), sc,
-                                                              _mm256_loadu_ps(ab + 16 + 8 * e)));
-        }
-#else
         const float sc = h * ld_h(row + 18 * b);
         for (int e = 0; e < 16; e++) {
             ab[e] += sc * (float)((qb[e] & 0x0F) - 8);
             ab[16 + e] += sc * (float)((qb[e] >> 4) - 8);
         }
-#endif
     }
 }
 
 /* acc [32 nb] += h[0] rows[0] + ... + h[nr - 1] rows[nr - 1] (nr <= PI_DT_GROUP rows of q4 ? Q4_0 :
- * Q8_0 blocks), the neurons one after another into each output, each step one fused rounding as in
- * down_axpy_q8/q4 (so the same numbers): a block's sums stay in registers across the group, one load
- * and one store of acc a group instead of a neuron. */
+ * Q8_0 blocks), the neurons one after another into each output, each step one fused multiply-add
+ * (the same numbers as one neuron a pass): a block's sums stay in registers across the group, one
+ * load and one store of acc a group instead of a neuron. */
 #define PI_DT_GROUP 4
 #if defined(PI_VNNI)
 static inline void blk_fma(const uint8_t *row, int q4, int b, float h, __m512 *a0, __m512 *a1) {
@@ -141,9 +113,7 @@ static void down_axpy_group(const uint8_t *const *rows, const float *h, int nr, 
  * value) or, for a 4-bit file, Q4_0 (1/16: half the bytes of the step's largest scattered read;
  * sparse_layers.py's down_t_type). An output's sum runs over the neurons in that order whatever the split, so ranks and
  * threads give the same numbers. */
-#ifndef PI_DT_AHEAD
 #define PI_DT_AHEAD 8 /* neurons asked for ahead in the sparse down projection (two groups) */
-#endif
 #ifndef PI_DT_MAX
 #define PI_DT_MAX 0.15f /* the largest share of neurons the sparse down projection takes (crossover: ~12% on a Zen 4, ~15% on a Sapphire Rapids VM: scripts/membench/down.c, Q8_0 rows; Q4_0's not measured) */
 #endif
@@ -190,8 +160,9 @@ static int down_sparse(const pi_model *m, const pi_sparse *S, int T, const pi_sc
         }
     }
     /* work items: (token, slice of output blocks), one slice per thread; within a slice the
-     * neurons pass in order, each neuron's piece of the slice one contiguous read (asked for
-     * PI_DT_AHEAD neurons ahead), the sums kept in y (in L1: a slice of 2048 outputs is 8 KiB) */
+     * neurons pass in order, PI_DT_GROUP at a time, each neuron's piece of the slice one contiguous
+     * read (asked for PI_DT_AHEAD neurons ahead), the sums kept in acc (in L1: a slice of 2048
+     * outputs is 8 KiB) */
     const int nth = omp_get_num_threads(), slices = nth < nb ? nth : nb;
 #pragma omp for schedule(static)
     for (int i = 0; i < T * slices; i++) {
