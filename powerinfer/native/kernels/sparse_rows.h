@@ -50,7 +50,7 @@ static void act_only(float *g, int n, int act, float thr) {
 }
 
 /* A scattered row asked for ahead into L2 (prefetcht1), not L1: on a Zen 4 (2 threads, loads only:
- * scripts/membench/gather.c's L2 switch) 1-2 KiB rows arrived at 14-20 GB/s so against 9-16 with
+ * scripts/membench/gather.c's L2 switch) 1-2 KiB rows arrived at 14-20 GB/s against 9-16 with
  * prefetcht0, whose requests queue on L1's few miss buffers; the sparse down phase took 0.69x. */
 static inline void prefetch_row_bytes(const uint8_t *p, int64_t n) {
     for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(p + o, 0, 2);
