@@ -54,27 +54,40 @@ static inline float ld_h(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); retur
 
 static inline float bf2f(uint16_t h) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
 
-/* Quantize x [K] (K % 32 == 0) into q, d, s. */
+/* Quantize x [K] (K % 32 == 0) into q, d, s. The SIMD path gives the portable one's bytes: max
+ * over |x| is exact in any order, and a NaN lane keeps the running maximum as fmaxf does
+ * (maxps returns its second operand); |q| <= 127, so the saturating packs are exact. */
 static void quantize_act(const float *x, int K, int8_t *q, float *d, float *s) {
     for (int b = 0; b < K / 32; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
+#ifdef PI_SIMD
+        __m256 v[4], m = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), m);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+#endif
         float db = amax / 127.0f, id = db > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
 #ifdef PI_SIMD
-        __m256 vid = _mm256_set1_ps(id);
-        __m256i acc = _mm256_setzero_si256();
-        for (int i = 0; i < 32; i += 8) {
-            __m256i v = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            acc = _mm256_add_epi32(acc, v);
-            int32_t tmp[8];
-            _mm256_storeu_si256((__m256i *)tmp, v);
-            for (int k = 0; k < 8; k++) q[32 * b + i + k] = (int8_t)tmp[k];
-        }
-        int32_t t8[8];
-        _mm256_storeu_si256((__m256i *)t8, acc);
-        for (int k = 0; k < 8; k++) sum += t8[k];
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i acc = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1)));
+        /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
+        const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(q + 32 * b), _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
         for (int i = 0; i < 32; i++) {
             int v = (int)nearbyintf(xb[i] * id);
