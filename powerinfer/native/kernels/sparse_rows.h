@@ -282,36 +282,38 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
         }
     }
     mark(m, PH_GATE_UP, last);
-    /* per token: act(gate) * up of the chosen neurons, packed at ha[off[t] ...] */
-#pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-        const int32_t *it = s->idx + (size_t)t * n;
-        const int a0 = off[t], k = off[t + 1] - a0;
-        float *h = s->ha + a0;
-        for (int q = 0; q < k; q++)
-            h[q] = (rows_only ? h[q] : s->g[(size_t)t * nffA + n0 + it[q]]) *
-                   (m->gateless ? 1.0f : up_act(rows_only ? s->hu[a0 + q] : s->u[(size_t)t * n + it[q]], m->act));
-    }
-    /* the rows of g become the hidden state: zeroed in chunks, then each token's chosen neurons */
+    /* the rows of g become the hidden state: zeroed in chunks (and the counts), then act(gate) * up
+     * of every listed neuron (packed at ha/hu[off[t] ...]) written to its place if chosen, the
+     * tokens' lists one range split over the threads (a decode step's one list on every thread) */
 #pragma omp for schedule(static)
     for (int i = 0; i < T * nchunk; i++) {
         const int t = i / nchunk, c = (i % nchunk) * 256;
         memset(s->g + (size_t)t * nffA + n0 + c, 0, sizeof(float) * (size_t)(n - c < 256 ? n - c : 256));
+        if (!c) kept[t] = 0;
     }
-#pragma omp for schedule(static)
-    for (int t = 0; t < T; t++) {
-        float *gt = s->g + (size_t)t * nffA + n0;
-        const int32_t *it = s->idx + (size_t)t * n;
-        const float *h = s->ha + off[t];
-        const uint8_t *mt = s->mask + (size_t)t * n;
-        int kk = 0;
-        for (int q = 0; q < off[t + 1] - off[t]; q++)
-            if ((q >= n_hot || mt[it[q]]) && (mode != PI_SP_ORACLE || fabsf(h[q]) > thr)) { /* a hot neuron only if chosen */
-                gt[it[q]] = h[q];
+    {
+        const int nth = omp_get_num_threads(), th = omp_get_thread_num();
+        const int i0 = (int)((int64_t)off[T] * th / nth), i1 = (int)((int64_t)off[T] * (th + 1) / nth);
+        int t = 0, kk = 0;
+        while (off[t + 1] <= i0 && t + 1 < T) t++;
+        for (int i = i0; i < i1; i++) {
+            for (; off[t + 1] <= i; t++, kk = 0) { /* token t's entries end here */
+#pragma omp atomic
+                kept[t] += kk;
+            }
+            const int q = i - off[t], j = s->idx[(size_t)t * n + q];
+            const float h = s->ha[i] * (m->gateless ? 1.0f : up_act(s->hu[i], m->act));
+            if ((q >= n_hot || s->mask[(size_t)t * n + j]) && (mode != PI_SP_ORACLE || fabsf(h) > thr)) { /* a hot neuron only if chosen */
+                s->g[(size_t)t * nffA + n0 + j] = h;
                 kk++;
             }
-        kept[t] = kk;
+        }
+        if (kk) {
+#pragma omp atomic
+            kept[t] += kk;
+        }
     }
+#pragma omp barrier
     if (m->ffn_active) {
 #pragma omp single
         for (int t = 0; t < T; t++) m->ffn_active[L - m->layers] += kept[t];
