@@ -62,12 +62,15 @@ static void rows_plain(const pi_wt *w, const pi_scratch *s, const float *f, int 
 
 /* y[t, r] (row stride ldy) = W[r] . x_t for rows r of W, work-shared in blocks of 16 rows, but
  * for the blocks b with blocks[b] == 0 (blocks NULL: every block; a skipped block's y is left as
- * it was); nowait: the caller places the barrier. Repacked groups of eight rows go through qx8.h. */
+ * it was); nowait: the caller places the barrier. Repacked groups of eight rows go through qx8.h.
+ * Guided: the two halves of a static split of a streamed matrix finished ~5-10% apart (the
+ * cores' share of the bandwidth differs), the faster thread now takes more blocks at the end
+ * (in process, q/k/v phase 0.90-0.94x, step 0.97-0.99x; a row's numbers do not depend on who computes it). */
 static void matmul_blocks(const pi_wt *w, const pi_scratch *s, const float *f, int T, float *y, int ldy, const uint8_t *blocks) {
 #ifdef PI_SIMD
     const int K = w->cols, x8_rows = w->x8 ? w->rows / 8 * 8 : 0;
 #endif
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(guided, 2) nowait
     for (int r0 = 0; r0 < w->rows; r0 += 16) {
         if (blocks && !blocks[r0 / 16]) continue;
         const int r1 = r0 + 16 < w->rows ? r0 + 16 : w->rows;
