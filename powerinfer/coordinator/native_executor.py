@@ -89,6 +89,8 @@ class NativeExecutor:
         if self.sparse is not None:
             self.sparse.active[:] = 0
             self.sparse.computed[:] = 0
+            self.sparse.quality[:] = 0
+            self.sparse.pred_s[:] = 0.0
         self._tokens = 0
 
     @property

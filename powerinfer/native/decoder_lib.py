@@ -68,7 +68,7 @@ class PiSparse(ctypes.Structure):
     _fields_ = [("mode", ctypes.c_int32), ("thr", ctypes.c_float), ("down_t", PiWt), ("up_split", ctypes.c_void_p),
                 ("gate_split", ctypes.c_void_p), ("dense_from", ctypes.c_int32), ("hot", ctypes.c_void_p), ("dperm", ctypes.c_void_p),
                 ("is_hot", ctypes.c_void_p), ("n_hot", ctypes.c_int32), ("computed", ctypes.c_void_p), ("hot_up", PiWt), ("hot_gate", PiWt),
-                ("split_stride", ctypes.c_int64)]
+                ("split_stride", ctypes.c_int64), ("quality", ctypes.c_void_p), ("pred_s", ctypes.c_void_p)]
 
 
 class PiPred(ctypes.Structure):

@@ -232,6 +232,8 @@ class NativeSparseFFNs:
         self._perm: list[np.ndarray] = []  # the rules' hot, is_hot and dperm arrays
         self.hot = [0] * cfg.n_layers  # per layer: this rank's hot neurons, which decode computes every step
         self.computed = np.zeros(cfg.n_layers, dtype=np.int64)  # gate / up rows decode computed per layer (the decoder adds to it)
+        self.quality = np.zeros((cfg.n_layers, 3), dtype=np.int64)  # while tracked: decode's true / false positives, false negatives
+        self.pred_s = np.zeros(cfg.n_layers, dtype=np.float64)  # while tracked: seconds the predictor took per layer
         d0, d1 = rows or (0, cfg.d_model)
         # decided on the whole layer's statistics, so that every rank of a pool decides alike
         built = [only is None or i in only for i in range(cfg.n_layers)]
@@ -303,6 +305,13 @@ class NativeSparseFFNs:
         off (the default): they run the predictor-mode layers dense (PREFILL_DENSE_FROM)."""
         for rule in self.rules:
             rule.dense_from = 0 if on or self.file_mode != "predictor" else PREFILL_DENSE_FROM
+
+    def track(self, quality: bool, timing: bool) -> None:
+        """Measurement: count decode's predictor against the true active set (each step then computes
+        every neuron once more) into quality [tp, fn, fp], and time the predictor into pred_s."""
+        for i, rule in enumerate(self.rules):
+            rule.quality = self.quality[i:].ctypes.data if quality else None
+            rule.pred_s = self.pred_s[i:].ctypes.data if timing else None
 
     def reads_file_rows(self, layer: int, field: str) -> bool:
         """Whether decode dots layer's chosen rows of ``wu`` / ``wg`` from the file's layout (no

@@ -10,7 +10,8 @@ ratio of two adjacent runs cancels most of that drift, so the figure reported is
 the per-round ratios, with its quartiles, next to each engine's median tokens/s. Each round also
 times both engines' prefill of the prompt (paired the same way), and after the rounds the sparse
 rule is replayed in process on the same tokens to count the weight bytes a decode step reads:
-with the tokens/s that gives each engine's GB/s, beside the machine's streaming read bandwidth. With
+with the tokens/s that gives each engine's GB/s, beside the machine's streaming read bandwidth, and
+to time the predictor and count its recall and precision on those steps. With
 ``llama_cpp=True`` llama.cpp (through llama-cpp-python, if installed, in a child process of its own)
 decodes the same tokens from the same file with the same thread count in the same rounds.
 """
@@ -70,6 +71,10 @@ class SpeedComparison:
     powerinfer_tps: float | None = None  # median decode tokens/s of PowerInfer's CPU build on the PWRI file
     sparse_vs_powerinfer: float | None = None  # median over rounds of sparse / PowerInfer decode tokens/s
     powerinfer_prefill_tps: float | None = None
+    predictor_us: float | None = None  # the predictor's time per decode step in the in-process replay
+    replay_step_us: float | None = None  # that replay's decode step
+    recall: float | None = None  # of the neurons that fired in the replay's decode steps, the share the predictor chose
+    precision: float | None = None  # of those it chose, the share that fired
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +104,9 @@ class SpeedComparison:
             f"{self.read_bandwidth_gbs:.1f} GB/s (sparse reaches {self.sparse_bytes * self.sparse_tps / 1e9 / self.read_bandwidth_gbs:.0%})",
         ]) + ([] if self.memory_mib is None else [
             f"sparse engine's memory, all its processes: RSS {self.memory_mib[0]:.0f} MiB, PSS {self.memory_mib[1]:.0f} MiB",
+        ]) + ([] if self.predictor_us is None or self.replay_step_us is None or self.recall is None or self.precision is None else [
+            f"predictor, in process over the same decode steps: {self.predictor_us:.0f} µs a step ({self.predictor_us / self.replay_step_us:.1%} "
+            f"of its {self.replay_step_us:.0f} µs); recall {self.recall:.3f} of the neurons that fired, precision {self.precision:.3f}",
         ]))
 
 
@@ -119,27 +127,57 @@ def _decode_tps(llm: Any, ids: list[int], gen_tokens: int) -> float:
     return timed_run(llm, ids, gen_tokens)[1]
 
 
-def decode_read_bytes(model: str, predictor: str, ids: list[int], gen_tokens: int, threads: int) -> tuple[float, float, float]:
-    """(dense, sparse) weight bytes a decode step reads: the file's matrices, and the same with the
-    sparse FFNs' reads counted by the in-process decoder's rule over gen_tokens greedy steps after
-    ids; and the share of FFN neurons those steps computed."""
+@dataclass(frozen=True)
+class Replay:
+    """The sparse rule replayed in process on a benchmark's tokens (replay_decode)."""
+
+    dense_bytes: float  # weight bytes a dense decode step reads
+    sparse_bytes: float  # the same for the sparse rule over the replayed steps
+    share: float  # share of FFN neurons those steps computed
+    step_us: float  # their decode step
+    predictor_us: float | None  # of it, the predictor's (None: a gate-rule file has none)
+    recall: float | None  # of the neurons that fired in those steps, the share the predictor chose
+    precision: float | None  # of those it chose, the share that fired
+
+
+def replay_decode(model: str, predictor: str, ids: list[int], gen_tokens: int, threads: int) -> Replay:
+    """gen_tokens greedy decode steps after ids in the in-process decoder with the predictor: the
+    weight bytes they read (the file's matrices, the sparse FFNs' reads counted by the rule) and the
+    predictor's time; then the same steps again, each computing every neuron once more, for the
+    predictor's recall and precision against the neurons that fired (|act(gate) * up| above the
+    layer's threshold)."""
     from powerinfer.api import LLM
     from powerinfer.coordinator.native_executor import NativeExecutor
     from powerinfer.model.weights import decode_weight_bytes
 
     with LLM(model, predictor=predictor, executor="inprocess", n_ctx=len(ids) + gen_tokens + 8, n_threads=threads) as llm:
         ex = llm.engine.executor
-        if not isinstance(ex, NativeExecutor):
+        if not isinstance(ex, NativeExecutor) or ex.sparse is None:
             raise InvalidArgumentError("counting sparse reads needs the native decoder")
-        eng = llm.engine
-        token = int(np.argmax(eng.eval(ids)[-1]))
-        ex.reset_sparse_counts()
-        for _ in range(gen_tokens):
-            token = int(np.argmax(eng.eval([token])[-1]))
+        eng, sp = llm.engine, ex.sparse
+
+        def steps() -> float:
+            eng.rewind(0)
+            token = int(np.argmax(eng.eval(ids)[-1]))
+            ex.reset_sparse_counts()
+            t0 = time.perf_counter()
+            for _ in range(gen_tokens):
+                token = int(np.argmax(eng.eval([token])[-1]))
+            return (time.perf_counter() - t0) / gen_tokens * 1e6
+
+        sp.track(quality=False, timing=True)
+        step_us = steps()
         ffn_sparse, ffn_dense = ex.sparse_bytes()
         total = decode_weight_bytes(llm.file, llm.config.n_layers, llm.config.tied_embeddings)
         share = _share(llm)
-    return float(total), float(total - ffn_dense + ffn_sparse), share
+        pred_us = float(sp.pred_s.sum()) / gen_tokens * 1e6 if sp.uses_predictor else None
+        sp.track(quality=sp.uses_predictor, timing=False)
+        steps()  # the same greedy tokens, each step computing every neuron once more (not timed)
+        sp.track(quality=False, timing=False)
+        tp, fn, fp = (int(v) for v in sp.quality.sum(axis=0))
+    recall = tp / (tp + fn) if pred_us is not None and tp + fn else None
+    precision = tp / (tp + fp) if pred_us is not None and tp + fp else None
+    return Replay(float(total), float(total - ffn_dense + ffn_sparse), share, step_us, pred_us, recall, precision)
 
 
 def compare_decode(model: str, predictor: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 64,
@@ -190,13 +228,12 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
         d_pre, s_pre = [run[0] for run in runs["dense"]], [run[0] for run in runs["sparse"]]
         memory = process_memory_mib(sparse)
         if read_bytes:
-            dense_bytes, sparse_bytes, replayed = decode_read_bytes(model, predictor, ids, gen_tokens, threads)
+            replay: Replay | None = replay_decode(model, predictor, ids, gen_tokens, threads)
             bandwidth: float | None = read_bandwidth(threads)
         else:
-            dense_bytes = sparse_bytes = bandwidth = None
-            replayed = 1.0
+            replay = bandwidth = None
         # the pool's ranks do not report their counts: the in-process replay of the same rule does
-        share = _share(sparse) if _share(sparse) < 1.0 else replayed
+        share = _share(sparse) if _share(sparse) < 1.0 or replay is None else replay.share
         return SpeedComparison(
             model=dense.config.name, predictor=str(predictor), mode=sparse.predictor.mode,
             target_sparsity=float(sparse.predictor.target_sparsity), executor=executor, threads=threads, rounds=rounds,
@@ -208,11 +245,15 @@ def compare_decode(model: str, predictor: str, threads: int = 2, executor: str =
             sparse_vs_llama_cpp=round(float(np.median(np.array(s_tps) / np.array(tps["llama.cpp"]))), 4) if ref is not None else None,
             prompt_tokens=len(ids), prefill_ratio_median=round(float(np.median(np.array(s_pre) / np.array(d_pre))), 4),
             dense_prefill_tps=round(statistics.median(d_pre), 2), sparse_prefill_tps=round(statistics.median(s_pre), 2),
-            dense_bytes=dense_bytes, sparse_bytes=sparse_bytes,
+            dense_bytes=None if replay is None else replay.dense_bytes, sparse_bytes=None if replay is None else replay.sparse_bytes,
             read_bandwidth_gbs=None if bandwidth is None else round(bandwidth, 2), memory_mib=memory,
             powerinfer_tps=round(statistics.median(tps["PowerInfer"]), 2) if powerinfer else None,
             sparse_vs_powerinfer=round(float(np.median(np.array(s_tps) / np.array(tps["PowerInfer"]))), 4) if powerinfer else None,
             powerinfer_prefill_tps=round(statistics.median(run[0] for run in runs["PowerInfer"]), 2) if powerinfer else None,
+            predictor_us=None if replay is None or replay.predictor_us is None else round(replay.predictor_us, 1),
+            replay_step_us=None if replay is None else round(replay.step_us, 1),
+            recall=None if replay is None or replay.recall is None else round(replay.recall, 4),
+            precision=None if replay is None or replay.precision is None else round(replay.precision, 4),
         )
     finally:
         if ref is not None:

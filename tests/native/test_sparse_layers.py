@@ -327,3 +327,44 @@ def test_a_neurons_gate_and_up_rows_bundled_read_the_same_numbers(relu: Path, tm
         llm.engine.eval(IDS[:4])
         out[bundled] = np.stack([llm.engine.eval([t])[0] for t in IDS[4:12]])
     np.testing.assert_array_equal(out[True], out[False])
+
+
+def test_the_predictors_quality_counts_what_fired_and_what_it_chose(relu: Path, tmp_path: Path) -> None:
+    """Tracked decode steps count the predictor against the true active set: its choices (true and
+    false positives) are the neurons decode kept, and the neurons that fired (true positives and
+    false negatives) are those the oracle keeps on the same tokens, up to the dense kernel's rounding
+    near the threshold; untracked steps count nothing. replay_decode reports the same measure."""
+    from powerinfer.sparsity.speed import replay_decode
+
+    path, _ = _predictor(relu, tmp_path, "predictor")
+    llm = LLM(relu, n_ctx=128, executor="inprocess", predictor=path)
+    ex = llm.engine.executor
+    assert isinstance(ex, NativeExecutor) and ex.sparse is not None
+    sp = ex.sparse
+
+    def decode(oracle: bool) -> np.ndarray:
+        ex.set_sparse(oracle=oracle)
+        llm.engine.rewind(0)
+        llm.engine.eval(IDS[:4])
+        ex.reset_sparse_counts()
+        for t in IDS[4:]:
+            llm.engine.eval([t])
+        return sp.active.copy()
+
+    decode(False)
+    assert not sp.quality.any() and not sp.pred_s.any()
+    sp.track(quality=True, timing=True)
+    chosen = decode(False)
+    tp, fn, fp = sp.quality.T.copy()  # the next decode resets the counts
+    pred_s = sp.pred_s.copy()
+    fired = decode(True)
+    sp.track(quality=False, timing=False)
+    assert (tp + fp == chosen).all() and chosen.sum() > 0
+    assert abs(int((tp + fn).sum()) - int(fired.sum())) <= 0.01 * fired.sum(), ((tp + fn).sum(), fired.sum())
+    assert fn.sum() > 0 and fp.sum() > 0  # an imperfect predictor: both kinds of miss are seen
+    assert (pred_s > 0).sum() == sum(sp.sparse_layers)
+    ids = llm.tokenize("hello world, again and again")
+    llm.close()
+    rep = replay_decode(str(relu), str(path), ids, 8, 1)
+    assert rep.recall is not None and rep.precision is not None and 0.0 < rep.recall < 1.0 and 0.0 < rep.precision < 1.0
+    assert rep.predictor_us is not None and 0 < rep.predictor_us < rep.step_us and 0 < rep.sparse_bytes < rep.dense_bytes

@@ -46,7 +46,10 @@ def test_compare_decode_measures_both(model_and_predictor: tuple[Path, Path]) ->
     assert cmp.read_bandwidth_gbs is not None and cmp.read_bandwidth_gbs > 0
     assert cmp.prompt_tokens == 8 and cmp.prefill_ratio_median is not None and cmp.prefill_ratio_median > 0
     assert cmp.memory_mib is not None and cmp.memory_mib[0] > 0 and cmp.memory_mib[1] > 0
+    # a gate-rule file: the replay's step is timed, but there is no predictor to time or to score
+    assert cmp.replay_step_us is not None and cmp.replay_step_us > 0 and cmp.predictor_us is None and cmp.recall is None
     text = cmp.report()
+    assert "recall" not in text
     assert "sparse / dense, paired per round" in text and f"{cmp.dense_tps:.1f}" in text
     assert "weights read per decode step: dense" in text and "prefill of 8 tokens" in text and "PSS" in text
     with pytest.raises(InvalidArgumentError, match="at least 2 rounds"):

@@ -84,6 +84,11 @@ typedef struct pi_sparse {
     /* bytes from one neuron's split rows to the next's (0: the row's own bytes): a predictor's
      * layer bundles each neuron's gate and up rows (gate_split + stride = up_split's next row) */
     int64_t split_stride;
+    /* Measurement only (NULL otherwise: sparse_layers.py's track): quality [3] counts decode's
+     * predictor against the true active set (|act(gate) * up| > thr; every neuron computed once
+     * more): true positives, false negatives, false positives; pred_s the seconds it took. */
+    int64_t *quality;
+    double *pred_s;
 } pi_sparse;
 
 typedef struct {

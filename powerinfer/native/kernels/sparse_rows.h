@@ -123,6 +123,32 @@ static void dot_quad(const pi_wt *w, dotr_fn quad, dot_fn one, const int32_t *j,
     }
 }
 
+/* Measurement (S->quality, decode in mask mode): every neuron's act(gate) * up once more with the
+ * dense kernels, into ha and u (free until the down projection), against the predictor's mask. */
+static void quality_counts(const pi_model *m, const pi_layer *L, int T, const pi_scratch *s) {
+    const int n = m->n_ff;
+    matmul(&L->wg, s, s->xn, T, s->ha, n);
+    if (!m->gateless) matmul(&L->wu, s, s->xn, T, s->u, n);
+#pragma omp barrier
+#pragma omp single
+    {
+        int64_t c[3] = {0, 0, 0};
+        for (int t = 0; t < T; t++) {
+            float *g = s->ha + (size_t)t * n;
+            add_vec(g, L->bg, n);
+            act_only(g, n, m->act, m->act_thr);
+            for (int j = 0; j < n; j++) {
+                const float h = g[j] * (m->gateless ? 1.0f : up_act(s->u[(size_t)t * n + j], m->act));
+                const int fired = fabsf(h) > L->sp->thr, chosen = s->mask[(size_t)t * n + j] != 0;
+                c[0] += fired && chosen;
+                c[1] += fired && !chosen;
+                c[2] += !fired && chosen;
+            }
+        }
+        for (int i = 0; i < 3; i++) L->sp->quality[i] += c[i];
+    }
+}
+
 /* The sparse FFN hidden state into g [T, nffA] at this rank's neurons [n0, n0 + n_ff): zero but
  * for the chosen neurons. xn [T, d] is normed and quantized, x [T, d] the residual stream it was
  * normed from (a residual predictor's input); the caller gathers g afterwards. */
@@ -133,7 +159,9 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
     const int rows_only = T <= PI_SPARSE_T, dense_gate = !rows_only || mode != PI_SP_MASK;
     int32_t *off = s->cnt, *qo = s->cnt + T + 1, *kept = s->cnt + 2 * T + 2;
     if (mode == PI_SP_MASK) {
-        predict_mask(m, L->pred, x, T, s);
+        const double t0 = S->pred_s ? omp_get_wtime() : 0.0;
+        predict_mask(m, L->pred, x, T, s); /* ends with a barrier: every thread's share is done */
+        if (S->pred_s && omp_get_thread_num() == 0) *S->pred_s += omp_get_wtime() - t0;
         quantize_rows(s, s->xn, T, d); /* the predictor's hidden took the activation scratch */
     }
     if (dense_gate) matmul_blocks(&L->wg, s, s->xn, T, s->g + n0, nffA, L->cold_blocks); /* blocks all hot: never chosen */
@@ -318,6 +346,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
 #pragma omp single
         for (int t = 0; t < T; t++) m->ffn_active[L - m->layers] += kept[t];
     }
+    if (S->quality && mode == PI_SP_MASK) quality_counts(m, L, T, s);
     mark(m, PH_ACT, last);
 }
 
