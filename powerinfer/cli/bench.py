@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and print the paired sparse/dense speed ratio (uses the first --workers value)")
     p.add_argument("--sparse", action="store_true",
                    help="with --predictor: --vs-dense plus the weight bytes each decode step reads, the GB/s they make against "
-                        "the machine's streaming read bandwidth, paired prefill of --prompt-tokens and the memory of all processes")
+                        "the machine's streaming read bandwidth, paired prefill of --prompt-tokens, the memory of all processes and, "
+                        "replayed in process, the predictor's time per step and its recall and precision")
     p.add_argument("--vs-powerinfer", metavar="PATH", default=None,
                    help="with --sparse or --vs-dense: PowerInfer's CPU build (its main binary, or a checkout with build/bin/main) "
                         "decodes the same model with the same threads in the same rounds, from -m when it is a PowerInfer (PWRI) file "
