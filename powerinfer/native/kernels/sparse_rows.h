@@ -16,7 +16,7 @@
  *
  * Decode (up to PI_SPARSE_T tokens a call) reads only the chosen rows: in qsplit.h's layout on
  * AVX-512 (the row's scales first, two blocks per instruction), else four rows at a time from the
- * file's rows (dotr4), asking for rows two quads ahead; the hot neurons (calibrated to fire
+ * file's rows (dotr4), asking for rows two quads ahead (spread over the split rows' arithmetic: pi_pf); the hot neurons (calibrated to fire
  * often: sparse_layers.py's HOT_FREQ) all of them every step, from a copy of their rows through
  * the dense kernel, kept where the rule chose them. Its down projection sums the active
  * neurons' rows of down_t (neuron-major; Q4_0 for a 4-bit file, else Q8_0: sparse_down.h) when at most PI_DT_MAX of them are active, else
@@ -267,6 +267,7 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
             while (qo[t + 1] <= q) t++;
             const int k0 = n_hot + 4 * (q - qo[t]), kt = off[t + 1] - off[t], nr = kt - k0 < 4 ? kt - k0 : 4;
             const int32_t *it = s->idx + (size_t)t * n + k0;
+            pi_pf pf = {.k = 0, .i = 0, .o = 0};
             if (q + PI_QUADS_AHEAD < quads) { /* the rows PI_QUADS_AHEAD quads on */
                 const int q2 = q + PI_QUADS_AHEAD;
                 int t2 = t;
@@ -274,18 +275,23 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
                 const int k2 = n_hot + 4 * (q2 - qo[t2]), left = off[t2 + 1] - off[t2] - k2;
                 for (int r = 0; r < (left < 4 ? left : 4); r++) {
                     const int j2 = s->idx[(size_t)t2 * n + k2 + r];
-                    if (!m->gateless)
-                        prefetch_row_bytes((S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * us, L->wu.row_bytes);
-                    if (!dense_gate)
-                        prefetch_row_bytes((S->gate_split ? S->gate_split : L->wg.data) + (size_t)j2 * gs, L->wg.row_bytes);
+                    if (!m->gateless) {
+                        pf.p[pf.k] = (S->up_split ? S->up_split : L->wu.data) + (size_t)j2 * us;
+                        pf.n[pf.k++] = L->wu.row_bytes;
+                    }
+                    if (!dense_gate) {
+                        pf.p[pf.k] = (S->gate_split ? S->gate_split : L->wg.data) + (size_t)j2 * gs;
+                        pf.n[pf.k++] = L->wg.row_bytes;
+                    }
                 }
+                if (!(S->up_split || S->gate_split)) pf_rest(&pf); /* the file's rows (no split copy): asked for at once */
             }
             const pi_act a = act_row(s, s->xn, t, d);
             float uo[4] = {1.0f, 1.0f, 1.0f, 1.0f}, go[4]; /* OPT (gateless): no up rows, up = 1 */
             if (!m->gateless) {
 #ifdef PI_VNNI
                 if (S->up_split)
-                    for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * us, L->wu.type, &a, d);
+                    for (int r = 0; r < nr; r++) uo[r] = split_dot(S->up_split + (size_t)it[r] * us, L->wu.type, &a, d, &pf);
                 else
 #endif
                     dot_quad(&L->wu, ur, udot, it, nr, &a, d, uo);
@@ -293,11 +299,12 @@ static void sparse_hidden(const pi_model *m, const pi_layer *L, const float *x, 
             if (!dense_gate) {
 #ifdef PI_VNNI
                 if (S->gate_split)
-                    for (int r = 0; r < nr; r++) go[r] = split_dot(S->gate_split + (size_t)it[r] * gs, L->wg.type, &a, d);
+                    for (int r = 0; r < nr; r++) go[r] = split_dot(S->gate_split + (size_t)it[r] * gs, L->wg.type, &a, d, &pf);
                 else
 #endif
                     dot_quad(&L->wg, gr, gdot, it, nr, &a, d, go);
             }
+            pf_rest(&pf); /* what the dot products did not ask for yet */
             float *hu = s->hu + off[t] + k0, *ha = s->ha + off[t] + k0;
             for (int r = 0; r < nr; r++) {
                 hu[r] = uo[r];
