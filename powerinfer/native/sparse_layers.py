@@ -232,7 +232,7 @@ class NativeSparseFFNs:
         self._perm: list[np.ndarray] = []  # the rules' hot, is_hot and dperm arrays
         self.hot = [0] * cfg.n_layers  # per layer: this rank's hot neurons, which decode computes every step
         self.computed = np.zeros(cfg.n_layers, dtype=np.int64)  # gate / up rows decode computed per layer (the decoder adds to it)
-        self.quality = np.zeros((cfg.n_layers, 3), dtype=np.int64)  # while tracked: decode's true / false positives, false negatives
+        self.quality = np.zeros((cfg.n_layers, 3), dtype=np.int64)  # while tracked: decode's true positives, false negatives, false positives
         self.pred_s = np.zeros(cfg.n_layers, dtype=np.float64)  # while tracked: seconds the predictor took per layer
         d0, d1 = rows or (0, cfg.d_model)
         # decided on the whole layer's statistics, so that every rank of a pool decides alike

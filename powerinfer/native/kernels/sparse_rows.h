@@ -16,7 +16,8 @@
  *
  * Decode (up to PI_SPARSE_T tokens a call) reads only the chosen rows: in qsplit.h's layout on
  * AVX-512 (the row's scales first, two blocks per instruction), else four rows at a time from the
- * file's rows (dotr4), asking for rows two quads ahead (spread over the split rows' arithmetic: pi_pf); the hot neurons (calibrated to fire
+ * file's rows (dotr4), asking for rows two quads ahead (a line at a time between the split rows'
+ * blocks: qsplit.h's pi_pf); the hot neurons (calibrated to fire
  * often: sparse_layers.py's HOT_FREQ) all of them every step, from a copy of their rows through
  * the dense kernel, kept where the rule chose them. Its down projection sums the active
  * neurons' rows of down_t (neuron-major; Q4_0 for a 4-bit file, else Q8_0: sparse_down.h) when at most PI_DT_MAX of them are active, else
