@@ -113,8 +113,9 @@ def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096, many: bo
                        help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m); repeat it to serve several")
     else:
         p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
-    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU worker processes (default: one per physical core)")
-    p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: one per physical core)")
+    p.add_argument("--worker-threads", type=positive_int, default=None,
+                   help="threads per worker process, dividing --threads (default: one worker process per NUMA node)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process",
                    help="process: shards in CPU worker processes (default); inprocess: everything in this process")
     p.add_argument("--transport", choices=["auto", "shm", "zmq"], default="auto",

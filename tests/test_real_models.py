@@ -105,7 +105,7 @@ def test_worker_processes_equal_inprocess_oracle(key: str, n_workers: int, trans
         oracle = LLM(path, n_ctx=128, executor="inprocess", n_threads=2, native=True)
     else:
         oracle = LLM(path, n_ctx=128, executor="inprocess", n_shards=n_workers, native=False)
-    llm = LLM(path, n_ctx=128, n_threads=n_workers, transport=transport)
+    llm = LLM(path, n_ctx=128, n_threads=n_workers, worker_threads=1, transport=transport)
     try:
         np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3 if transport == "zmq" else 0, rtol=0)
         assert [c.token for c in llm.generate(ids, 8, temperature=0)] == [c.token for c in oracle.generate(ids, 8, temperature=0)]
@@ -135,7 +135,7 @@ def test_worker_processes_with_a_predictor_equal_inprocess(n_workers: int, smoll
     ids = reference["smollm2"]["greedy"][0]["prompt_tokens"]
     oracle = LLM(smollm2_path, n_ctx=128, executor="inprocess", n_shards=n_workers, predictor=smollm2_gate_predictor, n_threads=1,
                  native=False)
-    llm = LLM(smollm2_path, n_ctx=128, n_threads=n_workers, predictor=smollm2_gate_predictor, transport="zmq")
+    llm = LLM(smollm2_path, n_ctx=128, n_threads=n_workers, worker_threads=1, predictor=smollm2_gate_predictor, transport="zmq")
     try:
         assert llm.sparse and type(llm.engine.executor).__name__ == "ProcessExecutor"
         np.testing.assert_allclose(llm.logits(ids), oracle.logits(ids), atol=1e-3, rtol=0)

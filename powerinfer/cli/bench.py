@@ -2,9 +2,9 @@
 
 Runs in: the user's process, which starts one child process per configuration (so each figure's
 load time and memory belong to that configuration alone), prints a table, and optionally writes
-JSON and a PNG plot of decode tokens/s against workers with the memory-bandwidth ceiling.
+JSON and a PNG plot of decode tokens/s against threads with the memory-bandwidth ceiling.
 
-    powerinfer bench -m smollm2 --workers 1,2 --prompt-tokens 128 --gen-tokens 64 --plot scaling.png
+    powerinfer bench -m smollm2 -t 1,2 --prompt-tokens 128 --gen-tokens 64 --plot scaling.png
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ def _int_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     from powerinfer.flags import Parser, positive_int
 
-    p = Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per worker count.")
+    p = Parser(prog="powerinfer bench", description="Measure load time, memory, prefill and decode tokens/s per thread count.")
     p.add_argument("-m", "--model", default=None, help="GGUF file or known model name (not needed for --merge)")
     p.add_argument("--workers", "-t", "--threads", dest="workers", type=_int_list, default=[1, 2],
-                   help="comma-separated CPU worker (or, with --executor inprocess, thread) counts (default 1,2)")
+                   help="comma-separated CPU thread counts (default 1,2), in worker processes as --worker-threads lays them out")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
-    p.add_argument("--worker-threads", type=positive_int, default=1, help="threads per worker process (default 1)")
+    p.add_argument("--worker-threads", type=positive_int, default=None,
+                   help="threads per worker process, dividing --threads (default: one worker process per NUMA node)")
     p.add_argument("--predictor", default=None, help="measure sparse decode with this .predictor file")
     p.add_argument("--vs-dense", action="store_true",
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native decoder: split a decode step's time into its layer phases, the head and the rest "
                         "(in process, first --workers value, --gen-tokens steps)")
     p.add_argument("--paired", action="store_true",
-                   help="the default executor at each --workers count and the in-process decoder in alternating rounds of one run "
+                   help="the default executor at each --workers (thread) count, single-thread worker processes and the in-process decoder in alternating rounds of one run "
                         "(--rounds): paired ratios, merge latency, wait share, memory; --plot draws the scaling")
     p.add_argument("--merge", action="store_true",
                    help="the shared-memory merge alone between real rank processes (first --workers value, at least 2), then the GPU rank's "
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per figure; the median is reported (default 3)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=512, help="prompt tokens per prefill step (default 512)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    p.add_argument("--plot", default=None, help="also write a PNG plot of decode tokens/s against workers")
+    p.add_argument("--plot", default=None, help="also write a PNG plot of decode tokens/s against threads")
     p.add_argument("--one", type=positive_int, default=None, help=argparse.SUPPRESS)  # child mode
     return p
 
@@ -121,7 +122,7 @@ def _memory(pids: Sequence[int]) -> tuple[float, float, float]:
 
 
 def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tokens: int, repeat: int, n_batch: int,
-            worker_threads: int = 1, predictor: str | None = None) -> dict[str, Any]:
+            worker_threads: int | None = None, predictor: str | None = None) -> dict[str, Any]:
     """Measure one configuration in this process (plus its workers)."""
     from powerinfer.api import LLM
 
@@ -154,7 +155,8 @@ def measure(model: str, workers: int, executor: str, prompt_tokens: int, gen_tok
             "model": llm.config.name,
             "sparse": llm.sparse,
             "executor": executor,
-            "workers": workers,
+            "threads": workers,
+            "workers": len(desc.pids),  # worker processes (0: in process)
             "load_s": round(load_s, 3),
             "peak_rss_mib": round(peak, 1),
             "total_rss_mib": round(rss, 1),
@@ -180,11 +182,11 @@ def _plot(rows: list[dict[str, Any]], ceiling_tps: float, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [r["workers"] for r in rows]
+    xs = [r["threads"] for r in rows]
     ax.plot(xs, [r["decode_tps"] for r in rows], "o-", label="decode")
     ax.plot(xs, [r["prefill_tps"] for r in rows], "s-", label="prefill")
     ax.axhline(ceiling_tps, color="red", linestyle="--", label=f"bandwidth ceiling (decode) {ceiling_tps:.0f}")
-    ax.set_xlabel(f"{rows[0]['executor']} workers")
+    ax.set_xlabel(f"CPU threads ({rows[0]['executor']} executor)")
     ax.set_ylabel("tokens/s")
     ax.set_xticks(xs)
     ax.set_title(rows[0]["model"])
@@ -292,18 +294,20 @@ def run_bench(argv: Sequence[str]) -> int:
     for workers in args.workers:
         cmd = [sys.executable, "-m", "powerinfer.cli.main", "bench", "-m", model, "--one", str(workers), "--executor", args.executor,
                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
-               "--repeat", str(args.repeat), "-b", str(args.batch_size), "--worker-threads", str(args.worker_threads)]
+               "--repeat", str(args.repeat), "-b", str(args.batch_size)]
+        if args.worker_threads is not None:
+            cmd += ["--worker-threads", str(args.worker_threads)]
         if args.predictor:
             cmd += ["--predictor", args.predictor]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise PowerInferError(f"benchmark with {workers} workers failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
+            raise PowerInferError(f"benchmark with {workers} threads failed: {(proc.stderr.strip().splitlines() or [proc.returncode])[-1]}")
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     from powerinfer.sparsity.speed import read_bandwidth
 
     bandwidth = read_bandwidth(max(args.workers))
     ceiling = bandwidth * 1e9 / (rows[0]["read_mib_per_token"] * 2**20)
-    cols = ["workers", "load_s", "peak_rss_mib", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps", "decode_gbs"]
+    cols = ["threads", "workers", "load_s", "peak_rss_mib", "total_rss_mib", "total_pss_mib", "prefill_tps", "decode_tps", "decode_gbs"]
     if "decode_layer_us" in rows[0]:
         cols += ["decode_layer_us", "decode_layer_compute_us", "decode_layer_ipc_us"]
     if "merge_median_us" in rows[0]:

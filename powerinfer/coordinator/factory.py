@@ -46,8 +46,8 @@ class ExecutorOptions:
     kind: str = "process"  # "process": worker processes (the default); "inprocess": this process
     n_ctx: int = 4096
     n_batch: int = 512  # most tokens per forward pass
-    n_threads: Optional[int] = None  # worker processes (process) or threads (inprocess); None: the machine's default
-    worker_threads: int = 1  # threads per worker process
+    n_threads: Optional[int] = None  # CPU threads, in worker processes or in this process; None: one per physical core
+    worker_threads: Optional[int] = None  # threads per worker process; None: one worker per NUMA node (split_threads)
     n_shards: int = 1  # inprocess torch: shards per layer, as workers would split it
     pin: bool = True  # pin worker processes to cores and NUMA nodes
     progress: bool = False
@@ -64,6 +64,8 @@ class ExecutorOptions:
             raise InvalidArgumentError(f"transport must be 'auto', 'shm' or 'zmq', got {self.transport!r}")
         if self.n_threads is not None and self.n_threads < 1:
             raise InvalidArgumentError(f"threads must be >= 1, got {self.n_threads}")
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise InvalidArgumentError(f"threads per worker process must be >= 1, got {self.worker_threads}")
         if self.cluster is not None:
             self.cluster.check()
 
@@ -148,10 +150,11 @@ def _log_level() -> str:
 def _worker_processes(m: Model, o: ExecutorOptions) -> Executor:
     """Worker processes: native ranks merging in shared memory (and a GPU rank with -ngl), or torch shards over ZeroMQ."""
     from powerinfer.coordinator.native_pool import shm_blocker
-    from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
+    from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology, split_threads
 
     sparse = m.sparse and m.predictor is not None
-    n_workers = o.n_threads or default_workers()
+    topo = read_topology()
+    n_workers, worker_threads = split_threads(topo, o.n_threads or default_workers(topo), o.worker_threads)
     if o.transport != "zmq":
         why = shm_blocker(m.file, m.config, n_workers, sparse)
         if why is None:
@@ -162,11 +165,12 @@ def _worker_processes(m: Model, o: ExecutorOptions) -> Executor:
             rank = None if o.gpu is None else gpu_rank_spec(m.path, m.file, m.config, o.n_ctx, o.gpu, predictor=m.predictor,
                                                              predictor_path=_path(m), sparse=sparse, n_slots=o.n_slots,
                                                              log_level=_log_level())
-            placements = tuple(plan_placement(read_topology(), n_workers, o.worker_threads)) if o.pin else ()
+            placements = tuple(plan_placement(topo, n_workers, worker_threads)) if o.pin else ()
             lib = decoder_lib()
             assert lib is not None  # shm_blocker said it loads
-            log.info("executor: %d native worker ranks merging in shared memory%s", n_workers, " and a GPU rank" if rank is not None else "")
-            return NativePoolExecutor(lib, m.file, str(m.path), m.config, o.n_ctx, n_workers, o.worker_threads, placements, _log_level(),
+            log.info("executor: %d native worker rank%s of %d thread%s merging in shared memory%s", n_workers, "s" if n_workers > 1 else "",
+                     worker_threads, "s" if worker_threads > 1 else "", " and a GPU rank" if rank is not None else "")
+            return NativePoolExecutor(lib, m.file, str(m.path), m.config, o.n_ctx, n_workers, worker_threads, placements, _log_level(),
                                       o.n_slots, o.n_batch, predictor=str(m.predictor_path) if sparse else "", gpu=rank)
         if o.transport == "shm":
             raise InvalidArgumentError(f"--transport shm is not possible here: {why}")
@@ -177,9 +181,10 @@ def _worker_processes(m: Model, o: ExecutorOptions) -> Executor:
     from powerinfer.coordinator.process_executor import ProcessExecutor
 
     refuse_residual_input(m.predictor if m.sparse else None, "the ZeroMQ torch workers")
-    log.info("executor: %d torch worker processes over ZeroMQ", n_workers)
+    log.info("executor: %d torch worker process%s of %d thread%s over ZeroMQ", n_workers, "es" if n_workers > 1 else "", worker_threads,
+             "s" if worker_threads > 1 else "")
     # the coordinator only does small numpy work (norms, residuals, sampling): the workers hold every matrix
-    return ProcessExecutor(m.file, m.config, o.n_ctx, n_workers, threads_per_worker=o.worker_threads, pin=o.pin,
+    return ProcessExecutor(m.file, m.config, o.n_ctx, n_workers, threads_per_worker=worker_threads, pin=o.pin,
                            predictor=str(m.predictor_path) if sparse else "", log_level=_log_level(), n_slots=o.n_slots)
 
 

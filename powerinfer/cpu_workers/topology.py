@@ -1,6 +1,6 @@
 """CPU / NUMA topology discovery and placement of CPU workers on cores and memory nodes.
 
-Runs in: the coordinator (``read_topology``, ``plan_placement``, ``default_workers``); each CPU
+Runs in: the coordinator (``read_topology``, ``split_threads``, ``plan_placement``, ``default_workers``); each CPU
 worker process then applies its placement with ``pinning.py``.
 
 Why: a worker computes a shard of every layer and is bound by memory bandwidth. On a multi-socket
@@ -353,3 +353,29 @@ def default_workers(topo: Topology | None = None) -> int:
     if topo is None:
         topo = read_topology()
     return max(1, topo.n_physical)
+
+
+def split_threads(topo: Topology, n_threads: int, worker_threads: int | None = None) -> tuple[int, int]:
+    """(worker processes, threads each) that run ``n_threads`` CPU threads.
+
+    ``worker_threads`` None: one worker per NUMA node (as many as divide ``n_threads`` evenly, at
+    most one per thread), each with its node's share of the threads: on one node, one worker with
+    every thread. Threads of one process share each layer through OpenMP's barriers, while worker
+    processes merge their partials in shared memory after every layer's parts; on a 2-core Zen 4
+    one worker with 2 threads decoded 1.07-1.11x two single-thread workers (docs/sparsity.md), and
+    separate processes pay off only where they keep each node's weights in its own memory.
+    ``worker_threads`` K: ``n_threads / K`` workers of K threads (K must divide ``n_threads``).
+    """
+    if n_threads < 1:
+        raise InvalidArgumentError(f"threads must be >= 1, got {n_threads}")
+    if worker_threads is not None:
+        if worker_threads < 1:
+            raise InvalidArgumentError(f"threads per CPU worker must be >= 1, got {worker_threads}")
+        if n_threads % worker_threads:
+            raise InvalidArgumentError(f"{n_threads} threads do not split into workers of {worker_threads} threads each "
+                                       "(--threads must be a multiple of --worker-threads)")
+        return n_threads // worker_threads, worker_threads
+    workers = max(1, min(n_threads, sum(1 for node in topo.nodes if topo.cores_of(node))))
+    while n_threads % workers:
+        workers -= 1
+    return workers, n_threads // workers

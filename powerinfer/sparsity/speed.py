@@ -181,7 +181,7 @@ def replay_decode(model: str, predictor: str, ids: list[int], gen_tokens: int, t
 
 
 def compare_decode(model: str, predictor: str, threads: int = 2, executor: str = "inprocess", prompt_tokens: int = 64,
-                   gen_tokens: int = 32, rounds: int = 12, worker_threads: int = 1, llama_cpp: bool = False,
+                   gen_tokens: int = 32, rounds: int = 12, worker_threads: int | None = None, llama_cpp: bool = False,
                    read_bytes: bool = False, powerinfer: tuple[str, str] | None = None) -> SpeedComparison:
     """Load `model` dense and with `predictor` (and in llama.cpp), alternate decode rounds, return the
     figures; read_bytes: also count the bytes a decode step reads and measure the read bandwidth;

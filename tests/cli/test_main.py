@@ -77,7 +77,7 @@ def test_bad_input_is_one_line_error(make_model: Callable[..., Path], tmp_path: 
 
 def test_bench_prints_measured_table(make_model: Callable[..., Path], tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    proc = run("bench", "-m", str(make_model(arch="llama")), "--workers", "1,2", "--prompt-tokens", "8",
+    proc = run("bench", "-m", str(make_model(arch="llama")), "--workers", "1,2", "--worker-threads", "1", "--prompt-tokens", "8",
                "--gen-tokens", "4", "--repeat", "1", "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
     assert "decode_tps" in proc.stdout and "decode ceiling" in proc.stdout
@@ -85,7 +85,7 @@ def test_bench_prints_measured_table(make_model: Callable[..., Path], tmp_path: 
 
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert [r["workers"] for r in rows] == [1, 2]
+    assert [r["threads"] for r in rows] == [1, 2] and [r["workers"] for r in rows] == [1, 2]
     for r in rows:
         assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and r["total_pss_mib"] > 0 and r["peak_rss_mib"] >= r["total_rss_mib"] * 0.9
         assert r["decode_step_us"] > 0 and r["merge_median_us"] > 0 and r["merge_p99_us"] >= r["merge_median_us"]
@@ -100,7 +100,7 @@ def test_sigterm_stops_generation_and_workers(make_model: Callable[..., Path]) -
     import psutil
 
     proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "-m", str(make_model(arch="llama")), "-p", "abc",
-                             "-n", "-1", "-c", "65536", "-t", "2", "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "-n", "-1", "-c", "65536", "-t", "2", "--worker-threads", "1", "--temp", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # greedy: this model never samples its end token then (a random draw can, within a second at
     # ~10k tokens/s); the text is read as a terminal would: a full pipe would block the writer
     drain = threading.Thread(target=lambda: proc.stdout.read() if proc.stdout else None, daemon=True)
@@ -184,7 +184,8 @@ def test_verbose_prints_summary_timings_and_layer_figures(make_model: Callable[.
     for text in ("placement  2 CPU worker processes", "native rank", "mode       dense", "prompt eval time", "eval time", "round trip",
                  "merges a step", "merge latency per sync"):
         assert text in proc.stderr, text
-    zmq = run("-m", str(make_model(arch="llama")), "-p", "abc", "-n", "3", "--temp", "0", "-t", "2", "--verbose", "--transport", "zmq")
+    zmq = run("-m", str(make_model(arch="llama")), "-p", "abc", "-n", "3", "--temp", "0", "-t", "2", "--verbose", "--transport", "zmq",
+              "--worker-threads", "1")
     assert zmq.returncode == 0, zmq.stderr
     for text in ("placement  2 CPU worker processes", "round trip µs", "attention"):
         assert text in zmq.stderr, text

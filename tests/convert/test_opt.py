@@ -164,10 +164,10 @@ def test_the_gpu_rank_joins_the_native_pool_on_opt(trained: Path) -> None:
     c = layer_costs(f, cfg, 128)
     some = float(c.overhead + c.fixed.sum() + 0.4 * cfg.n_ff * c.per_neuron.sum()) / GIB  # every attention, ~40% of the neurons
     ids = [int(i) for i in np.random.default_rng(1).integers(2, 290, 20)]
-    want = _greedy(trained / "opt.gguf", ids, 16, executor="process", n_threads=2)
+    want = _greedy(trained / "opt.gguf", ids, 16, executor="process", n_threads=2, worker_threads=1)
     for split, budget, ngl in (("neuron", some, cfg.n_layers), ("layer", 1.0, 1)):
         gpu = GpuOptions(backend="cpu", split=split, vram_budget_gib=budget, n_gpu_layers=ngl)
-        assert _greedy(trained / "opt.gguf", ids, 16, executor="process", n_threads=2, gpu=gpu) == want, split
+        assert _greedy(trained / "opt.gguf", ids, 16, executor="process", n_threads=2, worker_threads=1, gpu=gpu) == want, split
 
 
 def test_post_layernorm_opt_is_refused(tmp_path: Path) -> None:

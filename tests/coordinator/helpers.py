@@ -23,7 +23,7 @@ def long_prompt_runs(model: Path, gpu: "GpuOptions") -> dict[str, tuple[str, np.
 
     out = {}
     for executor in ("process", "inprocess"):
-        with LLM(model, gpu=gpu, executor=executor, n_threads=2, n_ctx=512) as llm:
+        with LLM(model, gpu=gpu, executor=executor, n_threads=2, worker_threads=1, n_ctx=512) as llm:
             ids = llm.tokenize(LONG_PROMPT)
             assert len(ids) > 200
             out[executor] = (llm.complete(LONG_PROMPT, max_tokens=8, temperature=0)[0], llm.logits(ids))

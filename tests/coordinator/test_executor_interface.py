@@ -35,10 +35,10 @@ GPU = dict(backend="cpu", split="layer", vram_budget_gib=64 * 2**20 / GIB, max_t
 CASES: dict[str, tuple[dict[str, object], int, float]] = {
     "native in process": (dict(kind="inprocess", n_threads=1), 0, 0.05),
     "torch in process": (dict(kind="inprocess", native=False), 0, 0.0),
-    "native pool": (dict(kind="process", n_threads=2, pin=False), 2, 0.05),
-    "torch workers over ZeroMQ": (dict(kind="process", n_threads=2, pin=False, transport="zmq"), 2, 0.01),  # two shards: bf16 head rounding
+    "native pool": (dict(kind="process", n_threads=2, worker_threads=1, pin=False), 2, 0.05),
+    "torch workers over ZeroMQ": (dict(kind="process", n_threads=2, worker_threads=1, pin=False, transport="zmq"), 2, 0.01),  # two shards: bf16 head rounding
     "hybrid, GPU in process": (dict(kind="inprocess", gpu=GpuOptions(process=False, **GPU)), 0, 0.05),  # type: ignore[arg-type]
-    "pool with a GPU rank": (dict(kind="process", n_threads=2, pin=False, gpu=GpuOptions(process=True, **GPU)), 3, 0.05),  # type: ignore[arg-type]
+    "pool with a GPU rank": (dict(kind="process", n_threads=2, worker_threads=1, pin=False, gpu=GpuOptions(process=True, **GPU)), 3, 0.05),  # type: ignore[arg-type]
     "profiling": ({}, 0, 0.0),
     "Ray pipeline": ({}, 0, 0.05),  # two stages packed on a local Ray node (skipped without Ray)
 }

@@ -116,7 +116,7 @@ def test_sparse_layers_on_both_sides_equal_the_hybrid(make_model: Callable[..., 
 def test_smollm2_layer_split_through_llm_equals_the_hybrid(smollm2_path: Path, n_workers: int) -> None:
     gpu = GpuOptions(backend="cpu", split="layer", vram_budget_gib=1.0, n_gpu_layers=12)
     prompt = "The capital of France is"
-    with LLM(smollm2_path, gpu=gpu, n_threads=n_workers, n_ctx=128) as llm:
+    with LLM(smollm2_path, gpu=gpu, n_threads=n_workers, worker_threads=1, n_ctx=128) as llm:
         assert type(llm.engine.executor).__name__ == "NativePoolExecutor" and len(llm.engine.executor.pids) == n_workers + 1
         ours = llm.complete(prompt, max_tokens=16, temperature=0)[0]
         ours_logits = llm.logits(llm.tokenize(prompt))

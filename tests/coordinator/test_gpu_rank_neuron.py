@@ -175,7 +175,7 @@ def test_smollm2_neuron_split_through_llm_agrees_with_llama_cpp(smollm2_path: Pa
     gpu = GpuOptions(backend="cpu", split="neuron", vram_budget_gib=0.02, n_gpu_layers=10)
     run = reference["smollm2"]["greedy"][0]
     prompt, gen = run["prompt_tokens"], run["generated_tokens"]
-    with LLM(smollm2_path, gpu=gpu, n_threads=2, n_ctx=256) as llm:
+    with LLM(smollm2_path, gpu=gpu, n_threads=2, worker_threads=1, n_ctx=256) as llm:
         ex = llm.engine.executor
         assert type(ex).__name__ == "NativePoolExecutor" and len(ex.pids) == 3
         assert ex.gpu_spec is not None and len(ex.gpu_spec.split_layers) == 10 and not ex.gpu_spec.layers

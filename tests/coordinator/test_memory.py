@@ -13,7 +13,7 @@ pytestmark = pytest.mark.real_model
 _MEASURE = """
 import os, sys, psutil
 from powerinfer.api import LLM
-llm = LLM(sys.argv[1], n_ctx=200, n_threads=2, executor=sys.argv[2], native=None if sys.argv[3] == "auto" else sys.argv[3] == "native")
+llm = LLM(sys.argv[1], n_ctx=200, n_threads=2, worker_threads=1, executor=sys.argv[2], native=None if sys.argv[3] == "auto" else sys.argv[3] == "native")
 ids = list(range(1000, 1128))
 llm.engine.eval(ids)
 for _ in range(16):

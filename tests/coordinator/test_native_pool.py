@@ -164,7 +164,7 @@ def test_merge_gathers_every_rank_and_records_latency(make_model: Callable[..., 
 def test_pool_equals_native_inprocess(make_model: Callable[..., Path], n_workers: int) -> None:
     path = make_model(arch="gemma3", qtype=QT.Q8_0, n_layers=3)
     oracle = LLM(path, n_ctx=64, executor="inprocess", n_threads=1, native=True)
-    llm = LLM(path, n_ctx=64, n_threads=n_workers, pin=False)
+    llm = LLM(path, n_ctx=64, n_threads=n_workers, worker_threads=1, pin=False)
     try:
         assert isinstance(llm.engine.executor, NativePoolExecutor)
         np.testing.assert_array_equal(llm.logits(IDS), oracle.logits(IDS))
@@ -179,7 +179,7 @@ def test_pool_equals_native_inprocess(make_model: Callable[..., Path], n_workers
 
 def test_batched_decode_on_ranks_equals_each_alone(make_model: Callable[..., Path]) -> None:
     path = make_model(arch="qwen2", qtype=QT.Q4_0, n_layers=2)
-    llm = LLM(path, n_ctx=32, n_threads=2, pin=False, n_slots=2)
+    llm = LLM(path, n_ctx=32, n_threads=2, worker_threads=1, pin=False, n_slots=2)
     solo = LLM(path, n_ctx=32, executor="inprocess", n_threads=1, native=True)
     try:
         llm.engine.eval(IDS[:5], slot=0)
@@ -195,7 +195,7 @@ def test_batched_decode_on_ranks_equals_each_alone(make_model: Callable[..., Pat
 
 def test_rank_killed_inside_a_merge_fails_the_step_without_a_hang(make_model: Callable[..., Path]) -> None:
     """Rank 1 stopped, so rank 0 sits in a merge waiting for it; then rank 1 is killed."""
-    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False)
+    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, worker_threads=1, pin=False)
     ex = llm.engine.executor
     assert isinstance(ex, NativePoolExecutor)
     victim, survivor = ex.pids[1], ex.pids[0]
@@ -217,7 +217,7 @@ def test_rank_killed_inside_a_merge_fails_the_step_without_a_hang(make_model: Ca
 
 
 def test_idle_pool_sleeps(make_model: Callable[..., Path]) -> None:
-    llm = LLM(make_model(arch="llama"), n_ctx=64, n_threads=2, pin=False)
+    llm = LLM(make_model(arch="llama"), n_ctx=64, n_threads=2, worker_threads=1, pin=False)
     try:
         llm.complete(IDS, max_tokens=4, temperature=0)
         procs = [psutil.Process(p) for p in llm.engine.executor.pids]  # type: ignore[attr-defined]
@@ -236,11 +236,11 @@ def test_transport_choice_and_fallbacks(make_model: Callable[..., Path], monkeyp
     with pytest.raises(InvalidArgumentError, match="transport"):
         LLM(path, transport="udp")
     with pytest.raises(InvalidArgumentError, match="query head"):
-        LLM(path, n_threads=5, pin=False, transport="shm")  # 4 query heads
+        LLM(path, n_threads=5, worker_threads=1, pin=False, transport="shm")  # 4 query heads
     monkeypatch.setenv("POWERINFER_NATIVE", "0")
     with pytest.raises(InvalidArgumentError, match="shm is not possible"):
-        LLM(path, n_threads=2, pin=False, transport="shm")
-    with LLM(path, n_ctx=32, n_threads=2, pin=False) as llm:
+        LLM(path, n_threads=2, worker_threads=1, pin=False, transport="shm")
+    with LLM(path, n_ctx=32, n_threads=2, worker_threads=1, pin=False) as llm:
         assert isinstance(llm.engine.executor, ProcessExecutor)
     assert "over ZeroMQ" in caplog.text
 
@@ -248,7 +248,7 @@ def test_transport_choice_and_fallbacks(make_model: Callable[..., Path], monkeyp
 def test_step_messages_over_zeromq_equal_the_doorbell(make_model: Callable[..., Path]) -> None:
     """STEP/RESULT (the protocol's portable form of a step) give the same numbers as the doorbell."""
     path = make_model(arch="llama", qtype=QT.Q8_0, n_layers=2)
-    llm = LLM(path, n_ctx=64, n_threads=2, pin=False)
+    llm = LLM(path, n_ctx=64, n_threads=2, worker_threads=1, pin=False)
     ex = llm.engine.executor
     assert isinstance(ex, NativePoolExecutor)
     try:
@@ -266,7 +266,7 @@ def test_step_messages_over_zeromq_equal_the_doorbell(make_model: Callable[..., 
 def test_ctrl_c_mid_step_lets_the_step_finish_and_the_pool_stays_usable(smollm2_path: Path) -> None:
     """An interrupt while the ranks are inside a pass is raised once the pass is done: no abort,
     no restart, and the next request computes the same numbers as ever."""
-    llm = LLM(smollm2_path, n_ctx=600, n_threads=2, pin=False)
+    llm = LLM(smollm2_path, n_ctx=600, n_threads=2, worker_threads=1, pin=False)
     ex = llm.engine.executor
     assert isinstance(ex, NativePoolExecutor)
     ids = llm.tokenize("The history of the city " * 100)[:500]  # a prefill of several wait slices
@@ -308,7 +308,7 @@ def test_sparse_ranks_equal_the_sparse_decoder_in_process(tmp_path: Path, mode: 
     want = ref.logits(ids)
     text = ref.complete(ids, max_tokens=8, temperature=0)[0]
     for workers in (1, 2, 3):
-        llm = LLM(model, n_ctx=64, predictor=path, n_threads=workers)
+        llm = LLM(model, n_ctx=64, predictor=path, n_threads=workers, worker_threads=1)
         try:
             assert isinstance(llm.engine.executor, NativePoolExecutor)
             np.testing.assert_array_equal(llm.logits(ids), want)

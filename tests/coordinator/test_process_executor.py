@@ -31,7 +31,7 @@ def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int
     # 3 workers: more than the 2 kv heads, and 160 neurons do not split evenly into 3 x 32-aligned ranges
     path = make_model(arch="gemma3", qtype=QT.Q8_0, n_layers=3)
     oracle = LLM(path, n_ctx=64, executor="inprocess", n_shards=n_workers, native=False)
-    llm = LLM(path, n_ctx=64, n_threads=n_workers, pin=False, transport="zmq")
+    llm = LLM(path, n_ctx=64, n_threads=n_workers, worker_threads=1, pin=False, transport="zmq")
     try:
         np.testing.assert_allclose(llm.logits(IDS), oracle.logits(IDS), atol=1e-3, rtol=0)
         a = [c.token for c in llm.generate(IDS, 8, temperature=0)]
@@ -45,7 +45,7 @@ def test_equals_inprocess_oracle(make_model: Callable[..., Path], n_workers: int
 
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[..., Path], transport: str) -> None:
-    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False, transport=transport)
+    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, worker_threads=1, pin=False, transport=transport)
     try:
         victim = llm.engine.executor.pids[1]  # type: ignore[attr-defined]
         gen = llm.generate(IDS, max_tokens=-1, temperature=0)
@@ -70,7 +70,7 @@ def test_killed_worker_fails_request_then_pool_recovers(make_model: Callable[...
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["shm", "zmq"])
 def test_stopped_worker_is_detected(make_model: Callable[..., Path], transport: str) -> None:
-    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, pin=False, transport=transport)
+    llm = LLM(make_model(arch="llama"), n_ctx=128, n_threads=2, worker_threads=1, pin=False, transport=transport)
     victim = llm.engine.executor.pids[0]  # type: ignore[attr-defined]
     try:
         os.kill(victim, signal.SIGSTOP)
@@ -88,7 +88,7 @@ def test_stopped_worker_is_detected(make_model: Callable[..., Path], transport: 
 _CHILD = """
 import sys, time
 from powerinfer.api import LLM
-llm = LLM(sys.argv[1], n_ctx=64, n_threads=2, pin=False)
+llm = LLM(sys.argv[1], n_ctx=64, n_threads=2, worker_threads=1, pin=False)
 print(" ".join(map(str, llm.engine.executor.pids)), flush=True)
 if sys.argv[2] == "serve":
     while True:
@@ -116,7 +116,7 @@ def test_slots_and_batched_decode_over_workers(make_model: Callable[..., Path]) 
     """Protocol v3: ATTN carries each token's KV slot; workers keep one cache per slot."""
     path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=2)
     oracle = LLM(path, n_ctx=32, executor="inprocess", n_slots=2, n_shards=2)
-    llm = LLM(path, n_ctx=32, n_threads=2, pin=False, n_slots=2, transport="zmq")
+    llm = LLM(path, n_ctx=32, n_threads=2, worker_threads=1, pin=False, n_slots=2, transport="zmq")
     try:
         for eng in (oracle.engine, llm.engine):
             eng.eval(IDS[:5], slot=0)

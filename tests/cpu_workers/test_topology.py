@@ -22,6 +22,7 @@ from powerinfer.cpu_workers.topology import (
     parse_cpulist,
     plan_placement,
     read_topology,
+    split_threads,
 )
 from powerinfer.errors import InvalidArgumentError
 
@@ -270,6 +271,21 @@ def test_plan_bad_arguments(box: Topology) -> None:
             plan_placement(box, n, threads_per_worker=t)
     with pytest.raises(InvalidArgumentError):
         plan_placement(Topology(nodes=(), cores=()), 1)
+
+
+def test_threads_go_to_one_worker_per_node_unless_told(box: Topology) -> None:
+    one_node = Topology(nodes=(0,), cores=tuple(Core(id=i, node=0, package=0, cpus=(i,)) for i in range(4)))
+    assert split_threads(one_node, 4) == (1, 4) and split_threads(one_node, 1) == (1, 1)
+    assert split_threads(one_node, 6) == (1, 6)  # more threads than cores: still one process (plan_placement warns)
+    assert split_threads(box, 8) == (2, 4) and split_threads(box, 2) == (2, 1)
+    assert [p.node for p in plan_placement(box, *split_threads(box, 8))] == [0, 1]  # a worker on each node, its cores as threads
+    assert split_threads(box, 3) == (1, 3) and split_threads(box, 1) == (1, 1)  # as many workers as divide the threads
+    assert split_threads(box, 8, 1) == (8, 1) and split_threads(box, 8, 2) == (4, 2) and split_threads(one_node, 4, 4) == (1, 4)
+    with pytest.raises(InvalidArgumentError, match="multiple of --worker-threads"):
+        split_threads(box, 8, 3)
+    for n, k in [(0, None), (2, 0), (-1, 1)]:
+        with pytest.raises(InvalidArgumentError):
+            split_threads(box, n, k)
 
 
 # ---------------------------------------------------------------------------------------------

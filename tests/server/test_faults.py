@@ -32,7 +32,8 @@ pytestmark = pytest.mark.real_model
 
 @pytest.fixture(scope="module")
 def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    s = start_server(smollm2_path, tmp_path_factory.mktemp("faults"), "-c", "512", "--parallel", "2", "-t", "2")
+    s = start_server(smollm2_path, tmp_path_factory.mktemp("faults"), "-c", "512", "--parallel", "2", "-t", "2",
+                     "--worker-threads", "1")
     yield s
     s.stop()
 

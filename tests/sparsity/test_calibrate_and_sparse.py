@@ -103,7 +103,7 @@ def test_worker_processes_run_sparse_shards(model: Path, tmp_path: Path) -> None
     path = _save(pf, tmp_path)
     oracle = LLM(model, n_ctx=64, executor="inprocess", n_shards=2, predictor=path).logits(IDS)
     # the torch shards over ZeroMQ (the native ranks' sparse path: tests/coordinator/test_native_pool.py)
-    llm = LLM(model, n_ctx=64, n_threads=2, pin=False, predictor=path, transport="zmq")
+    llm = LLM(model, n_ctx=64, n_threads=2, worker_threads=1, pin=False, predictor=path, transport="zmq")
     try:
         np.testing.assert_allclose(llm.logits(IDS), oracle, atol=1e-3, rtol=0)
     finally:

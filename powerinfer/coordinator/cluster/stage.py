@@ -27,7 +27,7 @@ from powerinfer.coordinator.embedding import Embedding
 from powerinfer.coordinator.cluster.stage_pool import StagePool
 from powerinfer.coordinator.executor import Batch, Want
 from powerinfer.coordinator.logits import answer
-from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology
+from powerinfer.cpu_workers.topology import default_workers, plan_placement, read_topology, split_threads
 from powerinfer.errors import InvalidArgumentError, PowerInferError
 from powerinfer.gguf_file import GGUFFile
 from powerinfer.native.decoder import NativeDecoder, supports
@@ -57,7 +57,7 @@ class StageSpec:
     n_threads: int  # 0: the node's physical cores
     replica: int = 0  # which full copy of the model this stage belongs to (--replicas)
     predictor: str = ""  # a .predictor file at the same path on every node: this stage's FFNs run sparsely
-    pool: bool = True  # a native pool of n_threads ranks (processes) on the node; False: the decoder in the actor's process
+    pool: bool = True  # a native pool of n_threads threads (a rank process per NUMA node) on the node; False: the decoder in the actor's process
     pin: bool = True  # the pool's ranks pinned to cores and NUMA nodes (cpu_workers/topology.py)
 
     @property
@@ -83,15 +83,17 @@ class Stage:
             raise PowerInferError(f"pipeline stage {spec.index} cannot run here: {why}")
         if not 0 <= spec.first < spec.stop <= self.cfg.n_layers:
             raise PowerInferError(f"pipeline stage {spec.index}: layers {spec.first}..{spec.stop - 1} of a {self.cfg.n_layers}-layer model")
-        threads = spec.n_threads or default_workers()  # 0: this node's physical cores (ranks of the pool, or threads)
+        threads = spec.n_threads or default_workers()  # 0: this node's physical cores (the pool's threads, or the decoder's)
         layers = frozenset(range(spec.first, spec.stop))
         self.pool: StagePool | None = None
         self.decoder: NativeDecoder | None = None
         self.sparse: NativeSparseFFNs | None = None
         self.embedding: Embedding | None = None
-        if spec.pool:  # the default executor's native pool on this node, of this stage's layers
-            placements = tuple(plan_placement(read_topology(), threads, 1)) if spec.pin else ()
-            self.pool = StagePool(lib, self.f, spec.path, self.cfg, spec.n_ctx, threads, 1, placements, "WARNING", spec.n_slots, spec.n_batch,
+        if spec.pool:  # the default executor's native pool on this node, of this stage's layers (a rank per NUMA node)
+            topo = read_topology()
+            ranks, each = split_threads(topo, threads)
+            placements = tuple(plan_placement(topo, ranks, each)) if spec.pin else ()
+            self.pool = StagePool(lib, self.f, spec.path, self.cfg, spec.n_ctx, ranks, each, placements, "WARNING", spec.n_slots, spec.n_batch,
                                   predictor=spec.predictor, layers=(spec.first, spec.stop))
         else:
             # the predictor's rule on this stage's layers, as the in-process native executor applies it

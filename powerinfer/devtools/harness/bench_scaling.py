@@ -1,11 +1,13 @@
-"""`powerinfer bench --paired`: executors and worker counts side by side, in alternating rounds of one run.
+"""`powerinfer bench --paired`: executors and thread counts side by side, in alternating rounds of one run.
 
 Runs in: the user's process (coordinator of every pool it loads) and their worker processes.
 
-Loads the model once per configuration (the default executor with each --workers count, one
-worker with as many threads, and the in-process native decoder with that many threads), then runs rounds A B C A B C ...
+Loads the model once per configuration (the default executor with each --threads count, in the
+worker processes split_threads gives it, then the most threads as single-thread worker processes
+when the default did not already run them so, and the in-process native decoder with that many
+threads), then runs rounds A B C A B C ...
 (each: a prompt, then greedy decode steps) and reports per configuration the median tokens/s and
-the medians of the per-round ratios against the in-process decoder and against the first worker
+the medians of the per-round ratios against the in-process decoder and against the first thread
 count, so the VM's drift cancels out. For the worker pools also: the merge's latency per sync
 (median, p99, from the ranks' rings) and the share of the ranks' time spent waiting in merges.
 Memory is not reported here:
@@ -27,7 +29,7 @@ from powerinfer.errors import PowerInferError
 @dataclass
 class ConfigResult:
     name: str
-    workers: int
+    workers: int  # the CPU threads it runs (-t)
     decode_tps: list[float] = field(default_factory=list)
     prefill_tps: list[float] = field(default_factory=list)
     merge_median_us: float = 0.0
@@ -56,7 +58,7 @@ class ScalingResult:
         first = next(c for c in self.configs if not c.name.startswith("in-process"))
         lines = [f"model: {self.model}  {'sparse: ' + self.predictor if self.predictor else 'dense'}  prompt: {self.prompt_tokens} tokens  decode: {self.gen_tokens} tokens  rounds: {self.rounds} "
                  "(alternating; ratios are medians of per-round ratios, quartiles in brackets)",
-                 f"{'configuration':<28}{'decode tok/s':>13}{'prefill tok/s':>14}{'vs in-process':>22}{'vs ' + first.name:>26}"
+                 f"{'configuration':<28}{'decode tok/s':>13}{'prefill tok/s':>14}{'vs in-process':>22}{'vs ' + first.name.split(':')[0]:>26}"
                  f"{'merge med/p99 us':>18}{'wait':>7}{'per rank':>12}{'outside':>9}"]
         for c in self.configs:
             vs_ref = "%.3f (%.3f-%.3f)" % self.ratio(c, ref)
@@ -70,7 +72,7 @@ class ScalingResult:
         lines.append("wait: the ranks' native time spent in merges waiting for a peer (per rank: one rank always waiting is an "
                      "imbalance of work); outside: a decode step's wall time outside the slowest rank's native code (doorbell, "
                      "coordinator)")
-        lines.append("memory: `powerinfer bench --workers ...` (without --paired) measures each configuration alone, all its processes")
+        lines.append("memory: `powerinfer bench -t ...` (without --paired) measures each configuration alone, all its processes")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -78,12 +80,18 @@ class ScalingResult:
                 "configs": [c.__dict__ for c in self.configs]}
 
 
-def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128, gen_tokens: int = 64, rounds: int = 6,
-                    worker_threads: int = 1, n_batch: int = 512, predictor: str | None = None) -> ScalingResult:
-    """The default executor at each worker count and the in-process decoder, in alternating rounds
-    (every configuration sparse with predictor when one is given)."""
+def _layout(workers: int, threads: int) -> str:
+    return f"{workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}"
+
+
+def compare_scaling(model: str, threads: Sequence[int], prompt_tokens: int = 128, gen_tokens: int = 64, rounds: int = 6,
+                    worker_threads: int | None = None, n_batch: int = 512, predictor: str | None = None) -> ScalingResult:
+    """The default executor at each thread count (worker processes as split_threads lays them out,
+    or of worker_threads threads each), the most threads as single-thread worker processes, and the
+    in-process decoder, in alternating rounds (every configuration sparse with predictor when one is given)."""
     from powerinfer.api import LLM
     from powerinfer.coordinator.native_pool import NativePoolExecutor
+    from powerinfer.cpu_workers.topology import read_topology, split_threads
     from powerinfer.sparsity.speed import PROMPT_TEXT
 
     if rounds < 2:
@@ -93,15 +101,20 @@ def compare_scaling(model: str, workers: Sequence[int], prompt_tokens: int = 128
     llms: dict[str, Any] = {}
     results: list[ConfigResult] = []
     try:
-        for n in workers:
-            llms[f"{n} worker{'s' if n > 1 else ''}"] = LLM(model, n_threads=n, worker_threads=worker_threads, **common)
-        top = max(workers) * worker_threads
-        if top > 1 and worker_threads == 1:  # the other way to use the cores: one rank with `top` threads
-            llms[f"1 worker x {top} threads"] = LLM(model, n_threads=1, worker_threads=top, **common)
+        topo = read_topology()
+        counts: dict[str, int] = {}
+        for n in threads:
+            w, t = split_threads(topo, n, worker_threads)
+            counts[f"-t {n}: {_layout(w, t)}"] = n
+            llms[f"-t {n}: {_layout(w, t)}"] = LLM(model, n_threads=n, worker_threads=worker_threads, **common)
+        top = max(threads)
+        if top > 1 and split_threads(topo, top, worker_threads)[1] > 1:  # the other way to use the cores: a rank per thread
+            counts[_layout(top, 1)] = top
+            llms[_layout(top, 1)] = LLM(model, n_threads=top, worker_threads=1, **common)
+        counts[f"in-process, {top} thread{'s' if top > 1 else ''}"] = top
         llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_threads=top, executor="inprocess", **common)
-        for name, llm in llms.items():
-            ex = llm.engine.executor
-            results.append(ConfigResult(name, len(ex.describe().pids) or top))
+        for name in llms:
+            results.append(ConfigResult(name, counts[name]))
         first = next(iter(llms.values()))
         ids = first.tokenize(PROMPT_TEXT * (1 + prompt_tokens // 20))[:prompt_tokens]
         for _ in range(rounds):
@@ -137,16 +150,16 @@ def plot_scaling(res: ScalingResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pools = [c for c in res.configs if not c.name.startswith("in-process") and " x " not in c.name]
-    threaded = [c for c in res.configs if " x " in c.name]
+    pools = [c for c in res.configs if c.name.startswith("-t ")]
+    others = [c for c in res.configs if not c.name.startswith(("-t ", "in-process"))]
     ref = next(c for c in res.configs if c.name.startswith("in-process"))
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [c.workers for c in pools]
-    ax.plot(xs, [statistics.median(c.decode_tps) for c in pools], "o-", label="default executor: N single-thread workers")
-    for c in threaded:
-        ax.plot([max(xs)], [statistics.median(c.decode_tps)], "s", color="tab:orange", label=c.name)
+    ax.plot(xs, [statistics.median(c.decode_tps) for c in pools], "o-", label="default executor")
+    for c in others:
+        ax.plot([c.workers], [statistics.median(c.decode_tps)], "s", color="tab:orange", label=c.name)
     ax.axhline(statistics.median(ref.decode_tps), color="gray", linestyle="--", label=ref.name)
-    ax.set_xlabel("CPU worker processes (= threads)")
+    ax.set_xlabel("CPU threads (-t)")
     ax.set_ylabel("decode tokens/s (median of alternating rounds)")
     ax.set_xticks(xs)
     ax.set_ylim(bottom=0)

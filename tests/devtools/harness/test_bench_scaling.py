@@ -11,6 +11,7 @@ from typing import Callable
 
 import pytest
 
+from powerinfer.cpu_workers.topology import read_topology, split_threads
 from powerinfer.devtools.harness.bench_scaling import ConfigResult, ScalingResult, compare_scaling
 
 
@@ -32,8 +33,8 @@ def test_report_shows_per_rank_waiting_and_time_outside_native_code() -> None:
 
 @pytest.mark.slow
 def test_sparse_scaling_runs_every_configuration_sparse(make_model: Callable[..., Path], tmp_path: Path) -> None:
-    """--paired --predictor: each configuration (the pool, one worker with two threads, in process)
-    loads the predictor, so the worker-count ratios compare sparse with sparse."""
+    """--paired --predictor: each configuration (the default executor at each thread count, single-thread
+    ranks, in process) loads the predictor, so the ratios compare sparse with sparse."""
     from powerinfer.predictors.predictor_file import write_predictor
     from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
 
@@ -41,6 +42,10 @@ def test_sparse_scaling_runs_every_configuration_sparse(make_model: Callable[...
     pred = tmp_path / "m.predictor"
     write_predictor(pred, calibrate(model, CalibrationSettings(mode="gate", sparsity=0.8, tokens=32, window=32, steps=1)))
     res = compare_scaling(str(model), [1, 2], prompt_tokens=8, gen_tokens=2, rounds=2, predictor=str(pred))
-    assert [c.name for c in res.configs] == ["1 worker", "2 workers", "1 worker x 2 threads", "in-process, 2 threads"]
+    w, t = split_threads(read_topology(), 2)  # this machine's default layout of 2 threads (one worker per NUMA node)
+    two = f"-t 2: {w} worker{'s' if w > 1 else ''} x {t} thread{'s' if t > 1 else ''}"
+    rank_per_thread = ["2 workers x 1 thread"] if t > 1 else []
+    assert [c.name for c in res.configs] == ["-t 1: 1 worker x 1 thread", two, *rank_per_thread, "in-process, 2 threads"]
+    assert [c.workers for c in res.configs] == [1, 2, *([2] if t > 1 else []), 2]  # the threads each ran
     assert all(len(c.decode_tps) == 2 and min(c.decode_tps) > 0 for c in res.configs)
     assert res.report().splitlines()[0].startswith(f"model: {res.model}  sparse: {pred}")

@@ -97,3 +97,27 @@ def test_pool_on_two_fake_nodes_pins_a_rank_per_node_and_equals_in_process(tmp_p
         np.testing.assert_array_equal(llm.logits(IDS), oracle.logits(IDS))
     finally:
         llm.close()
+
+
+@needs_two
+def test_default_threads_on_one_fake_node_run_one_rank_equal_to_in_process(tmp_path: Path, make_model: Callable[..., Path],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """-t 2 on one node: one rank process with both cores as its two threads, the in-process
+    decoder's numbers to the bit; --worker-threads 1 still makes a rank per thread, and a count
+    that does not divide the threads is refused."""
+    real = read_topology("/sys", allowed=sorted(os.sched_getaffinity(0))[:2])
+    if real.n_physical < 2:
+        pytest.skip("the two usable CPUs are hyperthreads of one core")
+    monkeypatch.setenv(SYSFS_ENV, str(write_fake_sysfs(tmp_path / "sys", 1, real)))
+    path = make_model(arch="llama", qtype=QT.Q4_0, n_layers=2)
+    oracle = LLM(path, n_ctx=64, executor="inprocess", n_threads=2, native=True)
+    for worker_threads, ranks in ((None, 1), (1, 2)):
+        with LLM(path, n_ctx=64, n_threads=2, worker_threads=worker_threads, pin=True) as llm:
+            desc = llm.engine.executor.describe()
+            assert len(desc.pids) == ranks, worker_threads
+            assert desc.placement[0].startswith(f"placement  {ranks} CPU worker process{'es' if ranks > 1 else ''} of "
+                                                f"{2 // ranks} thread{'s' if ranks == 1 else ''}")
+            np.testing.assert_array_equal(llm.logits(IDS), oracle.logits(IDS))
+    with pytest.raises(InvalidArgumentError, match="multiple of --worker-threads"):
+        LLM(path, n_ctx=64, n_threads=3, worker_threads=2, pin=False)
+    oracle.close()
