@@ -34,6 +34,7 @@ class ModelHost:
     def __init__(self, model_id: str, path: str, load: Callable[[], LLM], metrics: ServerMetrics, queue: int, est_bytes: int = 0) -> None:
         self.model_id, self.path, self.load, self.metrics, self.queue = model_id, path, load, metrics, queue
         self.est_bytes = est_bytes  # what it may hold in memory once loaded (the daemon's budget counts this)
+        self.measured = 0  # the most a load of it has measured (bytes, a full KV cache counted)
         self.llm: LLM | None = None
         self.scheduler: Scheduler | None = None
         self.load_error: str | None = None
@@ -93,7 +94,10 @@ class ModelHost:
         kv = kv_bytes(llm.config, llm.n_ctx, llm.engine.n_slots)
         log.info("%s takes %.0f MiB loaded, up to %.0f MiB more with every slot full (estimated %.0f MiB in all)", self.model_id,
                  grown / 2**20, kv / 2**20, self.est_bytes / 2**20)
-        self.est_bytes = max(0, grown) + kv
+        # A later load can read less than the first (the server's heap reuses what another model freed,
+        # and gives it back when that model loads again): a model is counted at the most it has measured.
+        self.measured = max(self.measured, max(0, grown) + kv)
+        self.est_bytes = self.measured
         sched = Scheduler(llm, self.metrics, self.queue)
         self.llm, self.scheduler = llm, sched
         self.last_used = time.monotonic()
@@ -148,7 +152,8 @@ def kv_bytes(cfg: "ModelConfig", n_ctx: int, n_slots: int) -> int:
 
 def estimate_bytes(path: str, n_ctx: int | None, n_slots: int, n_workers: int) -> int:
     """A model's memory once loaded, before it is measured (a generous guess: its file twice, as the
-    workers repack some weights beside the mapped file; a full KV cache; each worker's interpreter)."""
+    workers repack some weights beside the mapped file; a full KV cache; each of the n_workers worker
+    processes' interpreter)."""
     from powerinfer.config import config_from_gguf
     from powerinfer.gguf_file import GGUFFile
 

@@ -111,7 +111,7 @@ def _file_id(model: str) -> str:
 def plan_models(args: argparse.Namespace) -> tuple[tuple[str, str, int], ...]:
     """Several models (repeated -m, --models-dir): (name, path, estimated bytes) each; () for one
     (args.model is then that one). A file that cannot be read is listed, and fails its requests."""
-    from powerinfer.cpu_workers.topology import default_workers
+    from powerinfer.cpu_workers.topology import default_workers, read_topology, split_threads
     from powerinfer.fetch import resolve_model
     from powerinfer.server.host import estimate_bytes
 
@@ -127,6 +127,8 @@ def plan_models(args: argparse.Namespace) -> tuple[tuple[str, str, int], ...]:
         return ()
     if args.alias:
         raise CLIError("--alias names the one model of -m; with several, each is named by its file")
+    topo = read_topology()
+    workers = 0 if args.executor == "inprocess" else split_threads(topo, args.threads or default_workers(topo), args.worker_threads)[0]
     out: list[tuple[str, str, int]] = []
     for m in given:
         name = _file_id(m)
@@ -134,7 +136,7 @@ def plan_models(args: argparse.Namespace) -> tuple[tuple[str, str, int], ...]:
             raise CLIError(f"two models would both be named {name!r}: rename one of the files")
         try:
             path = str(resolve_model(m, progress=False))
-            est = estimate_bytes(path, args.ctx_size, args.parallel, 0 if args.executor == "inprocess" else args.threads or default_workers())
+            est = estimate_bytes(path, args.ctx_size, args.parallel, workers)
         except (PowerInferError, OSError) as e:
             log.warning("model %s cannot be read (%s): its requests will fail", m, e)
             path, est = m, 0

@@ -57,7 +57,7 @@ class StageSpec:
     n_threads: int  # 0: the node's physical cores
     replica: int = 0  # which full copy of the model this stage belongs to (--replicas)
     predictor: str = ""  # a .predictor file at the same path on every node: this stage's FFNs run sparsely
-    pool: bool = True  # a native pool of n_threads threads (a rank process per NUMA node) on the node; False: the decoder in the actor's process
+    pool: bool = True  # a native pool of n_threads threads (a rank per NUMA node); False: the decoder in the actor's process
     pin: bool = True  # the pool's ranks pinned to cores and NUMA nodes (cpu_workers/topology.py)
 
     @property
