@@ -168,8 +168,9 @@ def _worker_processes(m: Model, o: ExecutorOptions) -> Executor:
             placements = tuple(plan_placement(topo, n_workers, worker_threads)) if o.pin else ()
             lib = decoder_lib()
             assert lib is not None  # shm_blocker said it loads
-            log.info("executor: %d native worker rank%s of %d thread%s merging in shared memory%s", n_workers, "s" if n_workers > 1 else "",
-                     worker_threads, "s" if worker_threads > 1 else "", " and a GPU rank" if rank is not None else "")
+            log.info("executor: %d native worker rank%s of %d thread%s%s%s", n_workers, "s" if n_workers > 1 else "", worker_threads,
+                     "s" if worker_threads > 1 else "", " merging in shared memory" if n_workers > 1 or rank is not None else "",
+                     " and a GPU rank" if rank is not None else "")
             return NativePoolExecutor(lib, m.file, str(m.path), m.config, o.n_ctx, n_workers, worker_threads, placements, _log_level(),
                                       o.n_slots, o.n_batch, predictor=str(m.predictor_path) if sparse else "", gpu=rank)
         if o.transport == "shm":

@@ -120,8 +120,9 @@ class NativePoolExecutor:
         cfg, pids = self.cfg, self.pids
         where = pinning_text(self._config.placements)
         n, t = len(self.ranks), self._config.threads_per_worker
-        lines = [f"placement  {n} CPU worker process{'es' if n > 1 else ''} of {t} thread{'s' if t > 1 else ''} ({where}), each a native "
-                 "rank of every layer, merging in shared memory; coordinator: steps, refinement of the best logits, sampling",
+        ranks = "each a native rank of every layer, merging in shared memory" if n > 1 else "a native rank of every layer"
+        lines = [f"placement  {n} CPU worker process{'es' if n > 1 else ''} of {t} thread{'s' if t > 1 else ''} ({where}), {ranks}; "
+                 "coordinator: steps, refinement of the best logits, sampling",
                  "shards     " + ", ".join(f"w{i}: q heads {r.q0}-{r.q1 - 1}, neurons {r.n0}-{r.n1 - 1}, rows {r.d0}-{r.d1 - 1}"
                                           for i, r in enumerate(self.ranks))]
         spec = self.gpu_spec
