@@ -43,12 +43,14 @@ static inline void down_axpy_q4(const uint8_t *row, float h, float *acc, int nb)
 #define PI_DT_GROUP 4
 #if defined(PI_VNNI)
 static inline void blk_fma(const uint8_t *row, int q4, int b, float h, __m512 *a0, __m512 *a1) {
-    if (q4) {
+    if (q4) { /* a nibble's value (q - 8) as a float from a 16-entry table: vpermps reads an index's low 4 bits, so no
+               * mask, subtraction or conversion (the same floats; down phase 0.945x and 0.957x, docs/sparsity.md) */
         const uint8_t *qb = row + 18 * b + 2;
         const __m512 sc = _mm512_set1_ps(h * ld_h(row + 18 * b));
-        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb)), eight = _mm512_set1_epi32(8);
-        *a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x0F)), eight)), sc, *a0);
-        *a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight)), sc, *a1);
+        const __m512 lut = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
+        *a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, lut), sc, *a0);
+        *a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), lut), sc, *a1);
     } else {
         const int8_t *qb = (const int8_t *)(row + 34 * b + 2);
         const __m512 sc = _mm512_set1_ps(h * ld_h(row + 34 * b));
