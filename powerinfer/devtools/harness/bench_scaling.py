@@ -29,7 +29,7 @@ from powerinfer.errors import PowerInferError
 @dataclass
 class ConfigResult:
     name: str
-    workers: int  # the CPU threads it runs (-t)
+    threads: int  # the CPU threads it runs (-t)
     decode_tps: list[float] = field(default_factory=list)
     prefill_tps: list[float] = field(default_factory=list)
     merge_median_us: float = 0.0
@@ -154,10 +154,10 @@ def plot_scaling(res: ScalingResult, path: str) -> None:
     others = [c for c in res.configs if not c.name.startswith(("-t ", "in-process"))]
     ref = next(c for c in res.configs if c.name.startswith("in-process"))
     fig, ax = plt.subplots(figsize=(6, 4))
-    xs = [c.workers for c in pools]
+    xs = [c.threads for c in pools]
     ax.plot(xs, [statistics.median(c.decode_tps) for c in pools], "o-", label="default executor")
     for c in others:
-        ax.plot([c.workers], [statistics.median(c.decode_tps)], "s", color="tab:orange", label=c.name)
+        ax.plot([c.threads], [statistics.median(c.decode_tps)], "s", color="tab:orange", label=c.name)
     ax.axhline(statistics.median(ref.decode_tps), color="gray", linestyle="--", label=ref.name)
     ax.set_xlabel("CPU threads (-t)")
     ax.set_ylabel("decode tokens/s (median of alternating rounds)")

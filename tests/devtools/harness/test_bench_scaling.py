@@ -46,6 +46,6 @@ def test_sparse_scaling_runs_every_configuration_sparse(make_model: Callable[...
     two = f"-t 2: {w} worker{'s' if w > 1 else ''} x {t} thread{'s' if t > 1 else ''}"
     rank_per_thread = ["2 workers x 1 thread"] if t > 1 else []
     assert [c.name for c in res.configs] == ["-t 1: 1 worker x 1 thread", two, *rank_per_thread, "in-process, 2 threads"]
-    assert [c.workers for c in res.configs] == [1, 2, *([2] if t > 1 else []), 2]  # the threads each ran
+    assert [c.threads for c in res.configs] == [1, 2, *([2] if t > 1 else []), 2]  # the threads each ran
     assert all(len(c.decode_tps) == 2 and min(c.decode_tps) > 0 for c in res.configs)
     assert res.report().splitlines()[0].startswith(f"model: {res.model}  sparse: {pred}")
