@@ -362,7 +362,7 @@ def split_threads(topo: Topology, n_threads: int, worker_threads: int | None = N
     most one per thread), each with its node's share of the threads: on one node, one worker with
     every thread. Threads of one process share each layer through OpenMP's barriers, while worker
     processes merge their partials in shared memory after every layer's parts; on a 2-core Zen 4
-    one worker with 2 threads decoded 1.00-1.15x and prefilled 1.04-1.14x two single-thread
+    one worker with 2 threads decoded 0.97-1.15x and prefilled 1.04-1.14x two single-thread
     workers (docs/architecture.md), and separate processes pay off where they keep each node's
     weights in its own memory.
     ``worker_threads`` K: ``n_threads / K`` workers of K threads (K must divide ``n_threads``).
