@@ -1,4 +1,4 @@
-"""powerinfer.memory: arrays committed only where written (the KV caches).
+"""powerinfer.memory: arrays committed only where written (the KV caches), weight copies in 2 MiB pages.
 
 Runs in: the test process.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from powerinfer.memory import lazy_array
+from powerinfer.memory import HUGE_PAGE, lazy_array, weight_array, weight_copy
 
 
 def _rss_mib() -> float:
@@ -27,3 +27,36 @@ def test_a_lazy_array_commits_only_the_pages_written() -> None:
     assert _rss_mib() - base < 100
     assert float(caches[-1][3, 2, 7].sum()) == 64.0
     assert lazy_array((0, 5)).shape == (0, 5)
+
+
+def _vma(addr: int) -> tuple[int, int, set[str]]:
+    """(start, end, VmFlags) of this process's mapping holding addr."""
+    start = end = -1
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+            elif head == "VmFlags:" and start <= addr < end:
+                return start, end, set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_a_weight_array_starts_on_2mib_and_advises_its_whole_2mib_stretches_huge() -> None:
+    n = 5 * HUGE_PAGE + 123
+    a = weight_array(n)
+    assert a.dtype == np.uint8 and a.shape == (n,) and a.flags.writeable and a.ctypes.data % HUGE_PAGE == 0
+    a[:] = 7
+    start, end, flags = _vma(a.ctypes.data)
+    assert "hg" in flags and start == a.ctypes.data and end == a.ctypes.data + 5 * HUGE_PAGE  # MADV_HUGEPAGE
+    assert "hg" not in _vma(a.ctypes.data + n - 1)[2]  # the tail: 4 KiB pages, nothing committed past the data
+    assert int(a[::4096].sum()) == 7 * len(a[::4096])
+    small = weight_array(1000)
+    assert small.shape == (1000,) and small.dtype == np.uint8
+
+
+def test_a_weight_copy_keeps_shape_type_and_values() -> None:
+    src = np.arange(3 * HUGE_PAGE // 4, dtype=np.float32).reshape(-1, 1024)[:, ::2]  # not C-contiguous
+    out = weight_copy(src)
+    assert out.shape == src.shape and out.dtype == src.dtype and out.flags.c_contiguous and np.array_equal(out, src)
+    assert out.ctypes.data % HUGE_PAGE == 0

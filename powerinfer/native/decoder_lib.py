@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 from powerinfer.native.build import load_library
 from powerinfer.native.comm_lib import COMM_KERNELS, declare_handoff
 from powerinfer.errors import InvalidArgumentError
+from powerinfer.memory import weight_array
 from powerinfer.quants.registry import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,10 @@ class PiSparse(ctypes.Structure):
 class PiPred(ctypes.Structure):
     """model.h's pi_pred: a layer's neuron predictor (8-bit fc1 [r, d], fc2 [n_ff, r], float biases;
     residual 1: fc1 reads the residual stream before the FFN norm, 0: the normed input; linear 1: no
-    relu, a low-rank predictor folded)."""
+    relu, a low-rank predictor folded; sg: fc2 in pred_sign.py's layout, sg_k columns, or NULL)."""
 
     _fields_ = [("fc1", PiWt), ("fc2", PiWt), ("b1", ctypes.c_void_p), ("b2", ctypes.c_void_p), ("residual", ctypes.c_int32),
-                ("linear", ctypes.c_int32)]
+                ("linear", ctypes.c_int32), ("sg", ctypes.c_void_p), ("sg_k", ctypes.c_int32)]
 
 
 class PiModel(ctypes.Structure):
@@ -131,7 +132,7 @@ def repack_x8(lib: ctypes.CDLL, w: PiWt) -> np.ndarray | None:
     if qt not in X8_BYTES or w.rows < 8 or not lib.pi_x8_supported(int(qt)):
         return None
     groups = w.rows // 8
-    buf = np.empty(groups * (w.cols // 32) * X8_BYTES[qt], dtype=np.uint8)
+    buf = weight_array(groups * (w.cols // 32) * X8_BYTES[qt])  # read every step: in 2 MiB pages (memory.py)
     lib.pi_x8_repack(w.data, w.row_bytes, int(qt), w.cols, 0, groups, buf.ctypes.data)
     w.x8 = buf.ctypes.data
     return buf

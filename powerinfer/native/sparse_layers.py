@@ -8,7 +8,7 @@ The weights are the file's own (kernels/sparse_rows.h reads the chosen gate and 
 and runs the dense down projection on the mostly-zero hidden state); what this adds per layer is
 the rule (mode and threshold, from the predictor file) and, in predictor mode, the predictor's
 fc1 [r, d] and fc2 [n, r] quantized to Q8_0 blocks so that the decoder's own dot products run it
-(r padded to a multiple of 32). Modes (``set_mode``): ``file`` (the predictor file's rule: gate
+(r padded to a multiple of 32; fc2 by sign on AVX-512 VNNI: pred_sign.py). Modes (``set_mode``): ``file`` (the predictor file's rule: gate
 threshold, or the predictor), ``all`` (every neuron through the sparse path) and ``oracle``
 (the true active set, |act(gate) * up| > threshold), the last two for tests and measurements.
 """
@@ -24,9 +24,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 
 from powerinfer.config import ModelConfig
-from powerinfer.native.decoder_lib import PiPred, PiSparse, PiWt
-from powerinfer.native.decoder_lib import repack_x8
+from powerinfer.native.decoder_lib import ISA_IDS, PiPred, PiSparse, PiWt, repack_x8
+from powerinfer.native.pred_sign import sign_layout, sign_width
 from powerinfer.errors import InvalidArgumentError
+from powerinfer.memory import weight_array, weight_copy
 from powerinfer.model.weights import layer_tensor
 from powerinfer.quants.formats import dequantize_rows
 from powerinfer.gguf_file import GGUFFile
@@ -92,7 +93,7 @@ def _q8(w: np.ndarray) -> tuple[np.ndarray, PiWt]:
 
 def _quant(w: np.ndarray, qtype: QT) -> tuple[np.ndarray, PiWt]:
     """float32 [rows, cols] (cols % 32 == 0) -> qtype blocks (Q8_0 or Q4_0) and a PiWt over them."""
-    codes = np.ascontiguousarray(quantize(np.ascontiguousarray(w, dtype=np.float32), qtype))
+    codes = weight_copy(quantize(np.ascontiguousarray(w, dtype=np.float32), qtype))  # read every step: 2 MiB pages
     return codes, PiWt(codes.ctypes.data, None, codes.shape[1], int(qtype), w.shape[0], w.shape[1])
 
 
@@ -100,8 +101,9 @@ def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]
                  lib: ctypes.CDLL | None = None) -> tuple[PiPred, tuple[np.ndarray, ...]]:
     """fc1 [r, d] and fc2's rows of neurons [n0, n1) in Q8_0, r padded to a multiple of 32 (zero
     rows and columns: relu(0 + 0) = 0 adds nothing), float biases; and the arrays to keep. With lib
-    both are also repacked eight rows at a time (qx8.h) where the build has that kernel: fc2's rows
-    are only r wide, and one at a time they ran at ~23 GB/s (~1 ms of a 1.1B decode step). A
+    both are also repacked eight rows at a time (qx8.h) where the build has that kernel, and on
+    AVX-512 VNNI fc2 is instead in pred_sign.py's layout, r wide, the decoder taking only the sign
+    of its logits (the 1.1B file's: 8.4 -> 6.2 MB a step, 0.61 -> 0.40-0.46 ms). A
     low-rank predictor (lowrank.py: fc1 = [V; -V], fc2 = [P, -P], no fc1 bias) is folded to the
     linear P (V x), exactly the same logits in half the width (pi_pred's linear): the 1.1B file's
     96-wide predictors read 64-wide (k = 48 padded to 64), 17.2 -> 11.5 MB a step."""
@@ -126,6 +128,10 @@ def predictor_q8(pf: PredictorFile, layer: int, d: int, neurons: tuple[int, int]
     fc2[:, :r] = fc2_w[n0:n1]
     b2 = np.ascontiguousarray(lp.fc2_b[n0:n1], dtype=np.float32)
     c1, w1 = _q8(fc1)
+    if lib is not None and lib.pi_isa() == ISA_IDS["vnni"]:  # fc2 by sign (kernels/pred_sign.h): k wide, not rp
+        sg, packed = sign_layout(fc2, r), tuple(p for p in (repack_x8(lib, w1),) if p is not None)
+        return (PiPred(w1, PiWt(), b1.ctypes.data, b2.ctypes.data, int(pf.reads_residual), int(linear), sg.ctypes.data, sign_width(r)),
+                (c1, sg, b1, b2, *packed))
     c2, w2 = _q8(fc2)
     packed = tuple(p for p in (repack_x8(lib, w1), repack_x8(lib, w2)) if p is not None) if lib is not None else ()
     return PiPred(w1, w2, b1.ctypes.data, b2.ctypes.data, int(pf.reads_residual), int(linear)), (c1, c2, b1, b2, *packed)
@@ -148,7 +154,7 @@ def split_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, r0: int, r1: int) -> np
     if not lib.pi_split_supported(int(info.qtype)) or info.n_cols > 8192:  # qsplit.h's PI_SPLIT_MAX_COLS
         return None
     raw = np.ascontiguousarray(f.raw(name)[r0:r1])
-    out = np.empty_like(raw)
+    out = weight_array(raw.nbytes).reshape(raw.shape)
     if lib.pi_split_repack(raw.ctypes.data, raw.shape[1], int(info.qtype), info.n_cols, raw.shape[0], out.ctypes.data):
         return None
     return out
@@ -260,7 +266,7 @@ class NativeSparseFFNs:
             gs, us = splits.get("gate_split"), splits.get("up_split")
             if BUNDLE_GATE_UP and gs is not None and us is not None and gs.shape == us.shape:
                 # a neuron's gate and up rows side by side [n, 2 row_bytes]: one contiguous read of both
-                both = np.concatenate([gs, us], axis=1)
+                both = weight_copy(np.concatenate([gs, us], axis=1))
                 self._split.append(both)
                 self.rules[i].gate_split, self.rules[i].up_split = both.ctypes.data, both.ctypes.data + gs.shape[1]
                 self.rules[i].split_stride = both.shape[1]
@@ -292,8 +298,7 @@ class NativeSparseFFNs:
             log.info("%d of %d layers run dense: their calibrated share of active neurons exceeds %.0f%%, where skipping "
                      "stops paying on this CPU (layers %s)", len(dense), sum(built), 100 * max_share, dense)
         # bytes a neuron's gate and up rows take in the file (the per-token figures below)
-        self.row_bytes = [(f.tensor(layer_tensor(i, cfg.gate_part)).row_bytes,
-                           f.tensor(layer_tensor(i, "ffn_up")).row_bytes if cfg.gated_ffn else 0,
+        self.row_bytes = [(f.tensor(layer_tensor(i, cfg.gate_part)).row_bytes, f.tensor(layer_tensor(i, "ffn_up")).row_bytes if cfg.gated_ffn else 0,
                            f.tensor(layer_tensor(i, "ffn_down")).row_bytes) for i in range(cfg.n_layers)]
         self.active = np.zeros(cfg.n_layers, dtype=np.int64)  # neurons computed per layer (the decoder adds to it)
         self._attached: ctypes.Array | None = None  # type: ignore[type-arg]  # the decoder's PiLayer array

@@ -116,6 +116,7 @@ static void gather(const pi_model *m, float *x, int T, int ld, int c0, int c1) {
     pi_allgather((pi_comm *)m->comm, x, T, ld, c0, c1);
 }
 
+#include "pred_sign.h"
 #include "sparse_rows.h"
 #include "sparse_down.h"
 

@@ -58,6 +58,8 @@ typedef struct pi_pred {
     const float *b1, *b2;
     int32_t residual; /* 1: fc1 reads the residual stream before the FFN norm (PowerInfer's OPT predictors), 0: the normed input */
     int32_t linear;
+    const uint8_t *sg; /* fc2 in pred_sign.h's layout (NULL: fc2's Q8_0 rows), sg_k columns a group */
+    int32_t sg_k;
 } pi_pred;
 
 /* A layer's sparse rule: which neurons a token computes (PI_SP_*, sparse_rows.h), the threshold

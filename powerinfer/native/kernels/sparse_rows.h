@@ -66,12 +66,31 @@ static void predict_mask(const pi_model *m, const pi_pred *P, const float *x, in
     if (P->residual) quantize_rows(s, x, T, m->d);
     matmul(&P->fc1, s, P->residual ? x : s->xn, T, s->u, r);
 #pragma omp barrier
+#ifdef PI_VNNI
+    uint8_t *aq = (uint8_t *)s->idx; /* pred_sign.h's codes [T, sg_k] in idx [T, n] (free until the rows are listed) */
+#endif
 #pragma omp for schedule(static)
-    for (int t = 0; t < T; t++)
+    for (int t = 0; t < T; t++) {
         for (int i = 0; i < r; i++) {
             const float v = s->u[(size_t)t * r + i] + P->b1[i];
             s->u[(size_t)t * r + i] = v > 0.0f || P->linear ? v : 0.0f;
         }
+#ifdef PI_VNNI
+        if (P->sg) s->ha[t] = sign_quant(s->u + (size_t)t * r, P->sg_k, aq + (size_t)t * P->sg_k); /* its scale: ha is free */
+#endif
+    }
+#ifdef PI_VNNI
+    if (P->sg) { /* fc2 by sign (pred_sign.h), 16 neurons a group, the mask written from registers */
+        const int ng = (n + 15) / 16;
+        const int64_t gb = 32 + 16 * (int64_t)P->sg_k; /* a group's bytes: 16 f16 scales, 16 rows x sg_k codes */
+#pragma omp for schedule(static)
+        for (int g = 0; g < ng; g++)
+            for (int t = 0; t < T; t++)
+                sign_mask_group(P->sg + g * gb, P->sg_k, aq + (size_t)t * P->sg_k, s->ha[t], P->b2 + 16 * g, s->mask + (size_t)t * n + 16 * g,
+                                n - 16 * g < 16 ? n - 16 * g : 16);
+        return; /* the loop's barrier: every thread's share is done */
+    }
+#endif
     quantize_rows(s, s->u, T, r);
     matmul(&P->fc2, s, s->u, T, s->ha, n); /* ha is free until the rows are computed */
 #pragma omp barrier
