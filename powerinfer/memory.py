@@ -11,6 +11,7 @@ import ctypes
 import logging
 import math
 import mmap
+import threading
 
 import numpy as np
 
@@ -63,19 +64,53 @@ def weight_array(nbytes: int) -> np.ndarray:
     array starts on a 2 MiB boundary of its own anonymous mapping and every whole 2 MiB of it is
     advised MADV_HUGEPAGE. The tail past the last whole 2 MiB is left to 4 KiB pages, and the slack
     before the boundary is never touched, so nothing is committed that np.empty would not commit.
-    Below 2 MiB, or where the OS has no such advice, it is np.empty.
+    Below 2 MiB it is a slice of a shared chunk in huge pages (_SmallWeights: the hot neurons' and
+    the predictors' copies, ~0.1-1 MiB a layer). Where the OS has no such advice it is np.empty.
+    Measured in process on the 1.1B ReGLU file (alternating rounds, both load orders): sparse
+    decode 1.05x and 1.08x, dense 1.09x and 1.13x; the small arrays' chunks 1.01-1.04x more.
     """
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-    if nbytes < HUGE_PAGE or advice is None:
+    if getattr(mmap, "MADV_HUGEPAGE", None) is None:  # not Linux
         return np.empty(nbytes, dtype=np.uint8)
+    if nbytes < HUGE_PAGE:  # a slice of the shared pool's chunk
+        return _small.take(nbytes)
+    return _huge_mapping(nbytes)
+
+
+def _huge_mapping(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] at a 2 MiB boundary of its own mapping, its whole 2 MiB stretches advised huge."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(mm, dtype=np.uint8)  # keeps mm alive, as every view of it does
     off = -whole.ctypes.data % HUGE_PAGE
     try:
-        mm.madvise(advice, off, nbytes // HUGE_PAGE * HUGE_PAGE)
+        mm.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE_PAGE * HUGE_PAGE)
     except OSError:  # a kernel without transparent huge pages: 4 KiB pages, as np.empty's
         pass
     return whole[off:off + nbytes]
+
+
+class _SmallWeights:
+    """Weight copies under 2 MiB, side by side in chunks of CHUNK bytes (each a _huge_mapping), so
+    that they too sit in huge pages. A chunk lives while any array in it does (the arrays are its
+    views) and while it is the one being filled."""
+
+    CHUNK = 16 * HUGE_PAGE
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # engines may load in threads (the server's model host)
+        self._chunk: np.ndarray | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        step = -(-max(nbytes, 1) // 64) * 64  # each array on its own cache lines
+        with self._lock:
+            if self._chunk is None or self._used + step > self._chunk.size:
+                self._chunk, self._used = _huge_mapping(self.CHUNK), 0
+            out = self._chunk[self._used:self._used + nbytes]
+            self._used += step
+        return out
+
+
+_small = _SmallWeights()
 
 
 def weight_copy(a: np.ndarray) -> np.ndarray:

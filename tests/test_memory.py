@@ -60,3 +60,15 @@ def test_a_weight_copy_keeps_shape_type_and_values() -> None:
     out = weight_copy(src)
     assert out.shape == src.shape and out.dtype == src.dtype and out.flags.c_contiguous and np.array_equal(out, src)
     assert out.ctypes.data % HUGE_PAGE == 0
+
+
+def test_small_weight_arrays_share_a_chunk_in_huge_pages() -> None:
+    """Copies under 2 MiB are slices of one chunk advised huge, each on its own cache lines."""
+    a, b = weight_array(1000), weight_array(300_000)
+    assert a.shape == (1000,) and b.shape == (300_000,)
+    assert a.ctypes.data % 64 == 0 and b.ctypes.data % 64 == 0
+    assert b.ctypes.data - a.ctypes.data == 1024 or b.ctypes.data % HUGE_PAGE == 0  # right after a, or a new chunk's start
+    for arr in (a, b):
+        arr[:] = 3
+        assert "hg" in _vma(arr.ctypes.data)[2]
+    assert int(a.sum()) == 3000 and int(b[:10].sum()) == 30

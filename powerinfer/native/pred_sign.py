@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from powerinfer.memory import weight_array
+
 GROUP = 16  # rows a group: one 512-bit dpbusd's int32 lanes
 SCALE_BYTES = 2 * GROUP
 
@@ -33,7 +35,7 @@ def sign_layout(fc2: np.ndarray, k: int) -> np.ndarray:
     codes = np.clip(np.rint(w / np.where(scale > 0, scale, 1.0)[:, None]), -127, 127).astype(np.int8)
     # [groups, 16 rows, kq / 4, 4] -> [groups, kq / 4, 16 rows, 4]: a vector is 16 rows' next 4 codes
     codes = codes.reshape(groups, GROUP, kq // 4, 4).transpose(0, 2, 1, 3)
-    out = np.empty((groups, SCALE_BYTES + GROUP * kq), dtype=np.uint8)
+    out = weight_array(groups * (SCALE_BYTES + GROUP * kq)).reshape(groups, -1)  # read every step: huge pages
     out[:, :SCALE_BYTES] = scale.astype(np.float16).reshape(groups, GROUP).view(np.uint8)
     out[:, SCALE_BYTES:] = codes.reshape(groups, -1).view(np.uint8)
     return out
