@@ -74,7 +74,7 @@ class LLM:
     """A loaded model. ``executor="process"`` (the default) runs every layer's shards on
     ``n_threads`` CPU threads (default: one per physical core) in worker processes of
     ``worker_threads`` threads each (the native decoder's, or torch's on the torch path; default: one
-    worker process per NUMA node, cpu_workers/topology.py's split_threads); ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
+    worker process per NUMA node and L3, in a VM per core: cpu_workers/topology.py's split_threads); ``"inprocess"`` runs them in this process with ``n_threads`` threads: in
     the native decoder (one C call per forward pass, sparse FFNs included) when it applies (one
     shard, a C compiler, every matrix of a type it has a kernel for), else with torch, the test
     oracle. ``native`` True insists on the native decoder, False asks for the torch path.

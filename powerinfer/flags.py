@@ -115,7 +115,7 @@ def add_model_args(p: argparse.ArgumentParser, default_ctx: int = 4096, many: bo
         p.add_argument("-m", "--model", required=True, help="GGUF file, or a known model name to fetch (smollm2, gemma3-270m)")
     p.add_argument("-t", "--threads", type=positive_int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--worker-threads", type=positive_int, default=None,
-                   help="threads per worker process, dividing --threads (default: one worker process per NUMA node)")
+                   help="threads per worker process, dividing --threads (default: one worker process per NUMA node and L3; in a VM per core)")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process",
                    help="process: shards in CPU worker processes (default); inprocess: everything in this process")
     p.add_argument("--transport", choices=["auto", "shm", "zmq"], default="auto",

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated CPU thread counts (default 1,2), in worker processes as --worker-threads lays them out")
     p.add_argument("--executor", choices=["process", "inprocess"], default="process", help="default: process (the product path)")
     p.add_argument("--worker-threads", type=positive_int, default=None,
-                   help="threads per worker process, dividing --threads (default: one worker process per NUMA node)")
+                   help="threads per worker process, dividing --threads (default: one worker process per NUMA node and L3; in a VM per core)")
     p.add_argument("--predictor", default=None, help="measure sparse decode with this .predictor file")
     p.add_argument("--vs-dense", action="store_true",
                    help="with --predictor: load the model dense and sparse in one process, alternate decode rounds "

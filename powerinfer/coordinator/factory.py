@@ -47,7 +47,7 @@ class ExecutorOptions:
     n_ctx: int = 4096
     n_batch: int = 512  # most tokens per forward pass
     n_threads: Optional[int] = None  # CPU threads, in worker processes or in this process; None: one per physical core
-    worker_threads: Optional[int] = None  # threads per worker process; None: one worker per NUMA node (split_threads)
+    worker_threads: Optional[int] = None  # threads per worker process; None: one per node and L3 (split_threads)
     n_shards: int = 1  # inprocess torch: shards per layer, as workers would split it
     pin: bool = True  # pin worker processes to cores and NUMA nodes
     progress: bool = False

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from powerinfer.cpu_workers.cache_domains import cache_domains
 from powerinfer.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,15 @@ class Topology:
 
     nodes: tuple[int, ...]
     cores: tuple[Core, ...]  # ordered by node, then package, then core id
+    domains: tuple[tuple[int, ...], ...] = ()  # CPUs sharing a last-level cache (cache_domains.py); (): a node each
 
     def cores_of(self, node: int) -> tuple[Core, ...]:
         return tuple(c for c in self.cores if c.node == node)
+
+    def n_groups(self) -> int:
+        """Groups of cores a worker's threads should stay within: (node, cache domain) pairs."""
+        domain = {cpu: i for i, d in enumerate(self.domains) for cpu in d}
+        return len({(c.node, domain.get(c.cpus[0], -1)) for c in self.cores})
 
     @property
     def n_physical(self) -> int:
@@ -253,7 +260,7 @@ def read_topology(sysfs: str | Path | None = None, allowed: Iterable[int] | None
         log.info("CPUs %s have incomplete topology files; each missing one counts as its own core", no_topology)
 
     cores.sort(key=lambda c: (c.node, c.package, c.id, c.cpus))
-    topo = Topology(nodes=tuple(sorted({c.node for c in cores})), cores=tuple(cores))
+    topo = Topology(nodes=tuple(sorted({c.node for c in cores})), cores=tuple(cores), domains=cache_domains(root, (c.cpus for c in cores)))
     log.debug("topology: %d node(s), %d physical core(s), %d logical CPU(s)", len(topo.nodes), topo.n_physical, len(usable))
     return topo
 
@@ -358,13 +365,13 @@ def default_workers(topo: Topology | None = None) -> int:
 def split_threads(topo: Topology, n_threads: int, worker_threads: int | None = None) -> tuple[int, int]:
     """(worker processes, threads each) that run ``n_threads`` CPU threads.
 
-    ``worker_threads`` None: one worker per NUMA node (as many as divide ``n_threads`` evenly, at
-    most one per thread), each with its node's share of the threads: on one node, one worker with
-    every thread. Threads of one process share each layer through OpenMP's barriers, while worker
-    processes merge their partials in shared memory after every layer's parts; on a 2-core Zen 4
-    one worker with 2 threads decoded 0.97-1.15x and prefilled 1.04-1.14x two single-thread
-    workers (docs/architecture.md), and separate processes pay off where they keep each node's
-    weights in its own memory.
+    ``worker_threads`` None: one worker per group of cores that share a NUMA node and a last-level
+    cache (Topology.n_groups; in a VM each core: cache_domains.py), as many as divide ``n_threads``
+    evenly, at most one per thread, each with its group's share of the threads. Threads of one
+    process share each layer through OpenMP's barriers, while worker processes merge their
+    partials in shared memory after every layer's parts: under one L3 of a 2-core Zen 4 one worker
+    of 2 threads decoded 0.97-1.15x two single-thread workers, across two it decoded 0.76x
+    (docs/architecture.md), and separate processes keep each node's weights in its own memory.
     ``worker_threads`` K: ``n_threads / K`` workers of K threads (K must divide ``n_threads``).
     """
     if n_threads < 1:
@@ -376,7 +383,7 @@ def split_threads(topo: Topology, n_threads: int, worker_threads: int | None = N
             raise InvalidArgumentError(f"{n_threads} threads do not split into workers of {worker_threads} threads each "
                                        "(--threads must be a multiple of --worker-threads)")
         return n_threads // worker_threads, worker_threads
-    workers = max(1, min(n_threads, sum(1 for node in topo.nodes if topo.cores_of(node))))
+    workers = max(1, min(n_threads, topo.n_groups()))
     while n_threads % workers:
         workers -= 1
     return workers, n_threads // workers

@@ -18,7 +18,7 @@ class ClusterOptions:
     stages: int = 2  # pipeline stages, one per node
     replicas: int = 1  # full copies of the model, each with its own stages; the engine's slots alternate over them
     placement: str = "spread"  # "spread" (Ray's STRICT_SPREAD) or "pack" (PACK)
-    # per stage: CPU threads of its native pool (a rank per NUMA node) or, inprocess, of its decoder;
+    # per stage: CPU threads of its native pool (a rank per NUMA node and L3) or, inprocess, of its decoder;
     # default: the node's physical cores
     threads: int | None = None
     inprocess: bool = False  # each stage runs the native decoder in its actor's process, not a native pool of ranks

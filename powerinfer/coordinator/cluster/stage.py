@@ -57,7 +57,7 @@ class StageSpec:
     n_threads: int  # 0: the node's physical cores
     replica: int = 0  # which full copy of the model this stage belongs to (--replicas)
     predictor: str = ""  # a .predictor file at the same path on every node: this stage's FFNs run sparsely
-    pool: bool = True  # a native pool of n_threads threads (a rank per NUMA node); False: the decoder in the actor's process
+    pool: bool = True  # a native pool of n_threads threads (a rank per NUMA node and L3); False: the decoder in the actor's process
     pin: bool = True  # the pool's ranks pinned to cores and NUMA nodes (cpu_workers/topology.py)
 
     @property
@@ -89,7 +89,7 @@ class Stage:
         self.decoder: NativeDecoder | None = None
         self.sparse: NativeSparseFFNs | None = None
         self.embedding: Embedding | None = None
-        if spec.pool:  # the default executor's native pool on this node, of this stage's layers (a rank per NUMA node)
+        if spec.pool:  # the default executor's native pool on this node, of this stage's layers (a rank per NUMA node and L3)
             topo = read_topology()
             ranks, each = split_threads(topo, threads)
             placements = tuple(plan_placement(topo, ranks, each)) if spec.pin else ()

@@ -108,9 +108,10 @@ def compare_scaling(model: str, threads: Sequence[int], prompt_tokens: int = 128
             counts[f"-t {n}: {_layout(w, t)}"] = n
             llms[f"-t {n}: {_layout(w, t)}"] = LLM(model, n_threads=n, worker_threads=worker_threads, **common)
         top = max(threads)
-        if top > 1 and split_threads(topo, top, worker_threads)[1] > 1:  # the other way to use the cores: a rank per thread
-            counts[_layout(top, 1)] = top
-            llms[_layout(top, 1)] = LLM(model, n_threads=top, worker_threads=1, **common)
+        if top > 1:  # the other way to use the cores: a rank per thread, or one rank of every thread
+            other = (top, 1) if split_threads(topo, top, worker_threads)[1] > 1 else (1, top)
+            counts[_layout(*other)] = top
+            llms[_layout(*other)] = LLM(model, n_threads=top, worker_threads=other[1], **common)
         counts[f"in-process, {top} thread{'s' if top > 1 else ''}"] = top
         llms[f"in-process, {top} thread{'s' if top > 1 else ''}"] = LLM(model, n_threads=top, executor="inprocess", **common)
         for name in llms:

@@ -42,10 +42,10 @@ def test_sparse_scaling_runs_every_configuration_sparse(make_model: Callable[...
     pred = tmp_path / "m.predictor"
     write_predictor(pred, calibrate(model, CalibrationSettings(mode="gate", sparsity=0.8, tokens=32, window=32, steps=1)))
     res = compare_scaling(str(model), [1, 2], prompt_tokens=8, gen_tokens=2, rounds=2, predictor=str(pred))
-    w, t = split_threads(read_topology(), 2)  # this machine's default layout of 2 threads (one worker per NUMA node)
+    w, t = split_threads(read_topology(), 2)  # this machine's default layout of 2 threads (a worker per node and cache)
     two = f"-t 2: {w} worker{'s' if w > 1 else ''} x {t} thread{'s' if t > 1 else ''}"
-    rank_per_thread = ["2 workers x 1 thread"] if t > 1 else []
-    assert [c.name for c in res.configs] == ["-t 1: 1 worker x 1 thread", two, *rank_per_thread, "in-process, 2 threads"]
-    assert [c.threads for c in res.configs] == [1, 2, *([2] if t > 1 else []), 2]  # the threads each ran
+    other = "2 workers x 1 thread" if t > 1 else "1 worker x 2 threads"  # the other layout of the same threads
+    assert [c.name for c in res.configs] == ["-t 1: 1 worker x 1 thread", two, other, "in-process, 2 threads"]
+    assert [c.threads for c in res.configs] == [1, 2, 2, 2]  # the threads each ran
     assert all(len(c.decode_tps) == 2 and min(c.decode_tps) > 0 for c in res.configs)
     assert res.report().splitlines()[0].startswith(f"model: {res.model}  sparse: {pred}")
