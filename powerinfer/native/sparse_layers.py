@@ -208,8 +208,8 @@ def hot_rows(lib: ctypes.CDLL, f: GGUFFile, name: str, rows: np.ndarray) -> tupl
     """The file's rows of a matrix copied together, in the file's layout and, where this build has
     the kernel, repacked eight at a time: a PiWt over them and the arrays to keep."""
     info = f.tensor(name)
-    raw = np.ascontiguousarray(f.raw(name)[rows])
-    w = PiWt(raw.ctypes.data, None, raw.shape[1], int(info.qtype), len(rows), info.n_cols)
+    raw = np.ascontiguousarray(f.raw(name)[rows])  # [rows, row_bytes] bytes, or [rows, cols] floats for a float type
+    w = PiWt(raw.ctypes.data, None, info.row_bytes, int(info.qtype), len(rows), info.n_cols)
     packed = repack_x8(lib, w)
     return w, [raw] + ([packed] if packed is not None else [])
 

@@ -149,7 +149,8 @@ def _q8_bytes(cols: int) -> int:
 
 
 def predictor_bytes(rank: int, d: int, n_ff: int) -> int:
-    """Bytes a layer's predictor takes in the native decoder: Q8_0 fc1 [r, d] and fc2 [n_ff, r], r padded to 32."""
+    """Bytes a layer's predictor takes in the native decoder: Q8_0 fc1 [r, d] and fc2 [n_ff, r], r padded to 32
+    (on AVX-512 VNNI its fc2 is read by sign, n_ff x (2 + r) bytes: native/pred_sign.py; this is the larger count)."""
     rp = -(-rank // 32) * 32
     return rp * _q8_bytes(d) + n_ff * _q8_bytes(rp)
 

@@ -166,6 +166,27 @@ def test_hot_neurons_first_change_what_is_read_not_what_is_kept(relu: Path, tmp_
     assert hot_bytes > cold_bytes  # the hot block's unchosen rows are read too
 
 
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16], ids=lambda q: q.name)
+def test_a_float_files_hot_block_reads_whole_rows(qtype: QT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float file's hot rows are [rows, cols] floats, not [rows, row_bytes] bytes: the hot block
+    read them at a quarter (F32) or half (F16) of their stride until 2026-12-08, and the trained
+    ReLU model's decode-path perplexity rose 37% with its default predictor. Its decode now keeps
+    the logits of reading the chosen rows alone."""
+    model = write_relu_sparse_gguf(tmp_path / f"tiny-{qtype.name}.gguf", ReluSparseSpec.shape("tiny", qtype=qtype))
+    path, _ = _predictor(model, tmp_path, "predictor")
+    runs = []
+    for hot_freq in (sparse_layers.HOT_FREQ, 2.0):  # 2.0: no neuron is hot
+        monkeypatch.setattr(sparse_layers, "HOT_FREQ", hot_freq)
+        llm = LLM(model, n_ctx=128, executor="inprocess", predictor=path)
+        assert isinstance(llm.engine.executor, NativeExecutor) and llm.engine.executor.sparse is not None
+        llm.engine.eval(IDS[:4])
+        runs.append((np.concatenate([llm.engine.eval([t]) for t in IDS[4:]]), list(llm.engine.executor.sparse.hot)))
+        llm.close()
+    (hot, n_hot), (cold, none) = runs
+    assert any(n_hot) and not any(none)
+    assert _rel(hot, cold) < 1e-5 and (hot.argmax(1) == cold.argmax(1)).all(), _rel(hot, cold)
+
+
 def test_predictor_mask_follows_the_float_predictor(relu: Path, tmp_path: Path) -> None:
     """The 8-bit predictor in the decoder picks (nearly) the neurons the float32 predictor picks."""
     path, _ = _predictor(relu, tmp_path, "predictor")
