@@ -124,6 +124,10 @@ def run_perplexity(argv: Sequence[str]) -> int:
     p.add_argument("--predictor", default=None, help="predictor file; without it only the dense perplexity is computed")
     p.add_argument("-c", "--ctx-size", type=positive_int, default=512, help="window size in tokens (default 512)")
     p.add_argument("--max-tokens", type=int, default=0, help="score at most this many tokens (0: all)")
+    p.add_argument("--decode-path", action="store_true",
+                   help="feed every token as its own decode step through the engine generation uses in this process (the native "
+                        "decoder's sparse kernels), dense and sparse, instead of the torch shards' masked batches (slower; no "
+                        "per-layer recall)")
     _threads_flag(p)
     args = p.parse_args(argv)
     _use_threads(args.threads)
@@ -136,6 +140,16 @@ def run_perplexity(argv: Sequence[str]) -> int:
 
     model, pwri = runnable_model(resolve_model(args.model, progress=sys.stderr.isatty()))
     predictor = args.predictor or (pwri.predictor if pwri is not None else None)  # a PowerInfer file's own predictors
+    if args.decode_path:
+        from powerinfer.sparsity.perplexity import decode_perplexity
+
+        dense, sparse, kind = decode_perplexity(model, read_text(args.text), predictor, n_ctx=args.ctx_size, max_tokens=args.max_tokens,
+                                                n_threads=args.threads, progress=progress)
+        print(f"decode path ({kind}, every token its own step)")
+        print(f"dense perplexity:  {dense:.4f}")
+        if sparse is not None:
+            print(f"sparse perplexity: {sparse:.4f} ({100 * (sparse / dense - 1):+.2f}%)")
+        return 0
     pf = read_predictor(predictor, model=GGUFFile(model)) if predictor else None
     rep = perplexity(model, read_text(args.text), pf, n_ctx=args.ctx_size, max_tokens=args.max_tokens, progress=progress)
     print(f"tokens scored: {rep.tokens}")

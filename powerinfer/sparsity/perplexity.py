@@ -58,10 +58,52 @@ def token_nll(engine: Engine, windows: list[list[int]]) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0)
 
 
-def nll(engine: Engine, windows: list[list[int]]) -> tuple[float, int]:
+def decode_nll(engine: Engine, windows: list[list[int]]) -> np.ndarray:
+    """token_nll's figures with every token fed as its own decode step (one token a call, as
+    generation runs them: the native decoder's chosen-row kernels, its hot block and down copy)."""
+    out = []
+    for ids in windows:
+        engine.rewind(0)
+        logits = np.stack([engine.eval([t])[-1] for t in ids[:-1]]).astype(np.float64)  # [len - 1, vocab]
+        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+        out.append(logz - logits[np.arange(len(ids) - 1), ids[1:]])
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def nll(engine: Engine, windows: list[list[int]], decode: bool = False) -> tuple[float, int]:
     """Summed negative log-likelihood of every token after the first of each window, and how many."""
-    per_token = token_nll(engine, windows)
+    per_token = decode_nll(engine, windows) if decode else token_nll(engine, windows)
     return float(per_token.sum()), len(per_token)
+
+
+def decode_perplexity(model: str | Path, text: str, predictor: str | Path | None, n_ctx: int = 512, max_tokens: int = 0,
+                      n_threads: int | None = None, progress: Callable[[str], None] = lambda _: None) -> tuple[float, float | None, str]:
+    """(dense, sparse or None) perplexity of text with every token a decode step of the executor
+    generation uses in this process (the native decoder where it runs the model, else the torch
+    shards: named in the third value). The torch pass of :func:`perplexity` never runs the native
+    kernels, so it cannot see what only they do (docs/sparsity.md: a float file's hot block)."""
+    from powerinfer.api import LLM  # the user's own engine, as `powerinfer run` builds it
+
+    if n_ctx < 2:
+        raise InvalidArgumentError(f"the window (-c) must be at least 2 tokens, got {n_ctx}")
+    if max_tokens < 0:
+        raise InvalidArgumentError(f"the number of tokens to score (--max-tokens) must be >= 0 (0: all), got {max_tokens}")
+    f = GGUFFile(model)
+    tok = GGUFTokenizer.from_metadata(f.metadata)
+    ids = tok.encode(text, add_bos=False)[: max_tokens or None]
+    windows = windows_of(ids, n_ctx, tok.bos_id if tok.add_bos else None)
+    if not windows:
+        raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
+    n_ctx = max(len(w) for w in windows)
+    out: list[float] = []
+    kind = ""
+    for pred in (None, predictor) if predictor is not None else (None,):
+        progress(f"{'sparse' if pred else 'dense'} decode-path pass over {len(ids)} tokens in {len(windows)} windows")
+        with LLM(model, predictor=pred, executor="inprocess", n_ctx=n_ctx, n_threads=n_threads) as llm:
+            kind = type(llm.engine.executor).__name__
+            total, count = nll(llm.engine, windows, decode=True)
+        out.append(math.exp(total / count))
+    return out[0], out[1] if len(out) > 1 else None, kind
 
 
 def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = None, n_ctx: int = 512,

@@ -314,6 +314,8 @@ def test_outputs_are_checked_before_the_work_and_inputs_are_never_overwritten(ma
     # the torch tools take -t, so a shared machine can keep them to one core
     proc = run("perplexity", "-m", str(model), "--text", str(text), "-t", "1")
     assert proc.returncode == 0 and "dense perplexity" in proc.stdout, proc.stderr
+    proc = run("perplexity", "-m", str(model), "--text", str(text), "-t", "1", "--decode-path", "--max-tokens", "40")
+    assert proc.returncode == 0 and "decode path (" in proc.stdout and "dense perplexity" in proc.stdout, proc.stderr
     assert "must be positive" in run("perplexity", "-m", str(model), "--text", str(text), "-t", "0").stderr
 
 

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from powerinfer.api import LLM
 from powerinfer.errors import InvalidArgumentError
 from powerinfer.sparsity.calibrate import CalibrationSettings, calibrate
-from powerinfer.sparsity.perplexity import perplexity
+from powerinfer.sparsity.perplexity import decode_perplexity, perplexity
 from powerinfer.predictors.predictor_file import read_predictor, write_predictor
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
@@ -86,6 +86,19 @@ def test_perplexity_reports_both_and_layer_quality(model: Path, tmp_path: Path) 
     assert len(rep.layers) == 2
     for q in rep.layers:
         assert 0 <= q.recall <= 1 and 0 <= q.precision <= 1 and 0 < q.sparsity < 1
+
+
+def test_the_decode_path_scores_token_by_token_what_the_batched_pass_scores(model: Path, tmp_path: Path) -> None:
+    """--decode-path: every token its own step of the engine generation uses (here the native
+    decoder): the dense figure is the batched pass's up to float rounding, and a sparse one comes."""
+    pf = calibrate(model, CalibrationSettings(mode="predictor", sparsity=0.4, tokens=64, window=32, steps=30))
+    dense, sparse, kind = decode_perplexity(model, TEXT, _save(pf, tmp_path), n_ctx=32, max_tokens=96)
+    batched = perplexity(model, TEXT, None, n_ctx=32, max_tokens=96)
+    assert abs(dense / batched.dense_ppl - 1) < 1e-3 and sparse is not None and sparse > 1 and kind
+    assert decode_perplexity(model, TEXT, None, n_ctx=32, max_tokens=96)[1] is None
+    for bad in (dict(n_ctx=1), dict(max_tokens=-3)):
+        with pytest.raises(InvalidArgumentError):
+            decode_perplexity(model, TEXT, None, **bad)  # type: ignore[arg-type]
 
 
 def test_bad_settings_and_no_sparse(model: Path, tmp_path: Path) -> None:
