@@ -47,14 +47,19 @@ class PerplexityReport:
         return float(np.mean([q.sparsity for q in self.layers])) if self.layers else 0.0
 
 
+def _window_nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
+    """-log p(ids[i + 1]) [len(ids) - 1] from logits [len(ids) - 1, vocab] (row i predicts ids[i + 1])."""
+    logits = logits.astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    return logz - logits[np.arange(len(ids) - 1), ids[1:]]
+
+
 def token_nll(engine: Engine, windows: list[list[int]]) -> np.ndarray:
     """Negative log-likelihood [tokens] float64 of every token after the first of each window, in order."""
     out = []
     for ids in windows:
         engine.rewind(0)
-        logits = engine.eval(ids, all_logits=True)[:-1].astype(np.float64)  # predicts ids[1:]
-        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        out.append(logz - logits[np.arange(len(ids) - 1), ids[1:]])
+        out.append(_window_nll(engine.eval(ids, all_logits=True)[:-1], ids))
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -64,9 +69,7 @@ def decode_nll(engine: Engine, windows: list[list[int]]) -> np.ndarray:
     out = []
     for ids in windows:
         engine.rewind(0)
-        logits = np.stack([engine.eval([t])[-1] for t in ids[:-1]]).astype(np.float64)  # [len - 1, vocab]
-        logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
-        out.append(logz - logits[np.arange(len(ids) - 1), ids[1:]])
+        out.append(_window_nll(np.stack([engine.eval([t])[-1] for t in ids[:-1]]), ids))
     return np.concatenate(out) if out else np.zeros(0)
 
 
@@ -76,14 +79,9 @@ def nll(engine: Engine, windows: list[list[int]], decode: bool = False) -> tuple
     return float(per_token.sum()), len(per_token)
 
 
-def decode_perplexity(model: str | Path, text: str, predictor: str | Path | None, n_ctx: int = 512, max_tokens: int = 0,
-                      n_threads: int | None = None, progress: Callable[[str], None] = lambda _: None) -> tuple[float, float | None, str]:
-    """(dense, sparse or None) perplexity of text with every token a decode step of the executor
-    generation uses in this process (the native decoder where it runs the model, else the torch
-    shards: named in the third value). The torch pass of :func:`perplexity` never runs the native
-    kernels, so it cannot see what only they do (docs/sparsity.md: a float file's hot block)."""
-    from powerinfer.api import LLM  # the user's own engine, as `powerinfer run` builds it
-
+def _scored_windows(model: str | Path, text: str, n_ctx: int, max_tokens: int) -> tuple[GGUFFile, list[int], list[list[int]], int]:
+    """(the file, text's first max_tokens tokens (0: all), their windows of at most n_ctx, the
+    longest window: the KV cache for it, not for a -c far beyond the text)."""
     if n_ctx < 2:
         raise InvalidArgumentError(f"the window (-c) must be at least 2 tokens, got {n_ctx}")
     if max_tokens < 0:
@@ -94,7 +92,18 @@ def decode_perplexity(model: str | Path, text: str, predictor: str | Path | None
     windows = windows_of(ids, n_ctx, tok.bos_id if tok.add_bos else None)
     if not windows:
         raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
-    n_ctx = max(len(w) for w in windows)
+    return f, ids, windows, max(len(w) for w in windows)
+
+
+def decode_perplexity(model: str | Path, text: str, predictor: str | Path | None, n_ctx: int = 512, max_tokens: int = 0,
+                      n_threads: int | None = None, progress: Callable[[str], None] = lambda _: None) -> tuple[float, float | None, str]:
+    """(dense, sparse or None) perplexity of text with every token a decode step of the executor
+    generation uses in this process (the native decoder where it runs the model, else the torch
+    shards: named in the third value). The torch pass of :func:`perplexity` never runs the native
+    kernels, so it cannot see what only they do (docs/sparsity.md: a float file's hot block)."""
+    from powerinfer.api import LLM  # the user's own engine, as `powerinfer run` builds it
+
+    _, ids, windows, n_ctx = _scored_windows(model, text, n_ctx, max_tokens)
     out: list[float] = []
     kind = ""
     for pred in (None, predictor) if predictor is not None else (None,):
@@ -109,20 +118,8 @@ def decode_perplexity(model: str | Path, text: str, predictor: str | Path | None
 def perplexity(model: str | Path, text: str, predictor: PredictorFile | None = None, n_ctx: int = 512,
                max_tokens: int = 0, progress: Callable[[str], None] = lambda _: None, dense: bool = True) -> PerplexityReport:
     """Dense (unless dense=False: reported as nan) and, with a predictor, sparse perplexity of text."""
-    if n_ctx < 2:
-        raise InvalidArgumentError(f"the window (-c) must be at least 2 tokens, got {n_ctx}")
-    if max_tokens < 0:
-        raise InvalidArgumentError(f"the number of tokens to score (--max-tokens) must be >= 0 (0: all), got {max_tokens}")
-    f = GGUFFile(model)
+    f, ids, windows, n_ctx = _scored_windows(model, text, n_ctx, max_tokens)
     cfg = config_from_gguf(f)
-    tok = GGUFTokenizer.from_metadata(f.metadata)
-    ids = tok.encode(text, add_bos=False)
-    if max_tokens:
-        ids = ids[:max_tokens]
-    windows = windows_of(ids, n_ctx, tok.bos_id if tok.add_bos else None)
-    if not windows:
-        raise InvalidArgumentError(f"the text has {len(ids)} tokens; perplexity needs at least 2")
-    n_ctx = max(len(w) for w in windows)  # the KV cache for the longest window, not for a -c far beyond the text
     count = sum(len(w) - 1 for w in windows)
     d_nll = math.nan
     if dense:

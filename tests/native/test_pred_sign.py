@@ -23,7 +23,7 @@ from powerinfer.sparsity.relu_model import ReluSparseSpec, write_relu_sparse_ggu
 IDS = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 10, 65, 66, 67, 1, 2]
 
 
-def _unpack(out: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _unpack(out: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """sign_layout's bytes -> (scales [rows], codes [rows, sign_width(k)]) in row order."""
     kq = sign_width(k)
     scale = out[:, :SCALE_BYTES].copy().view(np.float16).astype(np.float32).reshape(-1)
@@ -34,7 +34,7 @@ def _unpack(out: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 def _decide(out: np.ndarray, n: int, k: int, u: np.ndarray, b2: np.ndarray) -> np.ndarray:
     """The kernel's arithmetic in numpy: u quantized with one scale (offset 128), integer sums, the
     sign of isum * (scale * su) + b2."""
-    scale, codes = _unpack(out, n, k)
+    scale, codes = _unpack(out, k)
     kq = sign_width(k)
     uq = np.zeros(kq, dtype=np.float32)
     uq[:k] = u
@@ -51,7 +51,7 @@ def test_the_layout_holds_each_row_in_8_bits_with_its_scale() -> None:
     fc2[5] = 0.0  # a zero row: scale 0, codes 0
     out = sign_layout(fc2, k)
     assert out.dtype == np.uint8 and out.shape == (3, SCALE_BYTES + GROUP * sign_width(k)) == (3, 32 + 16 * 12)
-    scale, codes = _unpack(out, n, k)
+    scale, codes = _unpack(out, k)
     assert not codes[n:].any() and not codes[:, k:].any() and not scale[n:].any()  # padding rows and columns
     assert scale[5] == 0.0 and not codes[5].any()
     live = [i for i in range(n) if i != 5]
